@@ -1,0 +1,269 @@
+"""The format-independent read-only checkpoint view: lifetimes, Mapping access, casting and streaming."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._metadata import CheckpointMetadata, TensorInfo, parse_dtype
+from .errors import CheckpointClosedError, TensorNotFoundError
+
+__all__ = ["Checkpoint", "DEFAULT_CHUNK_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+"""Largest single read when streaming a tensor: memory stays bounded by this, not by tensor size."""
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Checkpoint(Mapping[str, torch.Tensor]):
+    """A lazy, read-only ``Mapping[str, torch.Tensor]`` over a checkpoint.
+
+    Keys, shapes and dtypes come from metadata; ``ckpt[name]`` reads only that
+    tensor's bytes. Use it as a context manager so file handles are released::
+
+        with zeroio.open("ckpt/") as ckpt:
+            print(ckpt.metadata.zero_stage, list(ckpt)[:3])
+            weight = ckpt["lm_head.weight"]
+
+    Backends provide :attr:`_infos` (ordered), :attr:`_tied` and :meth:`_read_into`.
+    """
+
+    def __init__(self, metadata: CheckpointMetadata, infos: dict[str, TensorInfo], tied: dict[str, str]) -> None:
+        self._metadata = metadata
+        self._infos = infos
+        self._tied = tied
+        self._state = _State.OPEN
+
+    # ----------------------------------------------------------------- backend interface
+
+    def _read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill the 1-D ``out`` (stored dtype) with flattened elements ``[start, start + out.numel())``."""
+        raise NotImplementedError
+
+    def _stored_dtype(self, info: TensorInfo) -> torch.dtype:
+        return info.stored_dtype or info.dtype
+
+    def _release(self) -> None:
+        """Close file handles."""
+
+    # ----------------------------------------------------------------- lifetime
+
+    def _check_open(self, name: str | None = None) -> None:
+        if self._state is _State.CLOSED:
+            what = f"read '{name}'" if name else "use the checkpoint"
+            raise CheckpointClosedError(
+                f"Cannot {what}: the checkpoint has been closed. Read tensors inside the `with zeroio.open(...)` "
+                "block, or keep the tensors returned by get_tensor().",
+                path=self._metadata.path,
+                name=name,
+            )
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._state is _State.CLOSED
+
+    def close(self) -> None:
+        """Release every file handle; idempotent. Tensors already returned stay valid."""
+        if self._state is not _State.CLOSED:
+            self._state = _State.CLOSED
+            self._release()
+
+    def __enter__(self) -> "Checkpoint":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        meta = self._metadata
+        state = "closed" if self.closed else f"{len(self._infos)} tensors"
+        stage = f", zero_stage={meta.zero_stage}, world_size={meta.world_size}" if meta.format == "zero" else ""
+        return f"<zeroio.Checkpoint {meta.format} '{meta.path}'{stage}, {state}>"
+
+    # ----------------------------------------------------------------- metadata
+
+    @property
+    def metadata(self) -> CheckpointMetadata:
+        """Checkpoint-level facts: format, ZeRO stage, world size, dtypes, DeepSpeed version, step, tag."""
+        return self._metadata
+
+    @property
+    def tied(self) -> dict[str, str]:
+        """Tied aliases: ``{alias: source}``; both names are keys and share one tensor in :meth:`state_dict`."""
+        return dict(self._tied)
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        """``{name: TensorInfo}`` for every key, in key order, without reading tensors."""
+        return dict(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        """Shape, dtype, kind and source files of one tensor, without reading it."""
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise self._not_found(name) from None
+
+    def _not_found(self, name: str) -> TensorNotFoundError:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(self._infos), n=3)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        return TensorNotFoundError(
+            f"No tensor named '{name}' in '{self._metadata.path}' ({len(self._infos)} tensors).{hint}",
+            path=self._metadata.path,
+            name=name,
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all distinct tensors (tied aliases counted once) in their returned dtypes."""
+        return sum(info.nbytes for name, info in self._infos.items() if name not in self._tied)
+
+    # ----------------------------------------------------------------- Mapping
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        self._check_open()
+        return iter(list(self._infos))
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    # ----------------------------------------------------------------- reading
+
+    def _resolve(self, name: str) -> TensorInfo:
+        self._check_open(name)
+        info = self._infos.get(name)
+        if info is None:
+            raise self._not_found(name)
+        return info
+
+    def _source_name(self, name: str) -> str:
+        return self._tied.get(name, name)
+
+    def get_tensor(self, name: str, *, dtype: str | torch.dtype | None = None) -> torch.Tensor:
+        """Materialise one tensor, reading only its bytes.
+
+        Args:
+            name: a key of the checkpoint.
+            dtype: cast floating tensors to this dtype (``"bf16"``, ``torch.float16``, ...); others keep theirs.
+
+        Returns:
+            An owned, contiguous CPU tensor, safe to keep after the checkpoint is closed.
+
+        Raises:
+            TensorNotFoundError: no such key. CheckpointClosedError: the checkpoint was closed.
+
+        Example:
+            >>> with zeroio.open("fixtures/z3_ws2_fp32") as ckpt:  # doctest: +SKIP
+            ...     ckpt.get_tensor("emb.weight").shape
+            torch.Size([13, 7])
+        """
+        info = self._resolve(name)
+        target = parse_dtype(dtype)
+        source = self._source_name(name)
+        stored = self._stored_dtype(info)
+        out = torch.empty(info.numel, dtype=stored)
+        if info.numel:
+            self._read_into(source, 0, out)
+        tensor = out.view(info.shape)
+        wanted = target if (target is not None and info.dtype.is_floating_point) else info.dtype
+        return tensor if tensor.dtype == wanted else tensor.to(wanted)
+
+    def iter_chunks(
+        self, name: str, *, dtype: str | torch.dtype | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> Iterator[torch.Tensor]:
+        """Yield a tensor's flattened elements as 1-D chunks of at most ``chunk_bytes`` (in the stored dtype).
+
+        Concatenated, the chunks equal ``get_tensor(name, dtype=dtype).reshape(-1)``; peak memory is one chunk.
+        """
+        info = self._resolve(name)
+        target = parse_dtype(dtype)
+        wanted = target if (target is not None and info.dtype.is_floating_point) else info.dtype
+        stored = self._stored_dtype(info)
+        step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize))
+        source = self._source_name(name)
+        for start in range(0, info.numel, step):
+            self._check_open(name)
+            out = torch.empty(min(step, info.numel - start), dtype=stored)
+            self._read_into(source, start, out)
+            yield out if out.dtype == wanted else out.to(wanted)
+
+    def iter_tensors(self, *, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` for every key, one tensor at a time, so memory stays near one tensor.
+
+        A tied alias yields the very tensor object its source yielded.
+        """
+        targets = set(self._tied.values())
+        kept: dict[str, torch.Tensor] = {}
+        for name in list(self._infos):
+            source = self._source_name(name)
+            if source in kept:
+                yield name, kept[source]
+                continue
+            tensor = self.get_tensor(source, dtype=dtype)
+            if source in targets:
+                kept[source] = tensor
+            yield name, tensor
+
+    def state_dict(self, *, dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Materialise every tensor; tied names share one tensor, as in DeepSpeed's consolidation.
+
+        Args:
+            dtype: cast floating tensors only (integer buffers keep their dtype).
+        """
+        return dict(self.iter_tensors(dtype=dtype))
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary: metadata, totals and one row per tensor (what ``zeroio inspect --json`` prints)."""
+        from ._metadata import dtype_name
+
+        rows = []
+        for name, info in self._infos.items():
+            rows.append(
+                {
+                    "name": name,
+                    "shape": list(info.shape),
+                    "dtype": dtype_name(info.dtype),
+                    "stored_dtype": dtype_name(info.stored_dtype or info.dtype),
+                    "numel": info.numel,
+                    "nbytes": info.nbytes,
+                    "kind": info.kind,
+                    "tied_to": info.tied_to,
+                    "files": [str(Path(f).name) for f in info.files],
+                }
+            )
+        distinct = [i for n, i in self._infos.items() if n not in self._tied]
+        return {
+            "metadata": self._metadata.as_dict(),
+            "num_tensors": len(self._infos),
+            "num_params": sum(i.numel for i in distinct),
+            "total_bytes": sum(i.nbytes for i in distinct),
+            "tied": dict(self._tied),
+            "tensors": rows,
+        }

@@ -1,0 +1,197 @@
+"""Find a checkpoint's tag folder and its per-rank files from a path; never unpickles."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _constants as C
+from .errors import CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
+
+__all__ = ["ZeroLayout", "find_tag_dir", "scan_tag_dir", "is_zero_checkpoint"]
+
+
+def _truncate(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _has_states(folder: Path) -> bool:
+    return any(p.name.endswith(C.STATES_SUFFIX) for p in folder.iterdir() if p.is_file())
+
+
+def _candidate_tags(root: Path) -> list[str]:
+    try:
+        return sorted(p.name for p in root.iterdir() if p.is_dir() and _has_states(p))
+    except OSError:
+        return []
+
+
+def is_zero_checkpoint(path: Path) -> bool:
+    """True when ``path`` looks like a DeepSpeed checkpoint root, tag folder or rank file."""
+    if path.is_file():
+        return path.name.endswith(C.STATES_SUFFIX)
+    if not path.is_dir():
+        return False
+    return (path / C.LATEST_FILE).is_file() or _has_states(path) or bool(_candidate_tags(path))
+
+
+def find_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None]:
+    """Resolve ``path`` (root, tag folder or rank file) and ``tag`` to the folder holding the rank files.
+
+    Returns the folder and the tag name (``None`` when ``path`` already was the tag folder).
+    """
+    if not path.exists():
+        raise CheckpointNotFoundError(f"Checkpoint path '{path}' does not exist.", path=path)
+    if path.is_file():
+        if not path.name.endswith(C.STATES_SUFFIX):
+            raise CheckpointNotFoundError(
+                f"'{path}' is not a DeepSpeed rank file (expected a name ending in '{C.STATES_SUFFIX}'). "
+                "Pass the checkpoint folder instead.",
+                path=path,
+            )
+        return path.parent, path.parent.name
+    if tag is not None:
+        tag_dir = path / tag
+        if not tag_dir.is_dir():
+            available = _candidate_tags(path)
+            close = difflib.get_close_matches(tag, available, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise CheckpointNotFoundError(
+                f"Tag '{tag}' not found in '{path}' (available: {_truncate(available) or 'none'}).{hint}",
+                path=tag_dir,
+                expected=tag,
+                found=available,
+            )
+        return tag_dir, tag
+    if _has_states(path):
+        return path, path.name
+    latest = path / C.LATEST_FILE
+    if latest.is_file():
+        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        tag_dir = path / name
+        if not name or not tag_dir.is_dir():
+            available = _candidate_tags(path)
+            raise CheckpointNotFoundError(
+                f"'{latest}' names tag '{name}', but '{tag_dir}' does not exist. "
+                f"Pass tag= explicitly (available: {_truncate(available) or 'none'}).",
+                path=tag_dir,
+                expected=name,
+                found=available,
+            )
+        return tag_dir, name
+    available = _candidate_tags(path)
+    if len(available) == 1:
+        return path / available[0], available[0]
+    if available:
+        raise CheckpointNotFoundError(
+            f"No 'latest' file in '{path}' and no tag was given. Pass tag='{available[-1]}' "
+            f"(available: {_truncate(available)}).",
+            path=path,
+            found=available,
+        )
+    raise CheckpointNotFoundError(
+        f"'{path}' is not a DeepSpeed checkpoint: it has no '*_model_states.pt' files, no 'latest' file and no "
+        "tag folders. Point zeroio at the folder passed to engine.save_checkpoint().",
+        path=path,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroLayout:
+    """The rank files of one tag folder, by kind and data-parallel rank."""
+
+    tag_dir: Path
+    """Folder holding the rank files."""
+    optim_files: tuple[Path, ...]
+    """``*_optim_states.pt`` per data-parallel rank, in rank order."""
+    model_files: tuple[Path, ...]
+    """ZeRO-3: ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank; otherwise the one ``mp_rank_00_model_states.pt``."""
+    partitioned_model_files: bool
+    """True for ZeRO-3's per-rank model files."""
+
+
+def _ranked(files: dict[int, Path], kind: str, tag_dir: Path) -> tuple[Path, ...]:
+    if not files:
+        return ()
+    count = max(files) + 1
+    missing = [r for r in range(count) if r not in files]
+    if missing:
+        example = files[min(files)].name
+        names = [re.sub(r"rank_\d+_mp", f"rank_{r}_mp", example, count=1) for r in missing]
+        raise CheckpointNotFoundError(
+            f"Missing {kind} file(s) for rank(s) {_truncate([str(r) for r in missing])} in '{tag_dir}': "
+            f"{_truncate(names)}. A rank failed to save or the copy is incomplete; copy the whole tag folder again.",
+            path=tag_dir / names[0],
+            rank=missing[0],
+        )
+    return tuple(files[r] for r in range(count))
+
+
+def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
+    """Classify the files of ``tag_dir``; refuse layouts zeroio does not read (yet)."""
+    names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
+    moe = [n for n in names if C.MOE_OPTIM_FILE.match(n) or C.MOE_EXPERT_FILE.match(n)]
+    if moe:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}' is a Mixture-of-Experts checkpoint ({_truncate(moe)}); zeroio does not consolidate "
+            "expert-parallel checkpoints yet. Use DeepSpeed's ds_to_universal.py for this one.",
+            path=tag_dir,
+            found=moe,
+        )
+    pipeline = [n for n in names if C.PIPELINE_LAYER_FILE.match(n)]
+    if pipeline:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}' is a pipeline-parallel checkpoint ({_truncate(pipeline)}); zeroio does not merge "
+            "pipeline stages yet. Use DeepSpeed's ds_to_universal.py for this one.",
+            path=tag_dir,
+            found=pipeline,
+        )
+    optim: dict[int, Path] = {}
+    zero3_model: dict[int, Path] = {}
+    plain_model: list[str] = []
+    mp_ranks: set[int] = set()
+    for name in names:
+        if m := C.ZERO_OPTIM_FILE.match(name):
+            optim[int(m["rank"])] = tag_dir / name
+            mp_ranks.add(int(m["mp"]))
+        elif m := C.ZERO3_MODEL_FILE.match(name):
+            zero3_model[int(m["rank"])] = tag_dir / name
+            mp_ranks.add(int(m["mp"]))
+        elif m := C.MODEL_FILE.match(name):
+            plain_model.append(name)
+            mp_ranks.add(int(m["mp"]))
+    if len(mp_ranks) > 1:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}' holds {len(mp_ranks)} model-parallel ranks (mp_rank_{', mp_rank_'.join(f'{r:02d}' for r in sorted(mp_ranks))}); "
+            "zeroio reads data-parallel ZeRO checkpoints only (tensor parallelism is not merged yet).",
+            path=tag_dir,
+            found=sorted(mp_ranks),
+        )
+    if zero3_model:
+        model_files = _ranked(zero3_model, "ZeRO-3 model states", tag_dir)
+        optim_files = _ranked(optim, "optimizer states", tag_dir)
+        if optim_files and len(optim_files) != len(model_files):
+            raise WorldSizeMismatchError(
+                f"'{tag_dir}' holds {len(model_files)} '*_model_states.pt' files but {len(optim_files)} "
+                "'*_optim_states.pt' files; each rank writes one of each. Copy the whole tag folder again.",
+                path=tag_dir,
+                expected=len(model_files),
+                found=len(optim_files),
+            )
+        return ZeroLayout(tag_dir, optim_files, model_files, True)
+    if plain_model:
+        return ZeroLayout(tag_dir, _ranked(optim, "optimizer states", tag_dir), (tag_dir / plain_model[0],), False)
+    if optim:
+        raise CheckpointNotFoundError(
+            f"'{tag_dir}' has optimizer files but no '*_model_states.pt' file; the parameter names and shapes "
+            "live there. Copy the whole tag folder again.",
+            path=tag_dir,
+        )
+    raise CheckpointNotFoundError(
+        f"'{tag_dir}' holds no DeepSpeed rank files ('*_model_states.pt'). Point zeroio at the folder passed to "
+        "engine.save_checkpoint().",
+        path=tag_dir,
+    )

@@ -1,0 +1,137 @@
+"""Pure ZeRO partition arithmetic: where each parameter's elements lie in the ranks' flat groups.
+
+No IO and no torch here: plans are plain integers, executed by ``_loader``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = [
+    "Piece",
+    "zero3_partition_numel",
+    "zero3_offsets",
+    "zero3_plan",
+    "zero12_offsets",
+    "zero12_plan",
+    "locate",
+    "split_pieces",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Read ``length`` elements of ``rank``'s flat group ``group`` from ``start``; they are the
+    parameter's flattened elements ``[dest, dest + length)``."""
+
+    rank: int
+    group: int
+    start: int
+    length: int
+    dest: int
+
+
+def zero3_partition_numel(numel: int, world_size: int) -> int:
+    """Elements each rank holds of a ZeRO-3 parameter: ``ceil(numel / world_size)``; the last rank is padded."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return math.ceil(numel / world_size)
+
+
+def zero3_offsets(numels: Sequence[int], world_size: int) -> tuple[list[int], int]:
+    """Offsets of each parameter's partition in every rank's concatenated flat groups, and their total.
+
+    ZeRO-3 stores, on every rank, the rank's partition of each parameter back to back, in
+    ``param_shapes`` order across all param groups (DeepSpeed's ``fp32_flat_groups``).
+    """
+    offsets = []
+    offset = 0
+    for numel in numels:
+        offsets.append(offset)
+        offset += zero3_partition_numel(numel, world_size)
+    return offsets, offset
+
+
+def locate(group_sizes: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]]:
+    """Map ``[start, start+length)`` of the concatenation of groups onto ``(group, start_in_group, length)`` runs."""
+    bounds = [0]
+    for size in group_sizes:
+        bounds.append(bounds[-1] + size)
+    if start < 0 or start + length > bounds[-1]:
+        raise ValueError(f"range [{start}, {start + length}) outside groups totalling {bounds[-1]} elements")
+    runs = []
+    group = bisect.bisect_right(bounds, start) - 1
+    remaining = length
+    position = start
+    while remaining > 0:
+        while bounds[group + 1] <= position:  # skip empty groups
+            group += 1
+        take = min(remaining, bounds[group + 1] - position)
+        runs.append((group, position - bounds[group], take))
+        position += take
+        remaining -= take
+    return runs
+
+
+def zero3_plan(numel: int, offset: int, world_size: int, group_sizes: Sequence[int]) -> list[Piece]:
+    """Pieces that rebuild one ZeRO-3 parameter of ``numel`` elements whose partitions sit at ``offset``.
+
+    Rank ``r`` holds elements ``[r*p, (r+1)*p)`` with ``p = ceil(numel/world_size)``; what lies beyond
+    ``numel`` on the last ranks is padding and is never read.
+    """
+    part = zero3_partition_numel(numel, world_size)
+    pieces = []
+    for rank in range(world_size):
+        first = rank * part
+        length = min(part, numel - first)
+        if length <= 0:
+            break
+        # Every rank's flat vector has the same layout, so the same offset applies on each.
+        for group, start, run in locate(group_sizes, offset, length):
+            pieces.append(Piece(rank, group, start, run, first))
+            first += run
+    return pieces
+
+
+def zero12_offsets(numels: Sequence[int], alignment_paddings: Sequence[int] | None = None) -> tuple[list[int], int]:
+    """Offsets of each parameter inside its ZeRO-1/2 param group's merged flat vector, and elements consumed.
+
+    ZeRO-1/2 flattens a param group's parameters back to back (plus per-parameter alignment padding in
+    DeepSpeed versions that record ``param_alignment_paddings``) and splits the vector evenly over ranks.
+    """
+    if alignment_paddings is not None and len(alignment_paddings) != len(numels):
+        raise ValueError(f"expected {len(numels)} alignment paddings, got {len(alignment_paddings)}")
+    offsets = []
+    offset = 0
+    for i, numel in enumerate(numels):
+        offsets.append(offset)
+        offset += numel + (alignment_paddings[i] if alignment_paddings is not None else 0)
+    return offsets, offset
+
+
+def zero12_plan(numel: int, offset: int, group: int, partition_sizes: Sequence[int]) -> list[Piece]:
+    """Pieces that rebuild one ZeRO-1/2 parameter at ``offset`` of param group ``group``'s merged vector,
+    given each rank's partition size of that group."""
+    pieces = []
+    dest = 0
+    for rank, start, length in locate(partition_sizes, offset, numel):
+        pieces.append(Piece(rank, group, start, length, dest))
+        dest += length
+    return pieces
+
+
+def split_pieces(pieces: Sequence[Piece], max_elements: int) -> list[Piece]:
+    """Cut pieces so none is longer than ``max_elements`` (bounded reads for streaming)."""
+    if max_elements < 1:
+        raise ValueError(f"max_elements must be >= 1, got {max_elements}")
+    out = []
+    for piece in pieces:
+        done = 0
+        while done < piece.length:
+            take = min(max_elements, piece.length - done)
+            out.append(Piece(piece.rank, piece.group, piece.start + done, take, piece.dest + done))
+            done += take
+    return out

@@ -1,0 +1,137 @@
+"""Every exception zeroio raises on purpose.
+
+::
+
+    ZeroIOError(Exception)
+    ├── CheckpointNotFoundError(ZeroIOError, FileNotFoundError)   tag folder, `latest`, a rank file
+    ├── CheckpointFormatError(ZeroIOError, ValueError)            content zeroio cannot interpret
+    │   ├── UnsupportedCheckpointError                            layouts not handled (yet): MoE, TP/PP, unknown stage
+    │   ├── WorldSizeMismatchError                                rank files != partition_count
+    │   ├── PartitionMismatchError                                element accounting does not add up
+    │   └── UnsafePickleError                                     a pickle global outside the allowlist
+    ├── TensorNotFoundError(ZeroIOError, KeyError)                no tensor of that name
+    ├── OutputError(ZeroIOError, OSError)                         destination exists, unwritable, disk full
+    ├── HubError(ZeroIOError, RuntimeError)                       a push failed; the huggingface_hub error is __cause__
+    ├── StateDictMismatchError(ZeroIOError, RuntimeError)         strict load: missing/unexpected/shape mismatch
+    └── CheckpointClosedError(ZeroIOError, RuntimeError)          use after close
+
+Each exception carries the facts of the failure as attributes (``path``, ``name``,
+``rank``, ``expected``, ``found`` where they apply) so callers need not parse text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CheckpointClosedError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "HubError",
+    "OutputError",
+    "PartitionMismatchError",
+    "StateDictMismatchError",
+    "TensorNotFoundError",
+    "UnsafePickleError",
+    "UnsupportedCheckpointError",
+    "WorldSizeMismatchError",
+    "ZeroIODeprecationWarning",
+    "ZeroIOError",
+]
+
+
+class ZeroIOError(Exception):
+    """Base class of every error zeroio raises on purpose."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        name: str | None = None,
+        rank: int | None = None,
+        expected: Any = None,
+        found: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = Path(path) if path is not None else None
+        self.name = name
+        self.rank = rank
+        self.expected = expected
+        self.found = found
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointNotFoundError(ZeroIOError, FileNotFoundError):
+    """The checkpoint folder, its `latest` file, a tag or a rank file does not exist."""
+
+    def __str__(self) -> str:  # OSError would otherwise format "[Errno ...]"
+        return self.message
+
+
+class CheckpointFormatError(ZeroIOError, ValueError):
+    """A file exists but its content is not what a DeepSpeed checkpoint holds."""
+
+
+class UnsupportedCheckpointError(CheckpointFormatError):
+    """A real layout zeroio does not handle yet (tensor/pipeline parallel, MoE, unknown stage)."""
+
+
+class WorldSizeMismatchError(CheckpointFormatError):
+    """The number of rank files disagrees with the world size recorded inside them."""
+
+
+class PartitionMismatchError(CheckpointFormatError):
+    """The partitions' element counts do not add up to the recorded parameter shapes."""
+
+
+class UnsafePickleError(CheckpointFormatError):
+    """A pickle asks for a global that is not on zeroio's allowlist; nothing was executed."""
+
+
+class TensorNotFoundError(ZeroIOError, KeyError):
+    """No tensor of the requested name exists in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr-quote the message
+        return self.message
+
+
+class OutputError(ZeroIOError, OSError):
+    """The destination cannot be written: it exists, is unwritable, or the disk is full."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class HubError(ZeroIOError, RuntimeError):
+    """A push to the Hugging Face Hub failed; the huggingface_hub error is ``__cause__``."""
+
+
+class StateDictMismatchError(ZeroIOError, RuntimeError):
+    """Strict loading found missing keys, unexpected keys or shape mismatches."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing_keys: list[str] | None = None,
+        unexpected_keys: list[str] | None = None,
+        mismatched_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None,
+        path: str | Path | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.missing_keys = list(missing_keys or [])
+        self.unexpected_keys = list(unexpected_keys or [])
+        self.mismatched_shapes = list(mismatched_shapes or [])
+
+
+class CheckpointClosedError(ZeroIOError, RuntimeError):
+    """A checkpoint was used after it was closed."""
+
+
+class ZeroIODeprecationWarning(DeprecationWarning):
+    """A zeroio API that will be removed in a later minor release."""
