@@ -1,0 +1,191 @@
+"""The subcommands: each parses its flags and makes one call into the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+from .. import __version__
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1000
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print a checkpoint's tensors and metadata without reading tensor bytes."""
+    from .._loader import open as zeroio_open
+
+    with zeroio_open(args.path, tag=args.tag) as ckpt:
+        summary = ckpt.describe()
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    meta = summary["metadata"]
+    out = sys.stdout
+    out.write(f"checkpoint  {meta['path']}\n")
+    facts = [
+        ("format", meta["format"]),
+        ("tag", meta["tag"]),
+        ("zero stage", meta["zero_stage"]),
+        ("world size", meta["world_size"]),
+        ("train dtype", meta["train_dtype"]),
+        ("deepspeed", meta["ds_version"]),
+        ("global step", meta["global_step"]),
+    ]
+    for label, value in facts:
+        if value is not None:
+            out.write(f"{label:<11} {value}\n")
+    rows = summary["tensors"]
+    name_w = max([len("name")] + [len(r["name"]) for r in rows])
+    shape_w = max([len("shape")] + [len(str(tuple(r["shape"]))) for r in rows])
+    out.write("\n")
+    out.write(f"{'name':<{name_w}}  {'shape':<{shape_w}}  {'dtype':<5}  {'size':>10}  {'kind':<9}  source\n")
+    for r in rows:
+        source = f"tied to {r['tied_to']}" if r["tied_to"] else ", ".join(r["files"][:2]) + (
+            f" +{len(r['files']) - 2}" if len(r["files"]) > 2 else ""
+        )
+        dtype = r["dtype"] if r["dtype"] == r["stored_dtype"] else f"{r['dtype']}*"
+        out.write(
+            f"{r['name']:<{name_w}}  {str(tuple(r['shape'])):<{shape_w}}  {dtype:<5}  "
+            f"{_human_bytes(r['nbytes']):>10}  {r['kind']:<9}  {source}\n"
+        )
+    out.write(
+        f"\n{summary['num_tensors']} tensors ({len(summary['tied'])} tied), {summary['num_params']:,} elements, "
+        f"{_human_bytes(summary['total_bytes'])}\n"
+    )
+    if any(r["dtype"] != r["stored_dtype"] for r in rows):
+        out.write("* stored in another dtype on disk (DeepSpeed's consolidation upcasts floating buffers to fp32)\n")
+    return 0
+
+
+# --------------------------------------------------------------------------- convert / verify / push
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a checkpoint to safetensors / torch files (streaming, atomic)."""
+    from .._convert import convert
+
+    result = convert(
+        args.src,
+        args.dst,
+        fmt=args.format,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        tag=args.tag,
+        exclude_frozen=args.exclude_frozen,
+        overwrite=args.overwrite,
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    if not args.quiet:
+        print(
+            f"Wrote {result.num_tensors} tensors ({_human_bytes(result.total_size)}) in {len(result.files)} file(s) "
+            f"to {args.dst}"
+        )
+    if getattr(args, "push_to_hub", None):
+        from .._hub import push_to_hub
+
+        pushed = push_to_hub(args.dst, args.push_to_hub, progress=not args.quiet)
+        if not args.quiet:
+            print(f"Pushed to {pushed.commit_url}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Compare every tensor of two checkpoints; exit 1 on any difference."""
+    from .._verify import verify
+
+    report = verify(args.a, args.b, dtype=args.dtype, tag=args.tag, max_report=args.max_report)
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """Push a checkpoint (converted on the fly) or a converted folder to the Hugging Face Hub."""
+    from .._hub import push_to_hub
+
+    result = push_to_hub(
+        args.src,
+        args.repo_id,
+        token=args.token,
+        private=args.private,
+        revision=args.revision,
+        create_pr=args.create_pr,
+        commit_message=args.commit_message,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        endpoint=args.endpoint,
+        progress=not args.quiet,
+    )
+    print(f"Pushed to {result.pr_url or result.commit_url}")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``zeroio`` argument parser (also the source of the CLI reference in docs/)."""
+    parser = argparse.ArgumentParser(
+        prog="zeroio",
+        description="Read, convert and publish DeepSpeed ZeRO checkpoints without DeepSpeed.",
+    )
+    parser.add_argument("--version", action="version", version=f"zeroio {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="list tensors and metadata (reads no tensor bytes)")
+    p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
+    p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("convert", help="write safetensors (or torch) files, streaming and atomic")
+    p.add_argument("src", help="checkpoint to read")
+    p.add_argument("dst", help="output folder (created; must not exist unless --overwrite)")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"], help="output format")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB (default: 5GB)")
+    p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
+    p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--workers", type=int, help="IO threads (default: chosen from the CPU count)")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="push the result to this Hub repo afterwards")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("verify", help="compare every tensor of two checkpoints (exit 1 on any difference)")
+    p.add_argument("a", help="first checkpoint")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="compare after casting A to this dtype")
+    p.add_argument("--tag", help="tag of A, when A is a DeepSpeed checkpoint root")
+    p.add_argument("--max-report", type=int, default=10, help="mismatches to print (default: 10)")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("push", help="push to the Hugging Face Hub (converting first if needed)")
+    p.add_argument("src", help="checkpoint or converted folder")
+    p.add_argument("repo_id", help="e.g. my-org/my-model")
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--private", action="store_true", default=None, help="create the repo as private")
+    p.add_argument("--revision", help="branch to push to (created if missing)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    p.add_argument("--commit-message", help="commit title")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors when converting")
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard when converting (default: 5GB)")
+    p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_push)
+    return parser
+
+
