@@ -126,7 +126,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def _not_found(self, name: str) -> TensorNotFoundError:
         import difflib
 
-        close = difflib.get_close_matches(name, list(self._infos), n=3)
+        close = difflib.get_close_matches(name, list(self._infos), n=3, cutoff=0.8)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         return TensorNotFoundError(
             f"No tensor named '{name}' in '{self._metadata.path}' ({len(self._infos)} tensors).{hint}",
