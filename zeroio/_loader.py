@@ -10,7 +10,7 @@ from ._checkpoint import Checkpoint
 from ._layout import is_zero_checkpoint
 from ._types import StrPath
 from ._zero import open_zero
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 
 __all__ = ["open"]
 
@@ -62,4 +62,14 @@ def open(  # noqa: A001 - like gzip.open / tarfile.open
         from ._files import open_consolidated
 
         return open_consolidated(p, trusted_globals=trusted)
-    return open_zero(p, tag, trusted_globals=trusted)
+    try:
+        return open_zero(p, tag, trusted_globals=trusted)
+    except ZeroIOError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError) as exc:
+        # Last line of defence: metadata of an unexpected shape must never surface as a bare Python error.
+        raise CheckpointFormatError(
+            f"'{p}' holds metadata zeroio cannot interpret ({type(exc).__name__}: {exc}). The checkpoint is corrupted "
+            "or was written by an unsupported DeepSpeed version; please report it with `zeroio inspect --json`.",
+            path=p,
+        ) from exc

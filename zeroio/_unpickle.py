@@ -26,7 +26,13 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
+from .errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+    ZeroIOError,
+)
 
 __all__ = ["RankFile", "TensorRef", "load_pickle"]
 
@@ -48,6 +54,12 @@ class ZeroStageEnum(enum.IntEnum):
 
 class _Inert:
     """An object rebuilt from a pickle's state dict only; it has no behaviour."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Reached when a pickle "calls" a trusted global: record the arguments, run nothing.
+        if args or kwargs:
+            self.__dict__["_args"] = args
+            self.__dict__["_kwargs"] = kwargs
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict_state, slots_state)
@@ -384,9 +396,33 @@ class RankFile:
         return out
 
 
+def _check_view(t: _PendingTensor, path: Path) -> None:
+    """A tensor's size/stride/offset must be non-negative ints that stay inside its storage."""
+    values = (t.storage_offset, *t.shape, *t.stride)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values) or len(t.shape) != len(
+        t.stride
+    ):
+        raise CheckpointFormatError(
+            f"'{path}' describes a tensor with an invalid view (size {t.shape!r:.60}, stride {t.stride!r:.60}, "
+            f"offset {t.storage_offset!r:.20}). The file is corrupted; copy it again.",
+            path=path,
+        )
+    numel = 1
+    for s in t.shape:
+        numel *= s
+    extent = 0 if numel == 0 else 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride))
+    if numel and t.storage_offset + extent > t.storage.numel:
+        raise CheckpointFormatError(
+            f"'{path}' describes a tensor of shape {t.shape} that reaches past its storage of {t.storage.numel} "
+            "elements. The file is corrupted; copy it again.",
+            path=path,
+        )
+
+
 def _bind(obj: Any, file: RankFile) -> Any:
     """Replace every ``_PendingTensor`` in the tree by a ``TensorRef`` into ``file``."""
     if isinstance(obj, _PendingTensor):
+        _check_view(obj, file.path)
         return TensorRef(file, obj.storage, obj.storage_offset, obj.shape, obj.stride)
     if isinstance(obj, dict):
         for key, value in obj.items():
@@ -452,16 +488,16 @@ def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str]
                         )
                     records[info.filename[len(root) + len("data/") :]] = info
             data = archive.read(pickles[0])
-    except (zipfile.BadZipFile, EOFError, struct.error, zipfile.LargeZipFile) as exc:
-        raise CheckpointFormatError(
-            f"'{path}' is truncated or corrupted ({exc}). Copy the file again from where it was saved.", path=path
-        ) from exc
+    except ZeroIOError:
+        raise
     except FileNotFoundError as exc:
-        from .errors import CheckpointNotFoundError
-
         raise CheckpointNotFoundError(f"'{path}' does not exist.", path=path) from exc
-    except OSError as exc:
-        raise CheckpointFormatError(f"Cannot read '{path}': {exc}.", path=path) from exc
+    except Exception as exc:  # zipfile raises many types on damaged archives; all mean the same to a user
+        raise CheckpointFormatError(
+            f"'{path}' is truncated or corrupted ({type(exc).__name__}: {exc}). Copy the file again from where it "
+            "was saved.",
+            path=path,
+        ) from exc
 
     unpickler = _RestrictedUnpickler(data, path, trusted_globals)
     try:

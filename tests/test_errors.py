@@ -1,0 +1,209 @@
+"""Bad input raises a specific zeroio error whose one-line message names the file and the fix."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import zeroio
+from fixture_data import FIXTURES
+from zeroio import errors
+
+
+@pytest.fixture
+def ckpt_copy(tmp_path):
+    """A writable copy of a ZeRO-3 world-size-3 fixture."""
+
+    def make(name: str = "z3_ws3_fp32"):
+        dst = tmp_path / name
+        shutil.copytree(FIXTURES / name, dst)
+        return dst
+
+    return make
+
+
+def test_error_hierarchy():
+    """Every zeroio error derives from ZeroIOError and the matching builtin, so generic handlers still work."""
+    assert issubclass(errors.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(errors.CheckpointFormatError, ValueError)
+    for cls in (errors.UnsupportedCheckpointError, errors.WorldSizeMismatchError, errors.PartitionMismatchError,
+                errors.UnsafePickleError):
+        assert issubclass(cls, errors.CheckpointFormatError)
+    assert issubclass(errors.TensorNotFoundError, KeyError)
+    assert issubclass(errors.OutputError, OSError)
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if name != "ZeroIODeprecationWarning":
+            assert issubclass(cls, errors.ZeroIOError)
+
+
+def test_missing_path(tmp_path):
+    """A path that does not exist raises CheckpointNotFoundError naming it."""
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
+        zeroio.open(tmp_path / "nope")
+    assert str(excinfo.value) == f"Checkpoint path '{tmp_path / 'nope'}' does not exist."
+    assert excinfo.value.path == tmp_path / "nope"
+
+
+def test_not_a_checkpoint_folder(tmp_path):
+    """An empty folder is not a checkpoint; the message says what to pass instead."""
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
+        zeroio.open(tmp_path)
+    assert str(excinfo.value) == (
+        f"'{tmp_path}' is not a DeepSpeed checkpoint: it has no '*_model_states.pt' files, no 'latest' file and no "
+        "tag folders. Point zeroio at the folder passed to engine.save_checkpoint()."
+    )
+
+
+def test_not_a_torch_file(tmp_path):
+    """A rank file that is not a zip archive raises CheckpointFormatError naming the file."""
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    bogus = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    bogus.write_text("hello")
+    with pytest.raises(errors.CheckpointFormatError) as excinfo:
+        zeroio.open(tmp_path)
+    assert str(excinfo.value) == (
+        f"'{bogus}' is not a torch checkpoint (no zip signature; 5 bytes). Point zeroio at a DeepSpeed checkpoint "
+        "folder or a file written by torch.save."
+    )
+
+
+def test_unknown_tag_lists_available(ckpt_copy):
+    """An unknown tag lists the available tags and suggests the closest."""
+    root = ckpt_copy("z3_ws2_fp32")
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
+        zeroio.open(root, tag="global_step3")
+    assert str(excinfo.value) == (
+        f"Tag 'global_step3' not found in '{root}' (available: global_step1, global_step2). "
+        "Did you mean 'global_step2'?"
+    )
+
+
+def test_latest_names_a_missing_tag(ckpt_copy):
+    """A `latest` file pointing at a deleted tag says so and lists what exists."""
+    root = ckpt_copy("z3_ws2_fp32")
+    (root / "latest").write_text("global_step9")
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
+        zeroio.open(root)
+    assert str(excinfo.value) == (
+        f"'{root / 'latest'}' names tag 'global_step9', but '{root / 'global_step9'}' does not exist. "
+        "Pass tag= explicitly (available: global_step1, global_step2)."
+    )
+
+
+def test_no_latest_and_several_tags(ckpt_copy):
+    """Without `latest` and with several tags, the user must choose; the message lists them."""
+    root = ckpt_copy("z3_ws2_fp32")
+    (root / "latest").unlink()
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
+        zeroio.open(root)
+    assert str(excinfo.value) == (
+        f"No 'latest' file in '{root}' and no tag was given. Pass tag='global_step2' "
+        "(available: global_step1, global_step2)."
+    )
+
+
+def test_missing_middle_rank_file_is_named(ckpt_copy):
+    """A missing rank file in the middle is named, with its rank."""
+    root = ckpt_copy()
+    (root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
+        zeroio.open(root)
+    assert excinfo.value.rank == 1
+    assert str(excinfo.value) == (
+        f"Missing optimizer states file(s) for rank(s) 1 in '{root / 'global_step2'}': "
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt. A rank failed to save or the copy is incomplete; copy the whole "
+        "tag folder again."
+    )
+
+
+def test_world_size_mismatch(ckpt_copy):
+    """Fewer optimizer files than partition_count raises WorldSizeMismatchError with both numbers."""
+    root = ckpt_copy("z2_ws3_fp16")
+    (root / "global_step2" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(errors.WorldSizeMismatchError) as excinfo:
+        zeroio.open(root)
+    assert (excinfo.value.expected, excinfo.value.found) == (3, 2)
+    assert str(excinfo.value) == (
+        f"Expected 3 optimizer shards matching '*_optim_states.pt' in '{root / 'global_step2'}' (partition_count=3 "
+        "in zero_pp_rank_0_mp_rank_00_optim_states.pt), found 2. A rank may have failed to save, or an older "
+        "checkpoint was partly overwritten."
+    )
+
+
+def test_model_and_optim_file_counts_disagree(ckpt_copy):
+    """ZeRO-3 writes one model and one optimizer file per rank; a lost optimizer file is reported."""
+    root = ckpt_copy()
+    (root / "global_step2" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(errors.WorldSizeMismatchError) as excinfo:
+        zeroio.open(root)
+    assert str(excinfo.value) == (
+        f"'{root / 'global_step2'}' holds 3 '*_model_states.pt' files but 2 '*_optim_states.pt' files; each rank "
+        "writes one of each. Copy the whole tag folder again."
+    )
+
+
+def test_rank_file_from_another_world_size(ckpt_copy):
+    """A rank file copied in from a run at another world size is caught by its partition_count."""
+    root = ckpt_copy("z3_ws2_fp32")
+    shutil.copy(FIXTURES / "z3_ws3_fp32" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(errors.WorldSizeMismatchError) as excinfo:
+        zeroio.open(root)
+    assert (excinfo.value.rank, excinfo.value.expected, excinfo.value.found) == (1, 3, 2)
+
+
+def test_truncated_rank_file(ckpt_copy):
+    """A truncated rank file raises CheckpointFormatError naming it, not a zipfile or pickle error."""
+    root = ckpt_copy()
+    victim = root / "global_step2" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with pytest.raises(errors.CheckpointFormatError) as excinfo:
+        zeroio.open(root)
+    assert str(excinfo.value).startswith(f"'{victim}' is truncated or corrupted (")
+    assert excinfo.value.path == victim
+
+
+def test_unsupported_model_parallel_layout(ckpt_copy):
+    """Tensor-parallel checkpoints (mp_rank_01) are refused with a message naming what is present."""
+    root = ckpt_copy("z2_ws2_fp32")
+    tag = root / "global_step2"
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    with pytest.raises(errors.UnsupportedCheckpointError) as excinfo:
+        zeroio.open(root)
+    assert str(excinfo.value) == (
+        f"'{tag}' holds 2 model-parallel ranks (mp_rank_00, mp_rank_01); zeroio reads data-parallel ZeRO "
+        "checkpoints only (tensor parallelism is not merged yet)."
+    )
+
+
+def _flip_or_truncate(data: bytes, position: int, mode: str, value: int) -> bytes:
+    position %= len(data)
+    if mode == "truncate":
+        return data[:position]
+    return data[:position] + bytes([data[position] ^ (value or 1)]) + data[position + 1 :]
+
+
+@settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    file_index=st.integers(0, 5),
+    position=st.integers(0, 10**6),
+    mode=st.sampled_from(["flip", "truncate"]),
+    value=st.integers(0, 255),
+)
+def test_damaged_files_only_raise_zeroio_errors(tmp_path_factory, file_index, position, mode, value):
+    """Flipping or truncating bytes anywhere in any rank file yields a result or a ZeroIOError, never another error."""
+    root = tmp_path_factory.mktemp("fuzz") / "ckpt"
+    shutil.copytree(FIXTURES / "z3_ws3_fp32", root)
+    files = sorted((root / "global_step2").iterdir())
+    victim = files[file_index % len(files)]
+    victim.write_bytes(_flip_or_truncate(victim.read_bytes(), position, mode, value))
+    try:
+        with zeroio.open(root) as ckpt:
+            ckpt.state_dict()
+    except errors.ZeroIOError as exc:
+        assert "\n" not in str(exc) and str(exc).endswith(".")
