@@ -123,3 +123,16 @@ def test_works_without_deepspeed_installed():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok 11"
+
+
+def test_plain_data_client_state_is_readable(tmp_path):
+    """argparse.Namespace / Path hyper-parameters in client state are rebuilt inert instead of refused."""
+    import argparse
+    import pathlib
+
+    path = tmp_path / "client.pt"
+    torch.save({"args": argparse.Namespace(lr=0.1, out=pathlib.Path("/x")), "w": torch.arange(3)}, path)
+    tree, file = load_pickle(path)
+    assert tree["args"].lr == 0.1 and type(tree["args"]).__name__ == "Namespace"
+    assert torch.equal(tree["w"].materialize(), torch.arange(3))
+    file.close()

@@ -257,6 +257,20 @@ def _build_allowlist() -> dict[str, Any]:
         "pytorch_lightning.utilities.parsing.AttributeDict": _InertDict,
         "lightning_fabric.utilities.data.AttributeDict": _InertDict,
     }
+    # Plain-data classes that training scripts put into client state (hyper-parameters, run arguments).
+    # They are rebuilt as inert records: their constructors are never called.
+    for qualified in (
+        "argparse.Namespace",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
+        "datetime.datetime",
+        "datetime.date",
+        "datetime.timedelta",
+        "torch.torch_version.TorchVersion",
+    ):
+        allowed[qualified] = _inert(qualified)
     for dtype, storage_name in torch.storage._dtype_to_storage_type_map().items():
         allowed[f"torch.{storage_name}"] = _StorageType(dtype)
     for name in dir(torch):
