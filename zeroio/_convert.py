@@ -1,0 +1,438 @@
+"""``zeroio.convert``: plan shards from metadata, then stream tensors into Hugging Face-layout files, atomically."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from . import _constants as C
+from ._atomic import AtomicDir
+from ._checkpoint import Checkpoint
+from ._metadata import TensorInfo, dtype_name, parse_dtype
+from ._safetensors_writer import SafetensorsLayout, plan_file, preallocate, pwrite_all, write_chunks
+from ._sharding import ShardPlan, index_json, parse_size, plan_shards
+from ._types import ProgressCallback, StrPath
+from .errors import OutputError
+
+__all__ = ["ConvertResult", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "convert"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+"""Largest piece of a tensor held in memory per IO thread while converting to safetensors."""
+
+DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+"""IO threads: reads of one tensor overlap writes of another (reads and writes release the GIL)."""
+
+Format = Literal["safetensors", "torch"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertResult:
+    """What :func:`convert` wrote."""
+
+    files: tuple[Path, ...]
+    """Weight files in the destination, in shard order."""
+    index_path: Path | None
+    """``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``, or None for a single file."""
+    total_size: int
+    """Bytes of tensor data (each tied group once): the index's ``metadata.total_size``."""
+    num_tensors: int
+    """Distinct tensors stored (a tied alias is not counted: it shares its source's bytes)."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Tied aliases, ``{alias: source}``, recorded in the output so loaders re-tie them."""
+    card_facts: dict[str, Any] = field(default_factory=dict)
+    """Facts for a Hub model card: ``source_format``, ``tag``, ``ds_version``, ``zero_stage``, ``world_size``,
+    ``global_step``, ``train_dtype``, ``output_dtype``, ``format``, ``num_params``, ``excluded_frozen``."""
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """Thread-safe byte counter feeding a tqdm bar (``progress=True``) or a ``callable(done, total)``."""
+
+    def __init__(self, progress: bool | ProgressCallback, total: int, desc: str) -> None:
+        self._lock = threading.Lock()
+        self._done = 0
+        self._total = total
+        self._callback: ProgressCallback | None = None
+        self._bar: Any = None
+        if callable(progress):
+            self._callback = progress
+        elif progress:
+            from tqdm import tqdm  # a huggingface_hub dependency
+
+            # disable=None: no bar when stderr is not a terminal (logs, CI, captured output).
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=None, leave=False)
+
+    def update(self, nbytes: int) -> None:
+        with self._lock:
+            self._done += nbytes
+            if self._bar is not None:
+                self._bar.update(nbytes)
+            if self._callback is not None:
+                self._callback(self._done, self._total)
+
+    def start(self) -> None:
+        if self._callback is not None:
+            self._callback(0, self._total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _workers(workers: int | None) -> int:
+    if workers is None:
+        return DEFAULT_WORKERS
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int (IO threads), got {workers!r}.")
+    return workers
+
+
+def _output_dtype(info: TensorInfo, target: torch.dtype | None) -> torch.dtype:
+    """Floating tensors take the requested dtype; integer and bool tensors keep theirs (DeepSpeed does the same)."""
+    return target if (target is not None and info.dtype.is_floating_point) else info.dtype
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    try:
+        inner.resolve().relative_to(outer.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _create(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def _write_text(path: Path, text: str) -> None:
+    fd = _create(path)
+    try:
+        pwrite_all(fd, text.encode("utf-8"), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _pool(workers: int) -> Iterator[cf.ThreadPoolExecutor | None]:
+    if workers == 1:
+        yield None
+        return
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zeroio-io") as pool:
+        yield pool
+
+
+def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]], stop: threading.Event) -> None:
+    """Run tasks (in order when single-threaded); on the first failure or an interrupt, stop the rest and raise."""
+    if pool is None:
+        for task in tasks:
+            task()
+        return
+    futures = [pool.submit(task) for task in tasks]
+    try:
+        done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        for future in futures:  # the earliest failure in submission order, for a deterministic error
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+    except BaseException:
+        stop.set()
+        for future in futures:
+            future.cancel()
+        raise
+
+
+def _card_facts(
+    ckpt: Checkpoint,
+    fmt: str,
+    target: torch.dtype | None,
+    out_dtypes: list[torch.dtype],
+    excluded: list[str],
+    num_params: int,
+) -> dict[str, Any]:
+    meta = ckpt.metadata
+    floating = sorted({dtype_name(d) for d in out_dtypes if d.is_floating_point})
+    if target is not None:
+        output_dtype = dtype_name(target)
+    else:
+        output_dtype = "+".join(floating) if floating else None
+    return {
+        "source_format": meta.format,
+        "tag": meta.tag,
+        "ds_version": meta.ds_version,
+        "zero_stage": meta.zero_stage,
+        "world_size": meta.world_size,
+        "global_step": meta.global_step,
+        "train_dtype": dtype_name(meta.train_dtype) if meta.train_dtype is not None else None,
+        "output_dtype": output_dtype,
+        "format": fmt,
+        "num_params": num_params,
+        "excluded_frozen": excluded,
+    }
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def _write_safetensors(
+    ckpt: Checkpoint,
+    tmp: Path,
+    names: list[str],
+    ties: dict[str, str],
+    dtypes: dict[str, torch.dtype],
+    *,
+    target: torch.dtype | None,
+    max_shard_size: int,
+    workers: int,
+    chunk_bytes: int,
+    progress: bool | ProgressCallback,
+) -> tuple[ShardPlan, str | None]:
+    infos = ckpt.infos
+    stored = [n for n in names if n not in ties]
+    # 1. Shards from sizes alone, as huggingface_hub splits (tied aliases are dropped, as it does for safetensors).
+    sizes = {n: infos[n].numel * dtypes[n].itemsize for n in stored}
+    plan = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors")
+    # huggingface_hub's save_torch_state_dict records each dropped alias as `alias: kept name`: in the header of a
+    # single file, in the index's metadata when sharded.
+    tie_meta = {alias: ties[alias] for alias in names if alias in ties}
+    file_meta = {"format": "pt"} if plan.is_sharded else {"format": "pt", **tie_meta}
+    # 2. Every file's header and byte offsets, before any tensor is read.
+    layouts: list[tuple[str, SafetensorsLayout]] = []
+    for filename, shard_names in plan.shards:
+        specs = [(n, dtypes[n], infos[n].shape) for n in shard_names]
+        layouts.append((filename, plan_file(specs, metadata=file_meta)))
+    index = index_json(plan, extra_metadata=tie_meta) if plan.is_sharded else None
+
+    # 3. Create and preallocate every file (a full disk fails here, before reading), write the headers.
+    meter = _Progress(progress, plan.total_size, "Converting")
+    fds: list[int] = []
+    stop = threading.Event()
+    try:
+        slot_of = {}
+        for filename, layout in layouts:
+            fd = _create(tmp / filename)
+            fds.append(fd)
+            preallocate(fd, layout.size)
+            pwrite_all(fd, layout.header, 0)
+            for slot in layout.slots:
+                slot_of[slot.name] = (fd, slot)
+        meter.start()
+
+        # 4. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
+        #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes.
+        def task(name: str) -> Callable[[], None]:
+            fd, slot = slot_of[name]
+
+            def run() -> None:
+                chunks = ckpt.iter_chunks(name, dtype=target, chunk_bytes=chunk_bytes)
+                write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
+
+            return run
+
+        with _pool(workers) as pool:
+            _run_all(pool, [task(n) for n in stored], stop)
+        for fd in fds:
+            os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        meter.close()
+    # 5. The index last.
+    if index is not None:
+        _write_text(tmp / C.SAFETENSORS_INDEX, index)
+    return plan, index
+
+
+def _write_torch(
+    ckpt: Checkpoint,
+    tmp: Path,
+    names: list[str],
+    ties: dict[str, str],
+    dtypes: dict[str, torch.dtype],
+    *,
+    target: torch.dtype | None,
+    max_shard_size: int,
+    workers: int,
+    progress: bool | ProgressCallback,
+) -> tuple[ShardPlan, str | None]:
+    infos = ckpt.infos
+    # Tied names stay as keys sharing one tensor (torch.save stores the storage once), in one shard, as
+    # huggingface_hub's save_torch_state_dict(safe_serialization=False) does.
+    sizes = {n: infos[n].numel * dtypes[n].itemsize for n in names}
+    plan = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern="pytorch_model{suffix}.bin", aliases=ties)
+    index = index_json(plan) if plan.is_sharded else None
+    meter = _Progress(progress, plan.total_size, "Converting")
+    meter.start()
+    stop = threading.Event()
+    try:
+        with _pool(workers) as pool:
+            for filename, shard_names in plan.shards:
+                # One shard in memory at a time: torch.save needs whole tensors.
+                loaded: dict[str, torch.Tensor] = {}
+
+                def load(name: str) -> Callable[[], None]:
+                    def run() -> None:
+                        if not stop.is_set():
+                            tensor = ckpt.get_tensor(name, dtype=target)
+                            loaded[name] = tensor
+                            meter.update(tensor.numel() * tensor.element_size())
+
+                    return run
+
+                # The planner keeps each tied alias in its source's shard.
+                _run_all(pool, [load(n) for n in shard_names if n not in ties], stop)
+                shard = {n: loaded[ties.get(n, n)] for n in shard_names}
+                with open(tmp / filename, "xb") as fh:
+                    torch.save(shard, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                del shard, loaded
+    finally:
+        meter.close()
+    if index is not None:
+        _write_text(tmp / C.TORCH_INDEX, index)
+    return plan, index
+
+
+# --------------------------------------------------------------------------- the public verb
+
+
+def convert(
+    src: StrPath,
+    dst: StrPath,
+    *,
+    fmt: Format = "safetensors",
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    tag: str | None = None,
+    exclude_frozen: bool = False,
+    overwrite: bool = False,
+    workers: int | None = None,
+    progress: bool | ProgressCallback = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> ConvertResult:
+    """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
+
+    ``fmt="safetensors"`` writes ``model.safetensors``, or ``model-00001-of-0000N.safetensors`` ... plus
+    ``model.safetensors.index.json`` when the tensors exceed ``max_shard_size``: the names, shard split,
+    header metadata (``{"format": "pt"}``) and index that ``huggingface_hub.save_torch_state_dict`` writes.
+    Tied weights are stored once under their source name; each alias is recorded as ``alias: source`` in the
+    header metadata (one file) or in the index's ``metadata`` (sharded), as huggingface_hub records them.
+    Every offset is computed from metadata before a tensor is read; tensors are then streamed in chunks of
+    ``chunk_bytes``, so memory stays near ``workers * chunk_bytes`` whatever the model or shard size.
+
+    ``fmt="torch"`` writes ``pytorch_model.bin`` (or ``pytorch_model-0000K-of-0000N.bin`` plus
+    ``pytorch_model.bin.index.json``), loadable with ``torch.load(weights_only=True)``; tied names are both
+    keys and share one tensor. It holds one shard in memory at a time (``torch.save`` needs whole tensors).
+
+    The output is built in a temporary folder beside ``dst`` and renamed into place when complete.
+
+    Args:
+        src: anything :func:`zeroio.open` reads: a DeepSpeed checkpoint (root or tag folder) or a consolidated
+            safetensors/torch checkpoint (to re-shard or cast).
+        dst: the output folder to create.
+        fmt: ``"safetensors"`` (default) or ``"torch"``.
+        dtype: cast floating tensors (``"fp32"``, ``"fp16"``, ``"bf16"`` or a torch dtype), with torch's own
+            rounding (``tensor.to(dtype)``); integer buffers keep their dtype. Default: as stored (fp32 master
+            weights, frozen parameters in their training dtype).
+        max_shard_size: largest shard, ``"5GB"``, ``"500MB"``, ``"1.5GB"`` (decimal units) or bytes. A tensor
+            larger than this gets a shard of its own.
+        tag: the DeepSpeed tag to read (default: the one in ``latest``).
+        exclude_frozen: leave out frozen (``requires_grad=False``) parameters.
+        overwrite: replace an existing ``dst``.
+        workers: IO threads (default: up to 4).
+        progress: ``True`` draws a tqdm bar in bytes on a terminal, ``False`` is silent, or pass
+            ``callable(done, total)`` (bytes; it may be called from IO threads).
+        chunk_bytes: largest piece of a tensor read at once, per thread.
+
+    Returns:
+        A :class:`ConvertResult`: files, index path, total size, tensor count, ties and model-card facts.
+
+    Raises:
+        OutputError: ``dst`` exists (without ``overwrite``) or holds the source, cannot be written, the disk
+            filled, or the conversion was interrupted (KeyboardInterrupt); the partial output is removed.
+        CheckpointNotFoundError, CheckpointFormatError: the source cannot be read (raised before ``dst`` is
+            touched when found in metadata).
+        ValueError: an argument is invalid (format, dtype, shard size, workers).
+
+    Example:
+        >>> import zeroio
+        >>> result = zeroio.convert("fixtures/z3_ws2_bf16", "out/model", dtype="bf16", progress=False)  # doctest: +SKIP
+        >>> [p.name for p in result.files]  # doctest: +SKIP
+        ['model.safetensors']
+    """
+    # 1. Arguments, without IO.
+    if fmt not in ("safetensors", "torch"):
+        raise ValueError(f"fmt must be 'safetensors' or 'torch', got {fmt!r}.")
+    target = parse_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    n_workers = _workers(workers)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
+    if not (isinstance(progress, bool) or callable(progress)):
+        raise ValueError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
+    dst_path = Path(dst)
+    out = AtomicDir(dst_path, overwrite=overwrite)
+
+    # 2. Refuse an existing destination before reading anything; clean temporary folders of dead conversions.
+    out.check()
+    if overwrite and os.path.lexists(dst_path) and _is_within(Path(src), dst_path):
+        raise OutputError(
+            f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
+            path=out.dst,
+        )
+
+    # 3. The source's metadata (no tensor bytes yet): what to write, in which dtype.
+    from ._loader import open as zeroio_open
+
+    with zeroio_open(src, tag) as ckpt:
+        infos = ckpt.infos
+        excluded = [n for n, info in infos.items() if exclude_frozen and info.kind == "frozen"]
+        names = [n for n in infos if n not in excluded]
+        ties = {alias: source for alias, source in ckpt.tied.items() if alias in names and source in names}
+        dtypes = {n: _output_dtype(infos[n], target) for n in names}
+        logger.debug("converting %d tensors from %s to %s (%s)", len(names), ckpt.metadata.path, out.dst, fmt)
+
+        # 4. Build everything in a temporary folder beside dst; rename it into place only when complete.
+        with out as tmp:
+            if fmt == "safetensors":
+                plan, index = _write_safetensors(
+                    ckpt, tmp, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
+                    chunk_bytes=chunk_bytes, progress=progress,
+                )
+                index_name = C.SAFETENSORS_INDEX
+            else:
+                plan, index = _write_torch(
+                    ckpt, tmp, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
+                    progress=progress,
+                )
+                index_name = C.TORCH_INDEX
+        num_params = sum(infos[n].numel for n in names if n not in ties)
+        facts = _card_facts(ckpt, fmt, target, [dtypes[n] for n in names], excluded, num_params)
+
+    files = tuple(out.dst / filename for filename, _ in plan.shards)
+    num_tensors = len([n for n in names if n not in ties])
+    logger.info("wrote %d tensors (%d bytes) in %d file(s) to %s", num_tensors, plan.total_size, len(files), out.dst)
+    return ConvertResult(
+        files=files,
+        index_path=out.dst / index_name if index is not None else None,
+        total_size=plan.total_size,
+        num_tensors=num_tensors,
+        tied=ties,
+        card_facts=facts,
+    )

@@ -1,0 +1,261 @@
+"""A streaming safetensors writer: the whole file layout from metadata first, then tensor bytes chunk by chunk.
+
+The format (https://github.com/huggingface/safetensors, "Format"): 8 bytes little-endian header length N,
+N bytes of JSON ``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}``
+padded with spaces to a multiple of 8, then the data, little-endian, row-major. Tensors are laid out as
+safetensors 0.4-0.8 lays them out (by dtype alignment, largest first, then by name), so a file with the same
+tensors and one metadata key is byte-identical to ``safetensors.torch.save_file``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import struct
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "MAX_HEADER_SIZE",
+    "SafetensorsLayout",
+    "TensorSlot",
+    "preallocate",
+    "pwrite_all",
+    "plan_file",
+    "safetensors_dtype",
+    "write_chunks",
+]
+
+MAX_HEADER_SIZE = 100_000_000
+"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate)."""
+
+# safetensors' Dtype enum, in declaration order (its files sort tensors by this rank, descending, then by name).
+_DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = (
+    ("BOOL", torch.bool),
+    ("U8", torch.uint8),
+    ("I8", torch.int8),
+    ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
+    ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
+    ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
+    ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+    ("I16", torch.int16),
+    ("U16", getattr(torch, "uint16", None)),
+    ("F16", torch.float16),
+    ("BF16", torch.bfloat16),
+    ("I32", torch.int32),
+    ("U32", getattr(torch, "uint32", None)),
+    ("F32", torch.float32),
+    ("C64", torch.complex64),
+    ("F64", torch.float64),
+    ("I64", torch.int64),
+    ("U64", getattr(torch, "uint64", None)),
+)
+_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPE_ORDER if dt is not None}
+_RANK: dict[torch.dtype, int] = {dt: i for i, (_, dt) in enumerate(_DTYPE_ORDER) if dt is not None}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """safetensors' name for a torch dtype (``torch.bfloat16`` -> ``"BF16"``).
+
+    Raises:
+        ValueError: the dtype has no safetensors encoding.
+    """
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"safetensors cannot store {dtype}; convert with fmt='torch', or cast with dtype='fp32'."
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """Where one tensor's bytes go in the file."""
+
+    name: str
+    """Tensor name (header key)."""
+    dtype: torch.dtype
+    """dtype of the stored bytes."""
+    shape: tuple[int, ...]
+    """Shape recorded in the header."""
+    begin: int
+    """Absolute file offset of the first byte."""
+    end: int
+    """Absolute file offset one past the last byte."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data."""
+        return self.end - self.begin
+
+
+@dataclass(frozen=True, slots=True)
+class SafetensorsLayout:
+    """A complete file plan: header bytes and every tensor's byte range, computed before any tensor is read."""
+
+    header: bytes
+    """The first bytes of the file: 8-byte little-endian length, then the padded JSON header."""
+    slots: tuple[TensorSlot, ...]
+    """Tensors in file order."""
+    size: int
+    """Total file size in bytes."""
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of tensor data (the file minus its header)."""
+        return self.size - len(self.header)
+
+
+def plan_file(
+    tensors: Iterable[tuple[str, torch.dtype, Sequence[int]]], *, metadata: Mapping[str, str] | None = None
+) -> SafetensorsLayout:
+    """Lay out a safetensors file from ``(name, dtype, shape)`` alone.
+
+    Args:
+        tensors: every tensor of the file, in any order.
+        metadata: the header's ``__metadata__`` (string to string), written in the order given.
+
+    Returns:
+        The header bytes and each tensor's absolute byte range.
+
+    Raises:
+        ValueError: a name repeats or is ``__metadata__``, a dtype has no safetensors encoding, metadata is
+            not ``str -> str``, or the header would exceed safetensors' 100 MB limit.
+
+    Example:
+        >>> layout = plan_file([("w", torch.float32, (2, 2))], metadata={"format": "pt"})
+        >>> layout.header[8:].rstrip()
+        b'{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}'
+    """
+    entries = []
+    seen = set()
+    for name, dtype, shape in tensors:
+        if name in seen or name == "__metadata__":
+            raise ValueError(f"Cannot write tensor name {name!r} twice (or as '__metadata__') in one safetensors file.")
+        seen.add(name)
+        shape = tuple(int(s) for s in shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        entries.append((name, dtype, shape, numel * dtype.itemsize, safetensors_dtype(dtype)))
+    # safetensors' `prepare`: sort by dtype descending (its enum order), then by name ascending.
+    entries.sort(key=lambda e: (-_RANK[e[1]], e[0]))
+    header: dict[str, object] = {}
+    if metadata:
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ValueError(f"safetensors metadata must map str to str, got {key!r}: {value!r}.")
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    relative = []
+    for name, dtype, shape, nbytes, st_name in entries:
+        header[name] = {"dtype": st_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        relative.append((name, dtype, shape, offset, offset + nbytes))
+        offset += nbytes
+    # serde_json's compact output: no spaces, non-ASCII kept as UTF-8.
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * ((8 - len(text) % 8) % 8)
+    if len(text) > MAX_HEADER_SIZE:
+        raise ValueError(
+            f"The safetensors header would be {len(text)} bytes, over the format's limit of {MAX_HEADER_SIZE}; "
+            "use a smaller max_shard_size so each file lists fewer tensors."
+        )
+    head = struct.pack("<Q", len(text)) + text
+    base = len(head)
+    slots = tuple(TensorSlot(n, d, s, base + b, base + e) for n, d, s, b, e in relative)
+    return SafetensorsLayout(head, slots, base + offset)
+
+
+# --------------------------------------------------------------------------- bytes on disk
+
+
+def _buffer(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (bf16 has no numpy dtype, so not via numpy)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+_libc_fallocate: Callable[..., int] | None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc_fallocate = _libc.fallocate
+    _libc_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    _libc_fallocate.restype = ctypes.c_int
+except (OSError, AttributeError):  # not Linux/glibc
+    _libc_fallocate = None
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes for the file now, so a full disk fails before any tensor is read.
+
+    Uses Linux ``fallocate(2)`` directly: glibc's ``posix_fallocate`` would emulate it on file systems without
+    support by writing zeros (the whole file twice). Where unsupported, this does nothing.
+
+    Raises:
+        OSError: ``ENOSPC``/``EDQUOT`` (disk or quota full) or ``EFBIG`` (file size limit).
+    """
+    if size <= 0 or _libc_fallocate is None:
+        return
+    if _libc_fallocate(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
+            return
+        raise OSError(err, os.strerror(err))
+
+
+def write_chunks(
+    fd: int,
+    slot: TensorSlot,
+    chunks: Iterable[torch.Tensor],
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Stream one tensor's chunks to its slot with ``pwrite``: memory is one chunk, whatever the tensor size.
+
+    Args:
+        fd: the output file, opened for writing.
+        slot: the tensor's byte range from :func:`plan_file`.
+        chunks: 1-D contiguous tensors in ``slot.dtype`` whose concatenation is the flattened tensor
+            (``Checkpoint.iter_chunks``).
+        on_bytes: called with the byte count of each chunk once written.
+        stop: when set (another writer failed), return between chunks.
+
+    Raises:
+        ValueError: the chunks' dtype or total size disagrees with the slot.
+        OSError: the write failed (disk full, file size limit, I/O error).
+    """
+    if sys.byteorder != "little":  # safetensors data is little-endian; torch tensors are native-endian
+        raise ValueError("zeroio writes safetensors on little-endian machines only.")
+    offset = slot.begin
+    for chunk in chunks:
+        if stop is not None and stop.is_set():
+            return
+        if chunk.dtype != slot.dtype:
+            raise ValueError(f"'{slot.name}': chunk dtype {chunk.dtype} differs from the planned {slot.dtype}.")
+        chunk = chunk.contiguous()
+        nbytes = chunk.numel() * chunk.element_size()
+        if offset + nbytes > slot.end:
+            raise ValueError(f"'{slot.name}': chunks hold more than the planned {slot.nbytes} bytes.")
+        if nbytes:
+            pwrite_all(fd, _buffer(chunk), offset)
+        offset += nbytes
+        del chunk
+        if on_bytes is not None and nbytes:
+            on_bytes(nbytes)
+    if offset != slot.end and not (stop is not None and stop.is_set()):
+        raise ValueError(f"'{slot.name}': chunks hold {offset - slot.begin} bytes, the slot {slot.nbytes}.")
