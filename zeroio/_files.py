@@ -49,8 +49,8 @@ _SAFETENSORS_DTYPES = {
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit (100 MB)
 
-TIED_METADATA_KEYS = ("zeroio.tied", "zeroio_tied", "tied")
-"""Metadata keys (safetensors ``__metadata__`` or an index's ``metadata``) holding ``{alias: source}`` as JSON."""
+_RESERVED_METADATA = frozenset({"format", "total_size"})
+"""Metadata keys that are never tie records (safetensors' ``format``, an index's ``total_size``)."""
 
 # Where a state dict sits inside a torch file written by a framework: Lightning's .ckpt ("state_dict"),
 # common training scripts ("model_state_dict", "model"), DeepSpeed's model_states ("module").
@@ -192,29 +192,19 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
     return _SafetensorsFile(path, ordered, metadata)
 
 
-def _parse_tied(raw: Any, where: str, path: Path) -> dict[str, str]:
-    if raw is None:
-        return {}
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise CheckpointFormatError(
-                f"'{path}': {where} is not JSON ({exc}). The file was edited by hand or is corrupted.", path=path
-            ) from exc
-    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
-        raise CheckpointFormatError(
-            f"'{path}': {where} should map alias names to source names, found {raw!r:.80}.", path=path
-        )
-    return dict(raw)
+def _ties_from(metadata: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, str]:
+    """Tie records ``{alias: source}`` in safetensors or index metadata.
 
-
-def _tied_from(metadata: Mapping[str, Any], path: Path) -> dict[str, str]:
-    tied: dict[str, str] = {}
-    for key in TIED_METADATA_KEYS:
-        if key in metadata:
-            tied.update(_parse_tied(metadata[key], f"metadata '{key}'", path))
-    return tied
+    safetensors cannot hold two names for one tensor, so ``huggingface_hub.save_torch_state_dict`` (and zeroio's
+    converter, which follows it) stores a tied group once, under its first name, and records every dropped alias as
+    the metadata entry ``alias: source``: in the file's ``__metadata__``, and in the index's ``metadata`` when
+    sharded. An entry counts as a tie only when its value names a stored tensor and its key does not.
+    """
+    return {
+        str(k): v
+        for k, v in metadata.items()
+        if k not in _RESERVED_METADATA and isinstance(v, str) and v in stored and k not in stored
+    }
 
 
 class SafetensorsCheckpoint(Checkpoint):
@@ -312,28 +302,15 @@ def _open_safetensors(path: Path, index_path: Path | None) -> SafetensorsCheckpo
         order = {id(f): i for i, f in enumerate(files)}
         locations = dict(sorted(locations.items(), key=lambda item: (order[id(item[1][0])], item[1][1].begin)))
 
-    # 2. Tied aliases recorded by zeroio's converter (safetensors cannot store shared tensors, so an alias is
-    #    written once, under its source's name, and the tie is recorded in the metadata).
-    tied: dict[str, str] = {}
+    # 2. Tied aliases: stored once, recorded in the metadata (see _ties_from).
+    usable: dict[str, str] = {}
     for file in files:
-        tied.update(_tied_from(file.metadata, file.path))
-    tied.update(_tied_from(index_meta, index_path or path))
+        usable.update(_ties_from(file.metadata, locations))
+    usable.update(_ties_from(index_meta, locations))
     infos: dict[str, TensorInfo] = {
         name: TensorInfo(name, entry.shape, entry.dtype, "tensor", (file.path,))
         for name, (file, entry) in locations.items()
     }
-    usable: dict[str, str] = {}
-    for alias, source in tied.items():
-        if alias in infos:
-            continue  # stored in full after all; nothing to alias
-        if source not in infos:
-            raise CheckpointFormatError(
-                f"'{index_path or path}' records '{alias}' as tied to '{source}', which is not stored. The metadata "
-                "and the tensors disagree; convert the checkpoint again.",
-                path=index_path or path,
-                name=alias,
-            )
-        usable[alias] = source
     for alias, source in usable.items():
         base = infos[source]
         infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, None, source)

@@ -1,0 +1,452 @@
+"""``zeroio.load``: stream a checkpoint into any ``nn.Module`` (hooks, meta device, ties, prefixes, strict checks)."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from ._checkpoint import Checkpoint
+from ._metadata import CheckpointMetadata, parse_dtype
+from ._types import DTypeLike, InitHook, ProgressCallback, StrPath
+from .errors import StateDictMismatchError, ZeroIOError
+
+__all__ = ["KeyMap", "LoadReport", "load"]
+
+logger = logging.getLogger(__name__)
+
+KeyMap = Union[Mapping[str, Union[str, None]], Callable[[str], Union[str, None]]]
+"""Checkpoint key -> model key; ``None`` drops the key."""
+
+PREFIXES = ("module.", "_forward_module.", "model.")
+"""Wrapper prefixes real checkpoints carry: DeepSpeed's engine (``module.``), Lightning's strategy wrapper
+(``_forward_module.``) and a LightningModule holding the network as ``self.model`` (``model.``)."""
+
+_SHOWN = 5  # list items shown in an error message before "... and N more"
+
+_FRAMEWORK_MODULES = ("lightning", "pytorch_lightning", "lightning_fabric")
+_HOOK_NAMES = ("configure_sharded_model", "configure_model")  # Lightning's order: legacy hook first
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What :func:`zeroio.load` did; key lists use torch's names."""
+
+    missing_keys: tuple[str, ...]
+    """Model keys (parameters and persistent buffers) that no checkpoint tensor filled."""
+    unexpected_keys: tuple[str, ...]
+    """Checkpoint keys (as stored) that match no model key."""
+    mismatched_shapes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+    """``(model key, checkpoint shape, model shape)`` for each key left unloaded because the shapes differ."""
+    loaded_keys: tuple[str, ...]
+    """Model keys now holding checkpoint values (tied aliases included), in checkpoint order."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Model ties after loading, ``{alias: source}``: ``alias`` and ``source`` are the very same tensor object."""
+    renamed_keys: dict[str, str] = field(default_factory=dict)
+    """Checkpoint key -> model key for every key that ``key_map`` or prefix normalisation renamed."""
+    dropped_keys: tuple[str, ...] = ()
+    """Checkpoint keys that ``key_map`` mapped to ``None``."""
+    meta_keys: tuple[str, ...] = ()
+    """Parameters and buffers (non-persistent ones included) still on the ``meta`` device after loading."""
+    hooks_called: tuple[str, ...] = ()
+    """The init hooks that ran, e.g. ``("configure_model",)``."""
+    metadata: CheckpointMetadata | None = None
+    """The checkpoint's metadata (format, ZeRO stage, world size, ...)."""
+
+
+# --------------------------------------------------------------------------- the model's tensors
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """One distinct tensor object of the model and every place it is registered (several when tied)."""
+
+    tensor: torch.Tensor
+    is_param: bool
+    names: list[str]
+    owners: list[tuple[nn.Module, str]]
+    persistent: bool
+
+
+def _slots(model: nn.Module) -> tuple[dict[str, _Slot], list[_Slot]]:
+    """``{state_dict key: slot}`` for parameters and persistent buffers, and every slot (non-persistent too)."""
+    by_id: dict[int, _Slot] = {}
+    by_key: dict[str, _Slot] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        registered: list[tuple[str, torch.Tensor, bool, bool]] = [
+            (n, p, True, True) for n, p in module._parameters.items() if p is not None
+        ]
+        registered += [
+            (n, b, False, n not in module._non_persistent_buffers_set)
+            for n, b in module._buffers.items()
+            if b is not None
+        ]
+        for attr, tensor, is_param, persistent in registered:
+            slot = by_id.get(id(tensor))
+            if slot is None:
+                slot = by_id[id(tensor)] = _Slot(tensor, is_param, [], [], persistent)
+            key = dot + attr
+            if key not in slot.names:
+                slot.names.append(key)
+                slot.owners.append((module, attr))
+            if persistent:
+                by_key[key] = slot
+    return by_key, list(by_id.values())
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def _default_hooks(model: nn.Module) -> list[str]:
+    """Lightning's sharded-init hooks that the model's class overrides (the framework's base ones are no-ops)."""
+    names = []
+    for name in _HOOK_NAMES:
+        fn = getattr(type(model), name, None)
+        if not callable(fn):
+            continue
+        module = str(getattr(fn, "__module__", "") or "")
+        if module.split(".")[0] in _FRAMEWORK_MODULES:
+            continue
+        names.append(name)
+    return names
+
+
+def _run_hooks(model: nn.Module, init_hook: InitHook | None, where: str) -> tuple[str, ...]:
+    if init_hook is not None:
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            (getattr(init_hook, "__qualname__", None) or repr(init_hook), lambda: init_hook(model))
+        ]
+    else:
+        calls = [(name, getattr(model, name)) for name in _default_hooks(model)]
+    for name, call in calls:
+        logger.debug("running init hook %s", name)
+        try:
+            call()
+        except Exception as exc:
+            raise ZeroIOError(
+                f"The init hook {name} raised {type(exc).__name__}: {exc}. Nothing was loaded from '{where}'; fix "
+                "the hook so that it builds the model's layers, then call zeroio.load again.",
+                path=where,
+                name=name,
+            ) from exc
+    return tuple(name for name, _ in calls)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _apply_key_map(keys: list[str], key_map: KeyMap | None) -> tuple[dict[str, str], list[str]]:
+    """``{checkpoint key: mapped key}`` and the keys the map dropped."""
+    if key_map is None:
+        return {k: k for k in keys}, []
+    mapped: dict[str, str] = {}
+    dropped: list[str] = []
+    for key in keys:
+        new = key_map.get(key, key) if isinstance(key_map, Mapping) else key_map(key)
+        if new is None:
+            dropped.append(key)
+        elif not isinstance(new, str):
+            raise TypeError(f"key_map must return a str or None, got {type(new).__name__} for {key!r}.")
+        else:
+            mapped[key] = new
+    return mapped, dropped
+
+
+def _prefix_candidates(key: str) -> list[str]:
+    """``key`` with known wrapper prefixes stripped (up to three deep) and then at most one added, shortest first."""
+    stripped = [key]
+    frontier = [key]
+    for _ in range(3):
+        frontier = [k[len(p) :] for k in frontier for p in PREFIXES if k.startswith(p) and len(k) > len(p)]
+        stripped += frontier
+    return stripped[1:] + [p + k for k in stripped for p in PREFIXES]
+
+
+def _normalise(mapped: dict[str, str], model_keys: Mapping[str, Any]) -> dict[str, str]:
+    """Rename a key only when stripping or adding a wrapper prefix makes it match a model key no other key fills."""
+    taken = {v for v in mapped.values() if v in model_keys}
+    out = dict(mapped)
+    for key, name in mapped.items():
+        if name in model_keys:
+            continue
+        for candidate in _prefix_candidates(name):
+            if candidate in model_keys and candidate not in taken:
+                out[key] = candidate
+                taken.add(candidate)
+                break
+    return out
+
+
+def _listing(keys: list[str], notes: Mapping[str, str] | None = None) -> str:
+    notes = notes or {}
+    shown = ", ".join(f'"{k}"{notes.get(k, "")}' for k in keys[:_SHOWN])
+    return shown + (f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _mismatch_message(
+    model: nn.Module,
+    missing: list[str],
+    unexpected: list[str],
+    unexpected_mapped: dict[str, str],
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+    where: str,
+    matching: int,
+) -> str:
+    # torch's wording (Module.load_state_dict), so that searches for the familiar message find this one.
+    lines = [f"Error(s) in loading state_dict for {type(model).__name__}:"]
+    if missing:
+        by_mapped = {mapped: key for key, mapped in unexpected_mapped.items()}
+        notes = {}
+        for key in missing[:_SHOWN]:
+            close = difflib.get_close_matches(key, list(by_mapped), n=1)
+            if close:
+                notes[key] = f' (did you mean "{by_mapped[close[0]]}"?)'
+        lines.append(f"Missing key(s) in state_dict: {_listing(missing, notes)}.")
+    if unexpected:
+        lines.append(f"Unexpected key(s) in state_dict: {_listing(unexpected)}.")
+    for key, ckpt_shape, model_shape in mismatched[:_SHOWN]:
+        lines.append(
+            f"size mismatch for {key}: copying a param with shape {torch.Size(ckpt_shape)} from checkpoint, "
+            f"the shape in current model is {torch.Size(model_shape)}."
+        )
+    if len(mismatched) > _SHOWN:
+        lines.append(f"... and {len(mismatched) - _SHOWN} more size mismatches.")
+    lines.append(
+        f"Checkpoint: '{where}'. No parameter was modified; pass strict=False to load the {matching} matching "
+        "tensors (the LoadReport lists the rest), or key_map= to rename keys."
+    )
+    return "\n\t".join(lines)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _target_device(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None and torch.cuda.is_available():
+        target = torch.device("cuda", torch.cuda.current_device())
+    return target
+
+
+def _fill(ckpt: Checkpoint, name: str, dest: torch.Tensor) -> None:
+    """Copy checkpoint tensor ``name`` into ``dest`` chunk by chunk (casting and moving as ``copy_`` does)."""
+    if dest.is_contiguous():
+        flat = dest.view(-1)
+        offset = 0
+        for chunk in ckpt.iter_chunks(name):
+            flat[offset : offset + chunk.numel()].copy_(chunk)
+            offset += chunk.numel()
+    else:
+        dest.copy_(ckpt.get_tensor(name).view(dest.shape))
+
+
+def _install(slot: _Slot, tensor: torch.Tensor) -> None:
+    """Register ``tensor`` at every place the slot's old tensor was, so ties stay ties."""
+    new: torch.Tensor
+    if slot.is_param:
+        new = nn.Parameter(tensor, requires_grad=slot.tensor.requires_grad)
+    else:
+        new = tensor
+    for module, attr in slot.owners:
+        setattr(module, attr, new)
+    slot.tensor = new
+
+
+def load(
+    path: StrPath | Checkpoint,
+    model: nn.Module,
+    *,
+    init_hook: InitHook | None = None,
+    strict: bool = True,
+    dtype: DTypeLike | None = None,
+    device: str | torch.device | None = None,
+    tag: str | None = None,
+    key_map: KeyMap | None = None,
+    progress: ProgressCallback | None = None,
+) -> LoadReport:
+    """Load a checkpoint into ``model``, one tensor at a time.
+
+    Steps: open the checkpoint (metadata only); run the init hook once; match keys and shapes (all of them
+    checked before any parameter changes); stream each tensor into place.
+
+    Args:
+        path: a DeepSpeed checkpoint (root with ``latest``, or a tag folder), a ``.safetensors`` file or sharded
+            folder, a torch ``.bin``/``.pt`` state dict or Lightning ``.ckpt``, or a checkpoint already opened
+            with :func:`zeroio.open` (left open).
+        model: any ``nn.Module``: built normally, on the ``meta`` device, or with layers the hook creates.
+        init_hook: called as ``init_hook(model)`` once, before keys are matched, to build lazily created layers.
+            When None, the model's own Lightning hooks run if its class overrides them
+            (``configure_sharded_model``, then ``configure_model``, as Lightning's Trainer does); pass
+            ``init_hook=lambda m: None`` to run nothing.
+        strict: raise :class:`~zeroio.errors.StateDictMismatchError` on any missing key, unexpected key or shape
+            mismatch, before modifying anything. With False, load what matches and report the rest.
+        dtype: cast every floating tensor (parameters and buffers, like ``model.to(dtype)``) to this dtype.
+            None keeps each model tensor's own dtype (checkpoint values are cast into it, like
+            ``load_state_dict``).
+        device: place loaded tensors here (``"cpu"``, ``"cuda:0"``). None keeps each tensor's device; tensors on
+            ``meta`` land on the CPU.
+        tag: the DeepSpeed tag folder to read (default: the one named in ``latest``).
+        key_map: renames checkpoint keys (a dict, or a callable); ``None`` drops a key. Applied before the
+            automatic ``module.`` / ``_forward_module.`` / ``model.`` prefix normalisation.
+        progress: called as ``progress(done_bytes, total_bytes)`` after each tensor.
+
+    Returns:
+        A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
+
+    Raises:
+        StateDictMismatchError: ``strict`` and the keys or shapes differ (the model is untouched).
+        ZeroIOError: the init hook raised (its exception is ``__cause__``; nothing was loaded).
+        CheckpointNotFoundError, CheckpointFormatError: the checkpoint cannot be read.
+
+    Example:
+        >>> import torch, zeroio
+        >>> with torch.device("meta"):  # doctest: +SKIP
+        ...     model = MyModel()
+        >>> report = zeroio.load("checkpoints/run1", model, dtype="bf16")  # doctest: +SKIP
+        >>> model.head.weight is model.emb.weight, report.missing_keys  # doctest: +SKIP
+        (True, ())
+    """
+    # 1. Validate arguments and open the checkpoint (metadata only) before anything touches the model.
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if init_hook is not None and not callable(init_hook):
+        raise TypeError(f"init_hook must be a callable taking the model, got {type(init_hook).__name__}.")
+    if key_map is not None and not (isinstance(key_map, Mapping) or callable(key_map)):
+        raise TypeError(f"key_map must be a dict or a callable, got {type(key_map).__name__}.")
+    target_dtype = parse_dtype(dtype)
+    target_device = _target_device(device)
+    owned = not isinstance(path, Checkpoint)
+    if isinstance(path, Checkpoint):
+        ckpt = path
+    else:
+        from ._loader import open as open_checkpoint
+
+        ckpt = open_checkpoint(path, tag)
+    try:
+        return _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
+    finally:
+        if owned:
+            ckpt.close()
+
+
+def _load(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    init_hook: InitHook | None,
+    strict: bool,
+    target_dtype: torch.dtype | None,
+    target_device: torch.device | None,
+    key_map: KeyMap | None,
+    progress: ProgressCallback | None,
+) -> LoadReport:
+    where = str(ckpt.metadata.path)
+
+    # 2. The init hook builds lazily created layers; it runs exactly once, before keys are matched.
+    hooks = _run_hooks(model, init_hook, where)
+
+    # 3. Match checkpoint keys to the model's parameters and persistent buffers (names and shapes only).
+    by_key, all_slots = _slots(model)
+    infos = ckpt.infos
+    mapped, dropped = _apply_key_map(list(infos), key_map)
+    mapped = _normalise(mapped, by_key)
+    plan: dict[int, tuple[_Slot, str]] = {}  # id(slot) -> (slot, checkpoint key), in checkpoint order
+    claimed: dict[str, str] = {}  # model key -> checkpoint key
+    unexpected: list[str] = []
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    for key, name in mapped.items():
+        slot = by_key.get(name)
+        if slot is None:
+            unexpected.append(key)
+            continue
+        if name in claimed:
+            other = claimed[name]
+            if ckpt.tied.get(key, key) == ckpt.tied.get(other, other):
+                continue  # two names of one checkpoint tensor; one of them suffices
+            raise StateDictMismatchError(
+                f"Checkpoint keys '{other}' and '{key}' both map to model key '{name}' in '{where}'. "
+                "Fix key_map so that each model key receives one tensor.",
+                path=where,
+            )
+        claimed[name] = key
+        ckpt_shape = tuple(infos[key].shape)
+        model_shape = tuple(slot.tensor.shape)
+        if ckpt_shape != model_shape:
+            mismatched.append((name, ckpt_shape, model_shape))
+            continue
+        plan.setdefault(id(slot), (slot, key))
+    # A tied model tensor is satisfied by any of its names; a size-mismatched one is reported once, as such.
+    accounted = set(plan) | {id(by_key[name]) for name, _, _ in mismatched}
+    missing = [k for k, slot in by_key.items() if id(slot) not in accounted]
+    if strict and (missing or unexpected or mismatched):
+        raise StateDictMismatchError(
+            _mismatch_message(
+                model, missing, unexpected, {k: mapped[k] for k in unexpected}, mismatched, where, len(plan)
+            ),
+            missing_keys=missing,
+            unexpected_keys=unexpected,
+            mismatched_shapes=mismatched,
+            path=where,
+        )
+
+    # 4. Stream: one tensor at a time, in the checkpoint's storage order, each read in bounded chunks.
+    #    In place (copy_) when dtype and device already fit, so Parameter objects, ties and optimizer references
+    #    survive; otherwise (meta, new dtype or device) a new tensor at its final place, registered at every name.
+    total = sum(infos[key].nbytes for _, key in plan.values())
+    done = 0
+    with torch.no_grad(), torch.device("cpu"):  # a caller's default-device context must not redirect our reads
+        for slot, key in plan.values():
+            old = slot.tensor
+            want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
+            want_device = target_device or (torch.device("cpu") if old.is_meta else old.device)
+            if not old.is_meta and old.dtype == want_dtype and old.device == want_device:
+                _fill(ckpt, key, old)
+            else:
+                fresh = torch.empty(old.shape, dtype=want_dtype, device=want_device)
+                _fill(ckpt, key, fresh)
+                _install(slot, fresh)
+            done += infos[key].nbytes
+            if progress is not None:
+                progress(done, total)
+
+    # 5. Report.
+    loaded_keys = [n for slot, _ in plan.values() for n in slot.names if n in by_key]
+    tied = {alias: slot.names[0] for slot in all_slots for alias in slot.names[1:]}
+    meta_keys = [n for slot in all_slots if slot.tensor.is_meta for n in slot.names]
+    if meta_keys:
+        logger.warning(
+            "%d tensors are still on the meta device after loading '%s' (e.g. %s); they were not in the checkpoint",
+            len(meta_keys),
+            where,
+            meta_keys[0],
+        )
+    report = LoadReport(
+        missing_keys=tuple(missing),
+        unexpected_keys=tuple(unexpected),
+        mismatched_shapes=tuple(mismatched),
+        loaded_keys=tuple(loaded_keys),
+        tied=tied,
+        renamed_keys={k: v for k, v in mapped.items() if k != v},
+        dropped_keys=tuple(dropped),
+        meta_keys=tuple(meta_keys),
+        hooks_called=hooks,
+        metadata=ckpt.metadata,
+    )
+    logger.info(
+        "loaded %d tensors (%d bytes) from '%s' into %s: %d missing, %d unexpected, %d shape mismatches",
+        len(plan),
+        total,
+        where,
+        type(model).__name__,
+        len(missing),
+        len(unexpected),
+        len(mismatched),
+    )
+    return report
