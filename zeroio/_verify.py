@@ -1,0 +1,230 @@
+"""``zeroio verify``: compare every tensor of two checkpoints chunk by chunk, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ._checkpoint import Checkpoint
+from ._metadata import dtype_name, parse_dtype
+from ._types import StrPath
+
+__all__ = ["Mismatch", "VerifyReport", "verify"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_BYTES = 16 * 1024 * 1024
+
+MismatchKind = Literal["missing", "extra", "shape", "dtype", "values"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """One tensor that differs between A and B."""
+
+    name: str
+    """Tensor name."""
+    kind: MismatchKind
+    """``missing`` (in A, not in B), ``extra`` (in B, not in A), ``shape``, ``dtype`` or ``values``."""
+    detail: str
+    """One line saying how it differs."""
+    num_different: int = 0
+    """For ``values``: how many elements differ."""
+    first_index: tuple[int, ...] | None = None
+    """For ``values``: index of the first differing element."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The result of :func:`verify`: every mismatch, plus what was compared."""
+
+    a: Path
+    """First checkpoint (the reference)."""
+    b: Path
+    """Second checkpoint."""
+    num_tensors: int
+    """Names compared: the union of A's and B's keys."""
+    mismatches: tuple[Mismatch, ...]
+    """Every difference, in A's key order then B's extra keys."""
+    dtype: torch.dtype | None = None
+    """A's floating tensors were cast to this dtype before comparing."""
+    max_report: int = 10
+    """How many mismatches :meth:`summary` lists."""
+
+    @property
+    def ok(self) -> bool:
+        """True when every tensor matches."""
+        return not self.mismatches
+
+    def summary(self) -> str:
+        """Human-readable result: one line when equal, else a line per mismatch (up to ``max_report``).
+
+        Example:
+            >>> report = verify("fixtures/z3_ws2_fp32", "fixtures/z3_ws2_fp32")  # doctest: +SKIP
+            >>> print(report.summary())  # doctest: +SKIP
+            OK: all 11 tensors of 'fixtures/z3_ws2_fp32' and 'fixtures/z3_ws2_fp32' are identical.
+        """
+        if self.ok:
+            how = "identical" if self.dtype is None else f"equal after casting A to {dtype_name(self.dtype)}"
+            return f"OK: all {self.num_tensors} tensors of '{self.a}' and '{self.b}' are {how}."
+        lines = [
+            f"MISMATCH: {len(self.mismatches)} of {self.num_tensors} tensors differ between '{self.a}' (A) and "
+            f"'{self.b}' (B)" + (f", A cast to {dtype_name(self.dtype)}:" if self.dtype is not None else ":")
+        ]
+        for m in self.mismatches[: self.max_report]:
+            lines.append(f"  {m.name}: {m.detail}")
+        hidden = len(self.mismatches) - self.max_report
+        if hidden > 0:
+            lines.append(f"  ... and {hidden} more")
+        return "\n".join(lines)
+
+
+def _aligned(a: Iterator[torch.Tensor], b: Iterator[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Re-cut two chunk streams of the same flattened length into pieces of equal length: ``(start, a, b)``."""
+    buf_a: torch.Tensor | None = None
+    buf_b: torch.Tensor | None = None
+    start = 0
+    while True:
+        if buf_a is None or buf_a.numel() == 0:
+            buf_a = next(a, None)
+        if buf_b is None or buf_b.numel() == 0:
+            buf_b = next(b, None)
+        if buf_a is None or buf_b is None:
+            return
+        n = min(buf_a.numel(), buf_b.numel())
+        yield start, buf_a[:n], buf_b[:n]
+        start += n
+        buf_a, buf_b = buf_a[n:], buf_b[n:]
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size if size else 0)
+        flat //= size if size else 1
+    return tuple(reversed(index))
+
+
+def _scalar(t: torch.Tensor) -> str:
+    value = t.item()
+    return repr(value)
+
+
+def _compare_values(
+    a: Checkpoint, b: Checkpoint, name: str, target: torch.dtype | None, shape: tuple[int, ...]
+) -> Mismatch | None:
+    """Bitwise comparison, chunk by chunk (NaNs with equal bits match; 0.0 and -0.0 differ)."""
+    chunks_a = a.iter_chunks(name, dtype=target, chunk_bytes=_CHUNK_BYTES)
+    chunks_b = b.iter_chunks(name, chunk_bytes=_CHUNK_BYTES)
+    different = 0
+    first: tuple[int, str, str] | None = None
+    total = 0
+    for start, xa, xb in _aligned(chunks_a, chunks_b):
+        total += xa.numel()
+        size = xa.element_size()
+        bytes_a = xa.contiguous().view(torch.uint8).reshape(-1, size)
+        bytes_b = xb.contiguous().view(torch.uint8).reshape(-1, size)
+        differs = (bytes_a != bytes_b).any(dim=1)
+        count = int(differs.sum())
+        if count:
+            if first is None:
+                i = int(differs.nonzero()[0, 0])
+                first = (start + i, _scalar(xa[i]), _scalar(xb[i]))
+            different += count
+    if first is None:
+        return None
+    index = _unravel(first[0], shape)
+    where = f"[{', '.join(map(str, index))}]"
+    numel = 1
+    for s in shape:
+        numel *= s
+    return Mismatch(
+        name,
+        "values",
+        f"{different} of {numel} elements differ; first at {where}: {first[1]} (A) vs {first[2]} (B)",
+        num_different=different,
+        first_index=index,
+    )
+
+
+def _shape_str(shape: tuple[int, ...]) -> str:
+    return f"({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})"
+
+
+def verify(
+    a: StrPath,
+    b: StrPath,
+    *,
+    dtype: str | torch.dtype | None = None,
+    tag: str | None = None,
+    max_report: int = 10,
+) -> VerifyReport:
+    """Compare every tensor of two checkpoints of any kinds :func:`zeroio.open` reads, streaming.
+
+    Tensors match when shape, dtype and every bit are equal; with ``dtype``, A's floating tensors are first
+    cast to it with torch's rounding (``tensor.to(dtype)``), so a converted ``bf16`` copy verifies against its
+    fp32 source. A key missing on either side is a mismatch. A tied alias present in both, tied to the same
+    source, is checked through its source; an alias stored only as a tie on one side and as a tensor on the
+    other is compared by value.
+
+    Args:
+        a: the reference checkpoint (e.g. the DeepSpeed checkpoint).
+        b: the checkpoint to check (e.g. the converted folder).
+        dtype: cast A's floating tensors to this dtype before comparing.
+        tag: the DeepSpeed tag of A (default: the one in ``latest``).
+        max_report: mismatches listed by :meth:`VerifyReport.summary`.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is True when everything matches.
+
+    Example:
+        >>> import zeroio
+        >>> report = zeroio.verify("fixtures/z3_ws2_fp32", "out/model")  # doctest: +SKIP
+        >>> report.ok  # doctest: +SKIP
+        True
+    """
+    from ._loader import open as zeroio_open
+
+    target = parse_dtype(dtype)
+    if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:
+        raise ValueError(f"max_report must be a non-negative int, got {max_report!r}.")
+    with zeroio_open(a, tag) as ca, zeroio_open(b) as cb:
+        infos_a, infos_b = ca.infos, cb.infos
+        tied_a, tied_b = ca.tied, cb.tied
+        names = list(infos_a) + [n for n in infos_b if n not in infos_a]
+        mismatches: list[Mismatch] = []
+        for name in names:
+            ia, ib = infos_a.get(name), infos_b.get(name)
+            if ib is None:
+                mismatches.append(Mismatch(name, "missing", "missing in B"))
+                continue
+            if ia is None:
+                mismatches.append(Mismatch(name, "extra", "not in A (extra in B)"))
+                continue
+            source = tied_a.get(name)
+            if source is not None and source == tied_b.get(name) and source in infos_b:
+                continue  # the same tie on both sides: checked through its source
+            if ia.shape != ib.shape:
+                detail = f"shape {_shape_str(ia.shape)} (A) vs {_shape_str(ib.shape)} (B)"
+                mismatches.append(Mismatch(name, "shape", detail))
+                continue
+            want = target if (target is not None and ia.dtype.is_floating_point) else ia.dtype
+            if want != ib.dtype:
+                cast = " after the cast" if want != ia.dtype else ""
+                detail = f"dtype {dtype_name(want)} (A{cast}) vs {dtype_name(ib.dtype)} (B)"
+                mismatches.append(Mismatch(name, "dtype", detail))
+                continue
+            found = _compare_values(ca, cb, name, target, ia.shape)
+            if found is not None:
+                mismatches.append(found)
+    report = VerifyReport(
+        a=Path(a), b=Path(b), num_tensors=len(names), mismatches=tuple(mismatches), dtype=target,
+        max_report=max_report,
+    )
+    logger.info("verify %s vs %s: %d tensors, %d mismatches", a, b, len(names), len(mismatches))
+    return report
