@@ -111,6 +111,8 @@ class ZeroLayout:
     """ZeRO-3: ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank; otherwise the one ``mp_rank_00_model_states.pt``."""
     partitioned_model_files: bool
     """True for ZeRO-3's per-rank model files."""
+    expert_files: tuple[Path, ...] = ()
+    """MoE: ``layer_L_expert_E_mp_rank_00_model_states.pt`` (one per expert, global ids), sorted by (L, E)."""
 
 
 def _ranked(files: dict[int, Path], kind: str, tag_dir: Path) -> tuple[Path, ...]:
@@ -133,14 +135,19 @@ def _ranked(files: dict[int, Path], kind: str, tag_dir: Path) -> tuple[Path, ...
 def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
     """Classify the files of ``tag_dir``; refuse layouts zeroio does not read (yet)."""
     names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
-    moe = [n for n in names if C.MOE_OPTIM_FILE.match(n) or C.MOE_EXPERT_FILE.match(n)]
-    if moe:
+    # MoE without ZeRO writes per-expert-parallel-rank optimizer files (DeepSpeed 0.19.8 _save_moe_checkpoint).
+    moe_optim = [n for n in names if C.MOE_OPTIM_FILE.match(n)]
+    if moe_optim:
         raise UnsupportedCheckpointError(
-            f"'{tag_dir}' is a Mixture-of-Experts checkpoint ({_truncate(moe)}); zeroio does not consolidate "
-            "expert-parallel checkpoints yet. Use DeepSpeed's ds_to_universal.py for this one.",
+            f"'{tag_dir}' is a Mixture-of-Experts checkpoint saved without ZeRO ({_truncate(moe_optim)}); zeroio "
+            "reads MoE checkpoints of ZeRO stages 1 and 2 only. Use DeepSpeed's ds_to_universal.py for this one.",
             path=tag_dir,
-            found=moe,
+            found=moe_optim,
         )
+    experts = sorted(
+        (n for n in names if C.MOE_EXPERT_FILE.match(n)),
+        key=lambda n: tuple(int(x) for x in re.findall(r"\d+", n)[:2]),
+    )
     pipeline = [n for n in names if C.PIPELINE_LAYER_FILE.match(n)]
     if pipeline:
         raise UnsupportedCheckpointError(
@@ -170,6 +177,14 @@ def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
             path=tag_dir,
             found=sorted(mp_ranks),
         )
+    if experts and (zero3_model or not plain_model):
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}' is a Mixture-of-Experts checkpoint ({_truncate(experts)}) without "
+            f"'mp_rank_00_model_states.pt'{' (ZeRO-3)' if zero3_model else ''}; zeroio reads MoE checkpoints of ZeRO "
+            "stages 1 and 2 only. Use DeepSpeed's ds_to_universal.py for this one.",
+            path=tag_dir,
+            found=experts,
+        )
     if zero3_model:
         model_files = _ranked(zero3_model, "ZeRO-3 model states", tag_dir)
         optim_files = _ranked(optim, "optimizer states", tag_dir)
@@ -183,7 +198,13 @@ def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
             )
         return ZeroLayout(tag_dir, optim_files, model_files, True)
     if plain_model:
-        return ZeroLayout(tag_dir, _ranked(optim, "optimizer states", tag_dir), (tag_dir / plain_model[0],), False)
+        return ZeroLayout(
+            tag_dir,
+            _ranked(optim, "optimizer states", tag_dir),
+            (tag_dir / plain_model[0],),
+            False,
+            tuple(tag_dir / n for n in experts),
+        )
     if optim:
         raise CheckpointNotFoundError(
             f"'{tag_dir}' has optimizer files but no '*_model_states.pt' file; the parameter names and shapes "

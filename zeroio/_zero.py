@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -13,11 +14,12 @@ import torch
 from . import _constants as C
 from ._checkpoint import Checkpoint
 from ._layout import ZeroLayout, find_tag_dir, scan_tag_dir
-from ._metadata import CheckpointMetadata, TensorInfo, require, require_dict
+from ._metadata import CheckpointMetadata, TensorInfo, TensorKind, require, require_dict
 from ._partition import Piece, zero3_offsets, zero3_partition_numel, zero3_plan, zero12_offsets, zero12_plan
 from ._unpickle import RankFile, TensorRef, load_pickle
 from .errors import (
     CheckpointFormatError,
+    CheckpointNotFoundError,
     PartitionMismatchError,
     UnsupportedCheckpointError,
     WorldSizeMismatchError,
@@ -41,6 +43,21 @@ class _WholeSource:
     """A tensor stored whole in one file (buffers, ZeRO-1/2 frozen params)."""
 
     ref: TensorRef
+
+
+def _read_source(source: _FlatSource | _WholeSource, start: int, out: torch.Tensor) -> None:
+    """Fill ``out`` with a tensor's flattened elements ``[start, start + out.numel())``; reads only those bytes."""
+    end = start + out.numel()
+    if isinstance(source, _WholeSource):
+        source.ref.read(start, out.numel(), out)
+        return
+    for piece in source.pieces:
+        lo = max(start, piece.dest)
+        hi = min(end, piece.dest + piece.length)
+        if lo >= hi:
+            continue
+        ref = source.groups[piece.rank][piece.group]
+        ref.read(piece.start + (lo - piece.dest), hi - lo, out[lo - start : hi - start])
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -108,18 +125,7 @@ class ZeroCheckpoint(Checkpoint):
             file.close()
 
     def _read_into(self, name: str, start: int, out: torch.Tensor) -> None:
-        source = self._sources[name]
-        end = start + out.numel()
-        if isinstance(source, _WholeSource):
-            source.ref.read(start, out.numel(), out)
-            return
-        for piece in source.pieces:
-            lo = max(start, piece.dest)
-            hi = min(end, piece.dest + piece.length)
-            if lo >= hi:
-                continue
-            ref = source.groups[piece.rank][piece.group]
-            ref.read(piece.start + (lo - piece.dest), hi - lo, out[lo - start : hi - start])
+        _read_source(self._sources[name], start, out)
 
     def pieces(self, name: str) -> list[tuple[Path, int, int, int]]:
         """Where a tensor's elements live: ``(file, element offset in that file's tensor, length, dest)`` rows."""
@@ -137,6 +143,502 @@ def _train_dtype(layout: ZeroLayout, module: dict[str, Any], param_names: list[s
         if isinstance(value, TensorRef) and value.dtype.is_floating_point:
             return value.dtype
     return torch.float32
+
+
+def _config_stage(ds_config: Any, *, default: int) -> int:
+    """``ds_config['zero_optimization']['stage']``, or ``default`` when the config does not say."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return int(stage) if isinstance(stage, int) else default
+
+
+# --------------------------------------------------------------------------- value matching
+
+_SAMPLE = 2048  # elements compared at each end of a tensor; tensors up to 2 * _SAMPLE are compared whole
+
+
+def _sample_ranges(numel: int) -> list[tuple[int, int]]:
+    if numel <= 2 * _SAMPLE:
+        return [(0, numel)]
+    return [(0, _SAMPLE), (numel - _SAMPLE, _SAMPLE)]
+
+
+def _casts_to(master: _FlatSource | _WholeSource, low: TensorRef, numel: int, master_dtype: torch.dtype) -> bool:
+    """True when the fp32 ``master`` rounds to ``low``'s stored bits (compared at both ends).
+
+    DeepSpeed 0.19.8's 16-bit wrappers copy the fp32 master into the 16-bit parameter after every step
+    (``fp16_param.data.copy_(fp32_param.data)``), so a parameter's stored value is exactly its master cast.
+    """
+    for start, count in _sample_ranges(numel):
+        hp = torch.empty(count, dtype=master_dtype)
+        _read_source(master, start, hp)
+        lp = low.read(start, count)
+        if not torch.equal(hp.to(lp.dtype).view(torch.uint8), lp.view(torch.uint8)):
+            return False
+    return True
+
+
+def _same_bits(a: TensorRef, b: TensorRef) -> bool:
+    """True when two tensors of one shape and dtype hold the same bits (compared at both ends)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return all(
+        torch.equal(a.read(start, count).view(torch.uint8), b.read(start, count).view(torch.uint8))
+        for start, count in _sample_ranges(a.numel)
+    )
+
+
+# --------------------------------------------------------------------------- ZeRO stage 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage0Masters:
+    """Where a stage-0 checkpoint's fp32 master weights are, per parameter name."""
+
+    layout: str
+    masters: dict[str, _FlatSource | _WholeSource]
+    kinds: dict[str, TensorKind]
+    unresolved: tuple[str, ...] = ()
+
+
+def _stage0_params(
+    module: dict[Any, Any], buffer_names: list[str], path: Path
+) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """Distinct parameters of ``module`` and tied aliases, found by storage identity.
+
+    Stage 0 records no ``shared_params``; torch.save keeps storage sharing, so tied names point at one
+    storage, offset, shape and stride.
+    """
+    buffers = set(buffer_names)
+    params: dict[str, TensorRef] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for key, value in module.items():
+        name = str(key)
+        if name in buffers:
+            continue
+        ref = _tensor_ref(value, f"parameter '{name}'", path)
+        identity = (ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
+        if identity in seen:
+            tied[name] = seen[identity]
+        else:
+            seen[identity] = name
+            params[name] = ref
+    return params, tied
+
+
+def _fused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path: Path) -> _Stage0Masters:
+    """FP16_Optimizer (FusedAdam): one flat fp32 tensor per param group, ``fp32_groups_flat``.
+
+    Its 16-bit parameters are views into one flat 16-bit buffer per group (``p.data = flat[...]``), and
+    torch.save keeps that sharing: the group's parameters are the tensors on the storage whose size equals
+    the fp32 flat's, at their storage offsets.
+    """
+    flats = _ref_list(optimizer["fp32_groups_flat"], "optimizer.fp32_groups_flat", path)
+    members: dict[str, list[tuple[int, str, TensorRef]]] = {}
+    for name, ref in params.items():
+        if ref.dtype.is_floating_point and ref.is_contiguous:
+            members.setdefault(ref.storage.key, []).append((ref.storage_offset, name, ref))
+    tiled: dict[str, list[tuple[int, str, TensorRef]]] = {}
+    for key, rows in members.items():
+        rows.sort(key=lambda row: row[0])
+        cursor = 0
+        for off, _, ref in rows:
+            if off != cursor:
+                break
+            cursor += ref.numel
+        else:
+            if cursor == rows[0][2].storage.numel:  # the parameters tile the whole storage
+                tiled[key] = rows
+    groups = (tuple(flats),)
+    masters: dict[str, _FlatSource | _WholeSource] = {}
+    unresolved: list[str] = []
+    used: set[str] = set()
+    for g, flat in enumerate(flats):
+        candidates = [
+            key for key, rows in tiled.items()
+            if key not in used and sum(r.numel for _, _, r in rows) == flat.numel
+        ]
+        if len(candidates) > 1:  # equal sizes: keep the storage whose values are this flat rounded
+            candidates = [
+                key for key in candidates
+                if all(
+                    _casts_to(_FlatSource((Piece(0, g, off, ref.numel, 0),), groups), ref, ref.numel, flat.dtype)
+                    for off, _, ref in tiled[key]
+                )
+            ]
+        if len(candidates) != 1:
+            unresolved.append(f"fp32_groups_flat[{g}]")
+            continue
+        used.add(candidates[0])
+        for off, name, ref in tiled[candidates[0]]:
+            masters[name] = _FlatSource((Piece(0, g, off, ref.numel, 0),), groups)
+    kinds: dict[str, TensorKind] = {
+        name: "trainable" if name in masters else ("tensor" if unresolved else "frozen") for name in params
+    }
+    return _Stage0Masters("FP16_Optimizer (fused): optimizer['fp32_groups_flat']", masters, kinds, tuple(unresolved))
+
+
+def _unfused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path: Path) -> _Stage0Masters:
+    """FP16_UnfusedOptimizer (any optimizer but FusedAdam): one fp32 tensor per trainable parameter.
+
+    ``fp32_groups`` lists them per param group without names; each is matched to the one parameter of its
+    shape whose stored 16-bit value is the master rounded (shape alone decides when it is unique).
+    """
+    raw = optimizer["fp32_groups"]
+    if not isinstance(raw, (list, tuple)):
+        raise CheckpointFormatError(
+            f"'{path}': 'optimizer.fp32_groups' should be a list of lists of tensors, found {type(raw).__name__}.",
+            path=path,
+        )
+    hp = [ref for g, group in enumerate(raw) for ref in _ref_list(group, f"optimizer.fp32_groups[{g}]", path)]
+    by_shape: dict[tuple[int, ...], tuple[list[TensorRef], list[str]]] = {}
+    for ref in hp:
+        by_shape.setdefault(ref.shape, ([], []))[0].append(ref)
+    for name, ref in params.items():
+        if ref.dtype.is_floating_point:
+            by_shape.setdefault(ref.shape, ([], []))[1].append(name)
+    masters: dict[str, _FlatSource | _WholeSource] = {}
+    unresolved: list[str] = []
+    unsure: set[str] = set()
+    for shape, (tensors, names) in by_shape.items():
+        if not tensors:
+            continue
+        if len(tensors) == 1 and len(names) == 1:
+            masters[names[0]] = _WholeSource(tensors[0])
+            continue
+        candidates = [
+            [n for n in names if _casts_to(_WholeSource(t), params[n], t.numel, t.dtype)] for t in tensors
+        ]
+        taken: set[str] = set()
+        pending = list(range(len(tensors)))
+        progress = True
+        while pending and progress:
+            progress = False
+            for i in list(pending):
+                free = [n for n in candidates[i] if n not in taken]
+                if len(free) == 1:
+                    masters[free[0]] = _WholeSource(tensors[i])
+                    taken.add(free[0])
+                    pending.remove(i)
+                    progress = True
+        if pending:
+            free = sorted({n for i in pending for n in candidates[i] if n not in taken}, key=names.index)
+            same = all(_same_bits(tensors[pending[0]], tensors[i]) for i in pending)
+            if same and len(free) == len(pending):  # identical masters: any pairing gives the same tensors
+                for i, name in zip(pending, free):
+                    masters[name] = _WholeSource(tensors[i])
+            else:
+                unresolved.extend(f"fp32 master of shape {list(shape)}" for _ in pending)
+                unsure.update(n for n in names if n not in masters)
+    kinds: dict[str, TensorKind] = {
+        name: "trainable" if name in masters else ("tensor" if name in unsure else "frozen") for name in params
+    }
+    return _Stage0Masters("FP16_UnfusedOptimizer: optimizer['fp32_groups']", masters, kinds, tuple(unresolved))
+
+
+def _plain_kinds(optimizer: Any, params: dict[str, TensorRef]) -> dict[str, TensorKind]:
+    """Trainable or frozen, for a stage-0 checkpoint without a 16-bit wrapper (the parameters are the weights).
+
+    The torch optimizer state has no names; a parameter whose shape no optimizer state has is frozen, and
+    a shape held by as many states as parameters is trainable. Anything else stays ``tensor``.
+    """
+    state = optimizer.get("state") if isinstance(optimizer, dict) else None
+    if not isinstance(state, dict) or not state:
+        return {name: "tensor" for name in params}
+    counts: dict[tuple[int, ...], int] = {}
+    for entry in state.values():
+        if not isinstance(entry, dict):
+            return {name: "tensor" for name in params}
+        refs = [entry.get(k) for k in ("exp_avg", "momentum_buffer", "square_avg", "sum")]
+        refs += [v for v in entry.values() if isinstance(v, TensorRef) and v.shape]
+        ref = next((r for r in refs if isinstance(r, TensorRef)), None)
+        if ref is None:
+            return {name: "tensor" for name in params}
+        counts[ref.shape] = counts.get(ref.shape, 0) + 1
+    per_shape: dict[tuple[int, ...], int] = {}
+    for ref in params.values():
+        per_shape[ref.shape] = per_shape.get(ref.shape, 0) + 1
+    kinds: dict[str, TensorKind] = {}
+    for name, ref in params.items():
+        held = counts.get(ref.shape, 0)
+        kinds[name] = "frozen" if held == 0 else "trainable" if held == per_shape[ref.shape] else "tensor"
+    return kinds
+
+
+def _open_stage0(
+    tag_dir: Path,
+    tag_name: str | None,
+    model0_path: Path,
+    model0: dict[str, Any],
+    module: dict[Any, Any],
+    buffer_names: list[str],
+    files: list[RankFile],
+) -> ZeroCheckpoint:
+    """A ZeRO stage 0 checkpoint: ``mp_rank_00_model_states.pt`` alone, optimizer state inside it.
+
+    DeepSpeed 0.19.8 writes no optim files without ZeRO; ``model_states['optimizer']`` holds the 16-bit
+    wrapper's state, whose fp32 masters are unnamed. zero_to_fp32 fails on these folders.
+    """
+    # 1. Buffers, parameters and ties from `module`.
+    infos, sources = _buffer_infos(module, buffer_names, model0_path)
+    params, tied = _stage0_params(module, buffer_names, model0_path)
+
+    # 2. The fp32 masters: where the optimizer wrapper keeps them.
+    optimizer = model0.get("optimizer")
+    if isinstance(optimizer, dict) and "fp32_groups_flat" in optimizer:
+        found = _fused_masters(optimizer, params, model0_path)
+    elif isinstance(optimizer, dict) and "fp32_groups" in optimizer:
+        found = _unfused_masters(optimizer, params, model0_path)
+    else:
+        label = "torch optimizer (no 16-bit wrapper)" if isinstance(optimizer, dict) else "no optimizer state"
+        found = _Stage0Masters(label, {}, _plain_kinds(optimizer, params))
+    if found.unresolved:
+        logger.warning(
+            "%s: could not place %s (%s); those parameters are returned in their stored 16-bit dtype",
+            tag_dir, ", ".join(found.unresolved[:5]), found.layout,
+        )
+
+    # 3. Parameters: fp32 master where found, else the stored tensor (frozen, fp32 training, or no master).
+    has_fp32_master = True
+    for name, ref in params.items():
+        if name in found.masters:
+            infos[name] = TensorInfo(name, ref.shape, torch.float32, "trainable", (model0_path,))
+            sources[name] = found.masters[name]
+            continue
+        kind = found.kinds.get(name, "tensor")
+        if kind != "frozen" and ref.dtype.is_floating_point and ref.dtype != torch.float32:
+            has_fp32_master = False
+        infos[name] = TensorInfo(name, ref.shape, ref.dtype, kind, (model0_path,))
+        sources[name] = _WholeSource(ref)
+    for alias, src in tied.items():
+        base = infos[src]
+        infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, src)
+
+    floating = [ref.dtype for ref in params.values() if ref.dtype.is_floating_point]
+    dp = model0.get(C.DP_WORLD_SIZE)
+    metadata = CheckpointMetadata(
+        format="zero",
+        path=tag_dir,
+        tag=tag_name,
+        zero_stage=0,
+        world_size=dp if isinstance(dp, int) else None,
+        train_dtype=floating[0] if floating else torch.float32,
+        ds_version=str(model0.get(C.DS_VERSION)) if model0.get(C.DS_VERSION) is not None else None,
+        global_step=int(model0[C.GLOBAL_STEPS]) if isinstance(model0.get(C.GLOBAL_STEPS), int) else None,
+        has_fp32_master=has_fp32_master,
+        extra={
+            "ds_config": model0.get(C.DS_CONFIG),
+            "optim_files": [],
+            "model_files": [model0_path.name],
+            "fp32_master_source": found.layout,
+        },
+    )
+    ordered = {str(name): infos[str(name)] for name in module if str(name) in infos}
+    logger.debug("opened %s: ZeRO stage 0 (%s), %d tensors", tag_dir, found.layout, len(ordered))
+    return ZeroCheckpoint(metadata, ordered, tied, sources, files)
+
+
+def _buffer_infos(
+    module: dict[Any, Any], buffer_names: list[str], path: Path
+) -> tuple[dict[str, TensorInfo], dict[str, _FlatSource | _WholeSource]]:
+    """Buffers: whole tensors in rank 0's module. DeepSpeed's consolidation returns floating buffers as fp32."""
+    infos: dict[str, TensorInfo] = {}
+    sources: dict[str, _FlatSource | _WholeSource] = {}
+    for name in buffer_names:
+        ref = _tensor_ref(require(module, name, path, "model state with this buffer"), f"buffer '{name}'", path)
+        dtype = torch.float32 if ref.dtype.is_floating_point else ref.dtype
+        infos[name] = TensorInfo(name, ref.shape, dtype, "buffer", (path,), ref.dtype if ref.dtype != dtype else None)
+        sources[name] = _WholeSource(ref)
+    return infos, sources
+
+
+# --------------------------------------------------------------------------- Mixture of Experts (ZeRO-1/2)
+
+# DeepSpeed 0.19.8 deepspeed.moe.layer.MoE parameter names: <prefix>.deepspeed_moe.experts.deepspeed_experts.<id>.<rest>
+_EXPERT_PARAM = re.compile(r"^(?P<prefix>.*?)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<id>\d+)\.(?P<rest>.+)$")
+_EXPERT_FILE = re.compile(r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_\d+_model_states\.pt$")
+
+
+@dataclass(frozen=True, slots=True)
+class _Experts:
+    """The expert files of a MoE checkpoint: every expert's tensors under its global name."""
+
+    refs: dict[str, TensorRef]
+    files: dict[str, Path]
+    layer_of: dict[str, int]
+    num_experts: tuple[int, ...]
+
+    def global_name(self, local_name: str, ep_rank: int, ep_size: int) -> str | None:
+        """Name of a rank's local expert parameter under its global expert id (as in the expert files)."""
+        m = _EXPERT_PARAM.match(local_name)
+        if m is None or m["prefix"] not in self.layer_of:
+            return None
+        num_local = self.num_experts[self.layer_of[m["prefix"]]] // ep_size
+        return f"{m['prefix']}.deepspeed_moe.experts.deepspeed_experts.{ep_rank * num_local + int(m['id'])}.{m['rest']}"
+
+
+def _parse_experts(paths: Sequence[Path], parse: Any, model0: dict[str, Any], model0_path: Path) -> _Experts:
+    refs: dict[str, TensorRef] = {}
+    files: dict[str, Path] = {}
+    layer_of: dict[str, int] = {}
+    seen: dict[int, set[int]] = {}
+    for path in paths:
+        fm = _EXPERT_FILE.match(path.name)
+        if fm is None:  # _layout matched it with a looser pattern
+            raise UnsupportedCheckpointError(f"'{path}': unrecognised MoE expert file name.", path=path)
+        layer, expert = int(fm["layer"] or 0), int(fm["expert"])
+        seen.setdefault(layer, set()).add(expert)
+        tree = require_dict(parse(path), path.name, path)
+        for key, value in tree.items():
+            name = str(key)
+            pm = _EXPERT_PARAM.match(name)
+            if pm is None or int(pm["id"]) != expert or layer_of.setdefault(pm["prefix"], layer) != layer:
+                raise CheckpointFormatError(
+                    f"'{path}' holds '{name}', which is not a parameter of expert {expert} of MoE layer {layer} "
+                    "(expected '<module>.deepspeed_moe.experts.deepspeed_experts.<expert>.<param>').",
+                    path=path,
+                    name=name,
+                )
+            refs[name] = _tensor_ref(value, f"expert tensor '{name}'", path)
+            files[name] = path
+    raw = model0.get("num_experts")
+    num_experts = tuple(int(n) for n in raw) if isinstance(raw, (list, tuple)) else ()
+    if len(num_experts) < len(seen):
+        num_experts = tuple(max(seen.get(layer, {-1})) + 1 for layer in range(max(seen) + 1))
+    for layer, experts in seen.items():
+        missing = sorted(set(range(num_experts[layer])) - experts)
+        if missing:
+            name = f"layer_{layer}_expert_{missing[0]}_mp_rank_00_model_states.pt"
+            raise CheckpointNotFoundError(
+                f"Missing MoE expert file(s) for layer {layer}, expert(s) {missing[:5]} in '{model0_path.parent}' "
+                f"('{model0_path.name}' records {num_experts[layer]} experts): '{name}'. Copy the whole tag folder "
+                "again.",
+                path=model0_path.parent / name,
+            )
+    return _Experts(refs, files, layer_of, num_experts)
+
+
+def _expert_rank_sets(count: int, world_size: int, *, expert_major: bool) -> list[list[int]]:
+    """Data-parallel ranks holding each expert-parallel rank's partitions of an expert param group.
+
+    DeepSpeed 0.19.8 groups.py: by default expert-data-parallel group ``e`` is ranks ``e, e + ep, ...``;
+    with ``use_data_before_expert_parallel_`` it is ``e * count, ..., e * count + count - 1``.
+    """
+    ep = world_size // count
+    if expert_major:
+        return [[e + k * ep for k in range(count)] for e in range(ep)]
+    return [[e * count + k for k in range(count)] for e in range(ep)]
+
+
+def _insert_experts(names: list[str], experts: _Experts) -> list[str]:
+    """Place each MoE layer's expert tensors after that layer's gate, as model.state_dict() orders them."""
+    by_prefix: dict[str, list[tuple[int, int, str]]] = {}
+    for position, name in enumerate(experts.refs):
+        m = _EXPERT_PARAM.match(name)
+        if m is not None:  # always, checked in _parse_experts
+            by_prefix.setdefault(m["prefix"], []).append((int(m["id"]), position, name))
+    rest = [n for n in names if not _EXPERT_PARAM.match(n)]
+    for prefix, rows in by_prefix.items():
+        block = [name for _, _, name in sorted(rows)]
+        anchor = [i for i, n in enumerate(rest) if n.startswith(f"{prefix}.deepspeed_moe.")]
+        at = anchor[-1] + 1 if anchor else len(rest)
+        rest[at:at] = block
+    return rest
+
+
+_Placement = list[tuple[list[int], list[str]]]
+"""Per copy of a param group: the data-parallel ranks holding its partitions, and its parameters' names."""
+
+
+def _expert_group_layouts(
+    g: int,
+    group: list[tuple[str, tuple[int, ...]]],
+    count: int,
+    world_size: int,
+    experts: _Experts | None,
+    tag_dir: Path,
+) -> list[_Placement]:
+    """Candidate placements of a MoE expert param group (one per rank order DeepSpeed may have used)."""
+    if experts is None or count < 1 or world_size % count:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}': param group {g} is partitioned over {count} of {world_size} ranks, and the folder has "
+            "no MoE expert files to name its parameters; zeroio cannot place it.",
+            path=tag_dir,
+            expected=world_size,
+            found=count,
+        )
+    ep = world_size // count
+    layouts = []
+    for expert_major in ([True] if count == 1 else [True, False]):
+        placement: _Placement = []
+        for e, ranks in enumerate(_expert_rank_sets(count, world_size, expert_major=expert_major)):
+            names = []
+            for name, _ in group:
+                global_name = experts.global_name(name, e, ep)
+                if global_name is None:
+                    raise UnsupportedCheckpointError(
+                        f"'{tag_dir}': param group {g} is partitioned over {count} of {world_size} ranks (an expert "
+                        f"group) but holds '{name}', which is not a deepspeed.moe expert parameter.",
+                        path=tag_dir,
+                        name=name,
+                    )
+                names.append(global_name)
+            placement.append((ranks, names))
+        layouts.append(placement)
+    return layouts
+
+
+def _plan_zero12_group(
+    g: int,
+    group: list[tuple[str, tuple[int, ...]]],
+    numels: list[int],
+    offsets: list[int],
+    consumed: int,
+    placement: _Placement,
+    flat_groups: list[tuple[TensorRef, ...]],
+    tag_dir: Path,
+) -> list[tuple[str, tuple[int, ...], list[Piece]]]:
+    """Read plans of one ZeRO-1/2 param group's parameters, for each copy of the group in ``placement``."""
+    planned = []
+    for ranks, names in placement:
+        partition_sizes = [flat_groups[r][g].numel for r in ranks]
+        available = sum(partition_sizes)
+        # DeepSpeed pads each group to a multiple of 2*world_size; consumed and available may differ by that.
+        align = 2 * len(ranks)
+        if consumed > available or math.ceil(consumed / align) != math.ceil(available / align):
+            raise PartitionMismatchError(
+                f"Param group {g}: its {len(numels)} parameters need {consumed} elements, the {len(ranks)} "
+                f"ranks' fp32 partitions hold {available} in '{tag_dir}'. The rank files come from different "
+                "runs or world sizes.",
+                path=tag_dir,
+                expected=consumed,
+                found=available,
+            )
+        for name, (_, shape), numel, offset in zip(names, group, numels, offsets):
+            pieces = [
+                Piece(ranks[p.rank], p.group, p.start, p.length, p.dest)
+                for p in zero12_plan(numel, offset, g, partition_sizes)
+            ]
+            planned.append((name, shape, pieces))
+    return planned
+
+
+def _plan_matches_experts(
+    planned: list[tuple[str, tuple[int, ...], list[Piece]]],
+    flat_groups: list[tuple[TensorRef, ...]],
+    experts: _Experts | None,
+) -> bool:
+    """True when every planned expert master rounds to the tensor in its expert file (ZeRO-1/2 copy the
+    fp32 partition into the training-dtype parameter after each step)."""
+    if experts is None:
+        return False
+    groups = tuple(flat_groups)
+    for name, _, pieces in planned:
+        low = experts.refs.get(name)
+        if low is None or not _casts_to(_FlatSource(tuple(pieces), groups), low, low.numel, torch.float32):
+            return False
+    return True
 
 
 def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[str] = frozenset()) -> ZeroCheckpoint:
@@ -158,12 +660,13 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
     buffer_names = [str(b) for b in (require(model0, C.BUFFER_NAMES, model0_path) or [])]
     param_shapes_raw = model0.get(C.PARAM_SHAPES)
     if not layout.optim_files:
-        raise UnsupportedCheckpointError(
-            f"'{tag_dir}' has no '*_optim_states.pt' files: a ZeRO stage 0 (or weights-only) checkpoint, whose fp32 "
-            "master weights are not partitioned. zeroio reads ZeRO stages 1-3; load "
-            f"'{model0_path.name}'['module'] with torch.load(weights_only=True) instead.",
-            path=tag_dir,
-        )
+        if param_shapes_raw is not None:
+            raise CheckpointNotFoundError(
+                f"'{tag_dir}' is a ZeRO stage 1-3 checkpoint ('{model0_path.name}' records param_shapes) but has no "
+                "'*_optim_states.pt' files, where the fp32 master weights live. Copy the whole tag folder again.",
+                path=tag_dir,
+            )
+        return _open_stage0(tag_dir, tag_name, model0_path, model0, module, buffer_names, files)
     if not isinstance(param_shapes_raw, list):
         raise CheckpointFormatError(
             f"'{model0_path}' has no parameter shapes ('{C.PARAM_SHAPES}' is {type(param_shapes_raw).__name__}); "
@@ -185,6 +688,10 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
     stages, flat_groups = [], []
     for rank, (opath, tree) in enumerate(zip(layout.optim_files, optim_trees)):
         osd = require_dict(require(tree, C.OPTIMIZER_STATE_DICT, opath), C.OPTIMIZER_STATE_DICT, opath)
+        if C.ZERO_STAGE not in osd and C.SINGLE_PARTITION_OF_FP32_GROUPS in osd:
+            # DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 gradient accumulation) records no stage and
+            # partitions exactly like ZeRO-1; zero_to_fp32 0.19.8 rejects these files ("is not a zero checkpoint").
+            osd = {**osd, C.ZERO_STAGE: _config_stage(model0.get(C.DS_CONFIG), default=1)}
         stage = int(require(osd, C.ZERO_STAGE, opath, "DeepSpeed ZeRO optimizer state"))
         count = _partition_count(osd, opath)
         if count != len(layout.optim_files):
@@ -221,17 +728,9 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
         )
     model_trees = [model0] + [parse(p) for p in layout.model_files[1:]]
 
-    infos: dict[str, TensorInfo] = {}
-    sources: dict[str, _FlatSource | _WholeSource] = {}
-
     # 4. Buffers: whole tensors in rank 0's module. DeepSpeed's consolidation returns floating buffers as fp32.
-    for name in buffer_names:
-        ref = _tensor_ref(require(module, name, model0_path, "model state with this buffer"), f"buffer '{name}'", model0_path)
-        dtype = torch.float32 if ref.dtype.is_floating_point else ref.dtype
-        infos[name] = TensorInfo(
-            name, ref.shape, dtype, "buffer", (model0_path,), ref.dtype if ref.dtype != dtype else None
-        )
-        sources[name] = _WholeSource(ref)
+    infos, sources = _buffer_infos(module, buffer_names, model0_path)
+    experts = _parse_experts(layout.expert_files, parse, model0, model0_path) if layout.expert_files else None
 
     # 5. Frozen parameters, in their training dtype.
     frozen_names = list(frozen_shapes)
@@ -273,6 +772,9 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
             # Older DeepSpeed (or ZeRO-1) may not record frozen shapes: frozen = module params not optimized.
             skip = set(buffer_names) | set(trainable) | set(shared)
             frozen_names = [n for n in module if n not in skip]
+        if experts is not None:
+            # MoE: rank 0 records its own experts under local ids; every expert is in the expert files.
+            frozen_names = [n for n in frozen_names if not _EXPERT_PARAM.match(n)]
         for name in frozen_names:
             value = fragments.get(name, module.get(name))
             ref = _tensor_ref(value, f"frozen parameter '{name}'", model0_path)
@@ -330,6 +832,15 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
                 expected=len(group_shapes),
                 found=len(flat_groups[0]),
             )
+        counts = osd0.get(C.PARTITION_COUNT)
+        for rank, groups in enumerate(flat_groups):
+            if len(groups) != len(group_shapes):
+                raise PartitionMismatchError(
+                    f"'{layout.optim_files[rank]}' holds {len(groups)} fp32 groups, rank 0 holds "
+                    f"{len(group_shapes)}.",
+                    path=layout.optim_files[rank],
+                    rank=rank,
+                )
         for g, group in enumerate(group_shapes):
             numels = [_numel(s) for _, s in group]
             group_padding = None if paddings is None else [int(p) for p in paddings[g]]
@@ -337,33 +848,37 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
                 offsets, consumed = zero12_offsets(numels, group_padding)
             except ValueError as exc:
                 raise PartitionMismatchError(f"'{layout.optim_files[0]}': {exc}.", path=layout.optim_files[0]) from None
-            partition_sizes = []
-            for rank, groups in enumerate(flat_groups):
-                if len(groups) != len(group_shapes):
-                    raise PartitionMismatchError(
-                        f"'{layout.optim_files[rank]}' holds {len(groups)} fp32 groups, rank 0 holds "
-                        f"{len(group_shapes)}.",
-                        path=layout.optim_files[rank],
-                        rank=rank,
-                    )
-                partition_sizes.append(groups[g].numel)
-            available = sum(partition_sizes)
-            # DeepSpeed pads each group to a multiple of 2*world_size; consumed and available may differ by that.
-            align = 2 * world_size
-            if consumed > available or math.ceil(consumed / align) != math.ceil(available / align):
-                raise PartitionMismatchError(
-                    f"Param group {g}: its {len(numels)} parameters need {consumed} elements, the {world_size} "
-                    f"ranks' fp32 partitions hold {available} in '{tag_dir}'. The rank files come from different "
-                    "runs or world sizes.",
+            count = int(counts[g]) if isinstance(counts, (list, tuple)) and g < len(counts) else world_size
+            if count == world_size:
+                layouts = [[(list(range(world_size)), [name for name, _ in group])]]
+            else:
+                # MoE expert group: partitioned over an expert-data-parallel group of `count` ranks, one copy
+                # per expert-parallel rank; rank 0's param_shapes name its own experts by local id.
+                layouts = _expert_group_layouts(g, group, count, world_size, experts, tag_dir)
+            placed = None
+            for candidate in layouts:
+                planned = _plan_zero12_group(g, group, numels, offsets, consumed, candidate, flat_groups, tag_dir)
+                if len(layouts) == 1 or _plan_matches_experts(planned, flat_groups, experts):
+                    placed = planned
+                    break
+            if placed is None:
+                raise UnsupportedCheckpointError(
+                    f"'{tag_dir}': the fp32 partitions of MoE param group {g} match the expert files under neither "
+                    "of DeepSpeed's expert/data-parallel rank orders; zeroio cannot place them. Use DeepSpeed's "
+                    "ds_to_universal.py for this one.",
                     path=tag_dir,
-                    expected=consumed,
-                    found=available,
                 )
-            for (name, shape), numel, offset in zip(group, numels, offsets):
-                pieces = zero12_plan(numel, offset, g, partition_sizes)
+            for name, shape, pieces in placed:
                 files_used = tuple(sorted({layout.optim_files[p.rank] for p in pieces})) or (layout.optim_files[0],)
                 infos[name] = TensorInfo(name, shape, flat_groups[0][g].dtype, "trainable", files_used)
                 sources[name] = _FlatSource(tuple(pieces), tuple(flat_groups))
+
+    # 6b. MoE expert tensors not trained (frozen experts) come from the expert files, in the training dtype.
+    if experts is not None:
+        for name, ref in experts.refs.items():
+            if name not in infos:
+                infos[name] = TensorInfo(name, ref.shape, ref.dtype, "frozen", (experts.files[name],))
+                sources[name] = _WholeSource(ref)
 
     # 7. Tied aliases (DeepSpeed's shared_params: alias -> source), only where the source exists.
     tied = {alias: src for alias, src in shared.items() if src in infos and alias not in infos}
@@ -374,6 +889,8 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
     # 8. Key order: model.state_dict() order as recorded in `module`, then anything module does not list.
     ordered = {name: infos[name] for name in module if name in infos}
     ordered.update((name, info) for name, info in infos.items() if name not in ordered)
+    if experts is not None:
+        ordered = {name: ordered[name] for name in _insert_experts(list(ordered), experts)}
 
     metadata = CheckpointMetadata(
         format="zero",
@@ -390,6 +907,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
             "optim_files": [p.name for p in layout.optim_files],
             "model_files": [p.name for p in layout.model_files],
             "num_param_groups": len(group_shapes),
+            "expert_files": [p.name for p in layout.expert_files],
         },
     )
     logger.debug("opened %s: ZeRO-%d, world size %d, %d tensors", tag_dir, stage, world_size, len(ordered))
