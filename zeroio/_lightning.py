@@ -1,0 +1,280 @@
+"""Write one consolidated PyTorch Lightning ``.ckpt`` file: the state dict plus Lightning's saved client state."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import enum
+import logging
+import os
+import pathlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._atomic import clean_stale, fsync_dir, temp_name
+from ._checkpoint import Checkpoint
+from ._types import DTypeLike, StrPath
+from ._unpickle import RankFile, TensorRef, _Inert, _InertDict, load_pickle
+from .errors import OutputError, UnsupportedCheckpointError, ZeroIOError
+
+__all__ = ["LightningCheckpointResult", "write_lightning_ckpt", "LIGHTNING_PREFIX", "DEEPSPEED_STATE_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+LIGHTNING_PREFIX = "_forward_module."
+"""Key prefix of Lightning < 2.1 DeepSpeed checkpoints (its ``_LightningModuleWrapperBase``); stripped on write,
+as Lightning's own ``convert_zero_checkpoint_to_fp32_state_dict`` does. Lightning 2.6 writes no prefix."""
+
+DEEPSPEED_STATE_KEYS = frozenset(
+    {
+        # DeepSpeed 0.19.8 engine._common_checkpoint_state / _save_checkpoint: the engine's own model_states keys.
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "csr_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+        "num_experts",
+        "ds_autoep_layers",
+        "autoep_layers",
+        "universal_checkpoint_info",
+        "folding",
+        # Lightning's own single-file keys that describe training, not the model (never in ZeRO client state,
+        # but present when re-writing a Lightning .ckpt whose optimizer state cannot be consolidated here).
+        "optimizer_states",
+    }
+)
+"""model_states keys written by DeepSpeed itself (and ``optimizer_states``); every other key is client state."""
+
+# Plain-data classes the unpickler rebuilds inert; the writer gives them back as the real objects.
+_REBUILD: dict[str, Any] = {
+    "pathlib.PosixPath": pathlib.PurePosixPath if os.name == "nt" else pathlib.PosixPath,
+    "pathlib.WindowsPath": pathlib.PureWindowsPath if os.name != "nt" else pathlib.WindowsPath,
+    "pathlib.PurePosixPath": pathlib.PurePosixPath,
+    "pathlib.PureWindowsPath": pathlib.PureWindowsPath,
+    "datetime.datetime": datetime.datetime,
+    "datetime.date": datetime.date,
+    "datetime.timedelta": datetime.timedelta,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LightningCheckpointResult:
+    """What :func:`write_lightning_ckpt` wrote."""
+
+    path: Path
+    """The ``.ckpt`` file."""
+    num_tensors: int
+    """Distinct tensors in ``state_dict`` (a tied alias shares its source's tensor and is not counted)."""
+    total_size: int
+    """Bytes of tensor data in ``state_dict`` (each tied group once)."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Tied aliases in ``state_dict``, ``{alias: source}``; both names share one tensor in the file."""
+    client_state_keys: tuple[str, ...] = ()
+    """Top-level keys copied from the source's client state (``epoch``, ``global_step``, ``hyper_parameters``,
+    ``loops``, ``callbacks``, ``pytorch-lightning_version``, ...), in file order."""
+    stripped_prefix: str | None = None
+    """``"_forward_module."`` when the source's keys carried it (Lightning < 2.1), else None."""
+
+
+def _client_state_file(ckpt: Checkpoint) -> Path | None:
+    """The file holding the source's client state: ZeRO rank-0 model_states, or a Lightning ``.ckpt`` itself."""
+    meta = ckpt.metadata
+    if meta.format == "zero":
+        model_files = meta.extra.get("model_files") or []
+        return Path(meta.path) / str(model_files[0]) if model_files else None
+    if meta.format == "torch" and meta.extra.get("index") is None and meta.extra.get("state_dict_key") == "state_dict":
+        return Path(meta.path)
+    return None
+
+
+def _plain(value: Any, where: str, path: Path) -> Any:
+    """A copy of unpickled client state as real objects: tensors read, inert stand-ins turned back into data."""
+    if isinstance(value, TensorRef):
+        return value.materialize()
+    if isinstance(value, enum.IntEnum):  # DeepSpeed's ZeroStageEnum stand-in
+        return int(value)
+    if isinstance(value, _InertDict):  # Lightning's AttributeDict: a plain dict loads everywhere
+        return {k: _plain(v, f"{where}.{k}", path) for k, v in value.items()}
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, _plain(v, f"{where}.{k}", path)) for k, v in value.items())
+    if isinstance(value, dict):
+        return {k: _plain(v, f"{where}.{k}", path) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, f"{where}[{i}]", path) for i, v in enumerate(value)]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        items = [_plain(v, f"{where}[{i}]", path) for i, v in enumerate(value)]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(_plain(v, where, path) for v in value)
+    if isinstance(value, _Inert):
+        qualified = value._zeroio_global
+        state = dict(value.__dict__)
+        args, kwargs = state.pop("_args", ()), state.pop("_kwargs", {})
+        if qualified == "argparse.Namespace" and not args and not kwargs:
+            return argparse.Namespace(**{k: _plain(v, f"{where}.{k}", path) for k, v in state.items()})
+        if qualified in _REBUILD and not state and not kwargs:
+            try:
+                return _REBUILD[qualified](*args)
+            except (TypeError, ValueError):
+                pass
+        raise UnsupportedCheckpointError(
+            f"Cannot write the client state '{where}' of '{path}' into a Lightning checkpoint: it holds a "
+            f"'{qualified}' object, which zeroio read as inert data and cannot rebuild. Remove it from what "
+            "on_save_checkpoint() stores, or write fmt='safetensors' (weights only).",
+            path=path,
+            name=where,
+            found=qualified,
+        )
+    return value
+
+
+def _read_client_state(path: Path, trusted_globals: frozenset[str]) -> dict[str, Any]:
+    tree, file = load_pickle(path, trusted_globals=trusted_globals)
+    try:
+        if not isinstance(tree, dict):
+            return {}
+        return {
+            str(key): _plain(value, str(key), path)
+            for key, value in tree.items()
+            if key not in DEEPSPEED_STATE_KEYS and key != "state_dict"
+        }
+    finally:
+        file.close()
+
+
+def _state_dict_key(name: str) -> str:
+    return name[len(LIGHTNING_PREFIX) :] if name.startswith(LIGHTNING_PREFIX) else name
+
+
+def _save_atomic(obj: dict[str, Any], dst: Path) -> None:
+    tmp = temp_name(dst)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, ZeroIOError):
+            raise
+        cause = f"{exc.strerror or exc}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        raise OutputError(
+            f"Cannot write '{dst}': {cause}. Removed the partial output. Fix the cause and run the conversion again.",
+            path=dst,
+        ) from exc
+
+
+def write_lightning_ckpt(
+    ckpt: Checkpoint,
+    dst_file: StrPath,
+    *,
+    dtype: DTypeLike | None = None,
+    overwrite: bool = False,
+    trusted_globals: Iterable[str] = (),
+) -> LightningCheckpointResult:
+    """Write one consolidated Lightning ``.ckpt``: ``state_dict`` plus the client state Lightning saved.
+
+    The client state (``epoch``, ``global_step``, ``hyper_parameters``, ``callbacks``, ``loops``,
+    ``pytorch-lightning_version``, ... every model_states key DeepSpeed did not write itself) is read from the
+    ZeRO checkpoint's rank-0 model_states file with zeroio's restricted unpickler; tensors in it are read to
+    CPU, whatever device they were saved from. Keys lose Lightning < 2.1's ``_forward_module.`` prefix, tied
+    names share one tensor, and the file loads with ``torch.load(weights_only=True)`` unless the client state
+    itself holds paths, dates or ``argparse.Namespace`` objects (rebuilt as the real objects, as Lightning saved
+    them). ``LightningModule.load_from_checkpoint(dst_file)`` restores the module; Lightning 2.x calls
+    ``configure_model()`` before loading the weights. The whole state dict is held in memory while writing
+    (a torch pickle cannot be streamed).
+
+    Args:
+        ckpt: an open checkpoint, usually ``zeroio.open("<run>/epoch=3-step=100.ckpt")`` (the folder
+            DeepSpeedStrategy saves). Other checkpoints work too; without Lightning client state the file
+            holds only ``state_dict``.
+        dst_file: the ``.ckpt`` file to write (atomically: a temporary sibling renamed into place).
+        dtype: cast floating tensors (``"bf16"``, ``torch.float16``, ...); default: as stored (fp32 masters).
+        overwrite: replace an existing file.
+        trusted_globals: pickle globals to accept in the client state, as given to ``zeroio.open``.
+
+    Returns:
+        A :class:`LightningCheckpointResult` (path, tensor count and bytes, ties, client-state keys).
+
+    Raises:
+        OutputError: ``dst_file`` exists (without ``overwrite``), is a folder, or cannot be written.
+        UnsupportedCheckpointError: the client state holds an object zeroio cannot rebuild.
+
+    Example:
+        >>> import zeroio
+        >>> from zeroio._lightning import write_lightning_ckpt
+        >>> with zeroio.open("fixtures/lightning_z3_fp32/model.ckpt") as ckpt:  # doctest: +SKIP
+        ...     result = write_lightning_ckpt(ckpt, "model.ckpt")
+        >>> result.client_state_keys[:2]  # doctest: +SKIP
+        ('epoch', 'global_step')
+    """
+    # 1. Check the destination before reading anything.
+    dst = Path(os.path.abspath(dst_file))
+    if dst.is_dir():
+        raise OutputError(
+            f"Output path '{dst}' is a folder; a Lightning checkpoint is one file. Pass a file path such as "
+            f"'{dst / 'model.ckpt'}'.",
+            path=dst,
+        )
+    if os.path.lexists(dst) and not overwrite:
+        raise OutputError(
+            f"Output file '{dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
+            "or choose another destination.",
+            path=dst,
+        )
+    if not dst.parent.is_dir():
+        raise OutputError(f"Cannot write '{dst}': folder '{dst.parent}' does not exist. Create it first.", path=dst)
+    clean_stale(dst.parent)
+
+    # 2. Client state from the source (metadata-sized; tensors in it are small, e.g. callback scores).
+    source = _client_state_file(ckpt)
+    client = _read_client_state(source, frozenset(trusted_globals)) if source is not None else {}
+
+    # 3. The consolidated state dict: tied names share one tensor; Lightning < 2.1's wrapper prefix dropped.
+    state_dict: dict[str, torch.Tensor] = {}
+    stripped = False
+    for name, tensor in ckpt.iter_tensors(dtype=dtype):
+        key = _state_dict_key(name)
+        stripped = stripped or key != name
+        state_dict[key] = tensor
+    tied = {_state_dict_key(a): _state_dict_key(s) for a, s in ckpt.tied.items()}
+
+    # 4. Lightning's layout: client state keys in their saved order, then state_dict (as Lightning's converter).
+    obj = dict(client)
+    obj["state_dict"] = state_dict
+    _save_atomic(obj, dst)
+    distinct = [t for k, t in state_dict.items() if k not in tied]
+    logger.debug("wrote %s: %d tensors, client state %s", dst, len(state_dict), sorted(client))
+    return LightningCheckpointResult(
+        path=dst,
+        num_tensors=len(distinct),
+        total_size=sum(t.numel() * t.element_size() for t in distinct),
+        tied=tied,
+        client_state_keys=tuple(client),
+        stripped_prefix=LIGHTNING_PREFIX if stripped else None,
+    )
