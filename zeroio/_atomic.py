@@ -158,6 +158,14 @@ class AtomicDir:
 
         Call it before any expensive work; entering the context calls it again.
         """
+        ancestor = self.dst.parent
+        while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise OutputError(
+                f"Cannot write '{self.dst}': '{ancestor}' is a file, not a folder. Choose another destination.",
+                path=self.dst,
+            )
         if self.dst.parent.is_dir():
             clean_stale(self.dst.parent)
         self._refuse_existing()
@@ -178,7 +186,9 @@ class AtomicDir:
             tmp = temp_name(self.dst)
             tmp.mkdir()
         except OSError as exc:
-            raise self._error(exc) from exc
+            # Name the folder we could not write in, not the random temporary name.
+            where = OSError(exc.errno, exc.strerror, str(self.dst.parent))
+            raise self._error(where) from exc
         self.tmp = tmp
         return tmp
 

@@ -120,6 +120,16 @@ def _create(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Make an OSError name the output file it concerns (its final path, not the temporary one)."""
+    try:
+        yield
+    except OSError as exc:
+        exc.filename = str(path)
+        raise
+
+
 def _write_text(path: Path, text: str) -> None:
     fd = _create(path)
     try:
@@ -192,6 +202,7 @@ def _card_facts(
 def _write_safetensors(
     ckpt: Checkpoint,
     tmp: Path,
+    dst: Path,
     names: list[str],
     ties: dict[str, str],
     dtypes: dict[str, torch.dtype],
@@ -225,42 +236,47 @@ def _write_safetensors(
     try:
         slot_of = {}
         for filename, layout in layouts:
-            fd = _create(tmp / filename)
-            fds.append(fd)
-            preallocate(fd, layout.size)
-            pwrite_all(fd, layout.header, 0)
+            with _naming(dst / filename):
+                fd = _create(tmp / filename)
+                fds.append(fd)
+                preallocate(fd, layout.size)
+                pwrite_all(fd, layout.header, 0)
             for slot in layout.slots:
-                slot_of[slot.name] = (fd, slot)
+                slot_of[slot.name] = (fd, slot, dst / filename)
         meter.start()
 
         # 4. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
         #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes.
         def task(name: str) -> Callable[[], None]:
-            fd, slot = slot_of[name]
+            fd, slot, final = slot_of[name]
 
             def run() -> None:
                 chunks = ckpt.iter_chunks(name, dtype=target, chunk_bytes=chunk_bytes)
-                write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
+                with _naming(final):
+                    write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
 
             return run
 
         with _pool(workers) as pool:
             _run_all(pool, [task(n) for n in stored], stop)
-        for fd in fds:
-            os.fsync(fd)
+        for fd, (filename, _) in zip(fds, layouts):
+            with _naming(dst / filename):
+                os.fsync(fd)
     finally:
         for fd in fds:
             os.close(fd)
         meter.close()
     # 5. The index last.
     if index is not None:
-        _write_text(tmp / C.SAFETENSORS_INDEX, index)
+        with _naming(dst / C.SAFETENSORS_INDEX):
+            _write_text(tmp / C.SAFETENSORS_INDEX, index)
     return plan, index
 
 
 def _write_torch(
     ckpt: Checkpoint,
     tmp: Path,
+    dst: Path,
     names: list[str],
     ties: dict[str, str],
     dtypes: dict[str, torch.dtype],
@@ -297,7 +313,7 @@ def _write_torch(
                 # The planner keeps each tied alias in its source's shard.
                 _run_all(pool, [load(n) for n in shard_names if n not in ties], stop)
                 shard = {n: loaded[ties.get(n, n)] for n in shard_names}
-                with open(tmp / filename, "xb") as fh:
+                with _naming(dst / filename), open(tmp / filename, "xb") as fh:
                     torch.save(shard, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
@@ -305,7 +321,8 @@ def _write_torch(
     finally:
         meter.close()
     if index is not None:
-        _write_text(tmp / C.TORCH_INDEX, index)
+        with _naming(dst / C.TORCH_INDEX):
+            _write_text(tmp / C.TORCH_INDEX, index)
     return plan, index
 
 
@@ -412,13 +429,13 @@ def convert(
         with out as tmp:
             if fmt == "safetensors":
                 plan, index = _write_safetensors(
-                    ckpt, tmp, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
+                    ckpt, tmp, out.dst, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
                     chunk_bytes=chunk_bytes, progress=progress,
                 )
                 index_name = C.SAFETENSORS_INDEX
             else:
                 plan, index = _write_torch(
-                    ckpt, tmp, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
+                    ckpt, tmp, out.dst, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
                     progress=progress,
                 )
                 index_name = C.TORCH_INDEX
