@@ -40,11 +40,11 @@ class LoadReport:
     missing_keys: tuple[str, ...]
     """Model keys (parameters and persistent buffers) that no checkpoint tensor filled."""
     unexpected_keys: tuple[str, ...]
-    """Checkpoint keys (as stored) that match no model key."""
+    """Checkpoint keys (after ``key_map``) that match no model key."""
     mismatched_shapes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
     """``(model key, checkpoint shape, model shape)`` for each key left unloaded because the shapes differ."""
     loaded_keys: tuple[str, ...]
-    """Model keys now holding checkpoint values (tied aliases included), in checkpoint order."""
+    """Model keys now holding checkpoint values (tied aliases included), in ``model.state_dict()`` order."""
     tied: dict[str, str] = field(default_factory=dict)
     """Model ties after loading, ``{alias: source}``: ``alias`` and ``source`` are the very same tensor object."""
     renamed_keys: dict[str, str] = field(default_factory=dict)
@@ -129,8 +129,9 @@ def _run_hooks(model: nn.Module, init_hook: InitHook | None, where: str) -> tupl
         try:
             call()
         except Exception as exc:
+            shown = name if init_hook is not None else f"{type(model).__name__}.{name}"
             raise ZeroIOError(
-                f"The init hook {name} raised {type(exc).__name__}: {exc}. Nothing was loaded from '{where}'; fix "
+                f"The init hook {shown} raised {type(exc).__name__}: {exc}. Nothing was loaded from '{where}'; fix "
                 "the hook so that it builds the model's layers, then call zeroio.load again.",
                 path=where,
                 name=name,
@@ -193,7 +194,6 @@ def _mismatch_message(
     model: nn.Module,
     missing: list[str],
     unexpected: list[str],
-    unexpected_mapped: dict[str, str],
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
     where: str,
     matching: int,
@@ -201,12 +201,11 @@ def _mismatch_message(
     # torch's wording (Module.load_state_dict), so that searches for the familiar message find this one.
     lines = [f"Error(s) in loading state_dict for {type(model).__name__}:"]
     if missing:
-        by_mapped = {mapped: key for key, mapped in unexpected_mapped.items()}
         notes = {}
         for key in missing[:_SHOWN]:
-            close = difflib.get_close_matches(key, list(by_mapped), n=1)
+            close = difflib.get_close_matches(key, unexpected, n=1, cutoff=0.8)
             if close:
-                notes[key] = f' (did you mean "{by_mapped[close[0]]}"?)'
+                notes[key] = f' (did you mean "{close[0]}"?)'
         lines.append(f"Missing key(s) in state_dict: {_listing(missing, notes)}.")
     if unexpected:
         lines.append(f"Unexpected key(s) in state_dict: {_listing(unexpected)}.")
@@ -364,7 +363,7 @@ def _load(
     for key, name in mapped.items():
         slot = by_key.get(name)
         if slot is None:
-            unexpected.append(key)
+            unexpected.append(name)
             continue
         if name in claimed:
             other = claimed[name]
@@ -382,14 +381,14 @@ def _load(
             mismatched.append((name, ckpt_shape, model_shape))
             continue
         plan.setdefault(id(slot), (slot, key))
+    order = {k: i for i, k in enumerate(by_key)}
+    mismatched.sort(key=lambda m: order[m[0]])  # model order, as torch reports them
     # A tied model tensor is satisfied by any of its names; a size-mismatched one is reported once, as such.
     accounted = set(plan) | {id(by_key[name]) for name, _, _ in mismatched}
     missing = [k for k, slot in by_key.items() if id(slot) not in accounted]
     if strict and (missing or unexpected or mismatched):
         raise StateDictMismatchError(
-            _mismatch_message(
-                model, missing, unexpected, {k: mapped[k] for k in unexpected}, mismatched, where, len(plan)
-            ),
+            _mismatch_message(model, missing, unexpected, mismatched, where, len(plan)),
             missing_keys=missing,
             unexpected_keys=unexpected,
             mismatched_shapes=mismatched,
@@ -417,7 +416,7 @@ def _load(
                 progress(done, total)
 
     # 5. Report.
-    loaded_keys = [n for slot, _ in plan.values() for n in slot.names if n in by_key]
+    loaded_keys = [k for k, slot in by_key.items() if id(slot) in plan]
     tied = {alias: slot.names[0] for slot in all_slots for alias in slot.names[1:]}
     meta_keys = [n for slot in all_slots if slot.tensor.is_meta for n in slot.names]
     if meta_keys:
