@@ -181,14 +181,18 @@ class AtomicDir:
 
     def __enter__(self) -> Path:
         self.check()
+        tmp = temp_name(self.dst)
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = temp_name(self.dst)
             tmp.mkdir()
         except OSError as exc:
             # Name the folder we could not write in, not the random temporary name.
             where = OSError(exc.errno, exc.strerror, str(self.dst.parent))
             raise self._error(where) from exc
+        except BaseException as exc:  # KeyboardInterrupt right after mkdir: __exit__ will not run
+            _remove(tmp)
+            self.tmp = tmp
+            raise self._error(exc) from exc
         self.tmp = tmp
         return tmp
 

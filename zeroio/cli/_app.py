@@ -76,19 +76,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a checkpoint to safetensors / torch files (streaming, atomic)."""
     from .._convert import convert
+    from ..errors import OutputError
 
-    result = convert(
-        args.src,
-        args.dst,
-        fmt=args.format,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        tag=args.tag,
-        exclude_frozen=args.exclude_frozen,
-        overwrite=args.overwrite,
-        workers=args.workers,
-        progress=not args.quiet,
-    )
+    try:
+        result = convert(
+            args.src,
+            args.dst,
+            fmt=args.format,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            tag=args.tag,
+            exclude_frozen=args.exclude_frozen,
+            overwrite=args.overwrite,
+            workers=args.workers,
+            progress=not args.quiet,
+        )
+    except OutputError as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
+            print(f"Output error: {exc}", file=sys.stderr)
+            return 130
+        raise
     if not args.quiet:
         print(
             f"Wrote {result.num_tensors} tensors ({_human_bytes(result.total_size)}) in {len(result.files)} file(s) "
@@ -151,12 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(func=cmd_inspect)
 
+    def shard_size(text: str) -> int:
+        from .._sharding import parse_size
+
+        try:
+            return parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
     p = sub.add_parser("convert", help="write safetensors (or torch) files, streaming and atomic")
     p.add_argument("src", help="checkpoint to read")
     p.add_argument("dst", help="output folder (created; must not exist unless --overwrite)")
     p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"], help="output format")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors")
-    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB (default: 5GB)")
+    p.add_argument(
+        "--max-shard-size", default="5GB", type=shard_size, help="largest shard, e.g. 5GB, 500MB (default: 5GB)"
+    )
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
