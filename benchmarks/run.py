@@ -289,6 +289,8 @@ def measure(
         sampler = _Sampler(proc.pid)
         sampler.start()
         stdout_text = proc.stdout.read() if proc.stdout else ""
+        if proc.stdout:
+            proc.stdout.close()
         _, status = os.waitpid(proc.pid, 0)
         t1 = time.perf_counter()
         sampler.stop()
@@ -533,13 +535,16 @@ def bench_memory_cap(subject: Subject, *, methods: list[str], cap: int, work: Pa
     runs = []
     out_root = work / "out"
     out_root.mkdir(parents=True, exist_ok=True)
-    for method in methods:
-        if method not in ("zeroio", "ds_bin", "ds_safe", "ds_lazy", "zeroio_stream"):
-            continue
+    variants = [(m, None) for m in methods if m in ("zeroio", "ds_bin", "ds_safe", "ds_lazy", "zeroio_stream")]
+    if "zeroio" in methods:
+        variants.insert(1, ("zeroio_w1", 1))
+    for method, w in variants:
+        base = "zeroio" if method.startswith("zeroio_w") else method
         dst = out_root / f"zeroio-bench-cap-{method}"
-        if method in ("ds_lazy", "zeroio_stream"):
+        if base in ("ds_lazy", "zeroio_stream"):
             dst = dst.with_suffix(".raw")
-        cmd = command_for(method, subject.path, dst, fp32_bytes=subject.fp32_bytes, ranges=subject.ranges, work=work)
+        cmd = command_for(base, subject.path, dst, fp32_bytes=subject.fp32_bytes, ranges=subject.ranges, work=work,
+                          workers=w)
         if cmd is None:
             continue
         _remove(dst)
