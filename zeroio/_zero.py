@@ -502,9 +502,9 @@ def _parse_experts(paths: Sequence[Path], parse: Any, model0: dict[str, Any], mo
                 )
             refs[name] = _tensor_ref(value, f"expert tensor '{name}'", path)
             files[name] = path
-    raw = model0.get("num_experts")
-    num_experts = tuple(int(n) for n in raw) if isinstance(raw, (list, tuple)) else ()
-    if len(num_experts) < len(seen):
+    raw = model0.get("num_experts")  # one count per MoE layer (DeepSpeed 0.19.8 engine.num_experts)
+    num_experts = tuple(n if isinstance(n, int) else -1 for n in raw) if isinstance(raw, (list, tuple)) else ()
+    if any(layer >= len(num_experts) or num_experts[layer] < 1 for layer in seen):
         num_experts = tuple(max(seen.get(layer, {-1})) + 1 for layer in range(max(seen) + 1))
     for layer, experts in seen.items():
         missing = sorted(set(range(num_experts[layer])) - experts)
@@ -848,7 +848,8 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
                 offsets, consumed = zero12_offsets(numels, group_padding)
             except ValueError as exc:
                 raise PartitionMismatchError(f"'{layout.optim_files[0]}': {exc}.", path=layout.optim_files[0]) from None
-            count = int(counts[g]) if isinstance(counts, (list, tuple)) and g < len(counts) else world_size
+            count = counts[g] if isinstance(counts, (list, tuple)) and g < len(counts) else world_size
+            count = count if isinstance(count, int) else world_size
             if count == world_size:
                 layouts = [[(list(range(world_size)), [name for name, _ in group])]]
             else:
@@ -856,9 +857,14 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
                 # per expert-parallel rank; rank 0's param_shapes name its own experts by local id.
                 layouts = _expert_group_layouts(g, group, count, world_size, experts, tag_dir)
             placed = None
-            for candidate in layouts:
-                planned = _plan_zero12_group(g, group, numels, offsets, consumed, candidate, flat_groups, tag_dir)
-                if len(layouts) == 1 or _plan_matches_experts(planned, flat_groups, experts):
+            if len(layouts) == 1:
+                placed = _plan_zero12_group(g, group, numels, offsets, consumed, layouts[0], flat_groups, tag_dir)
+            for candidate in layouts if placed is None else []:
+                try:
+                    planned = _plan_zero12_group(g, group, numels, offsets, consumed, candidate, flat_groups, tag_dir)
+                except PartitionMismatchError:  # this rank order does not even fit the partition sizes
+                    continue
+                if _plan_matches_experts(planned, flat_groups, experts):
                     placed = planned
                     break
             if placed is None:
