@@ -19,10 +19,10 @@ import torch
 from ._atomic import clean_stale, fsync_dir, temp_name
 from ._checkpoint import Checkpoint
 from ._types import DTypeLike, StrPath
-from ._unpickle import RankFile, TensorRef, _Inert, _InertDict, load_pickle
+from ._unpickle import TensorRef, _Inert, _InertDict, load_pickle
 from .errors import OutputError, UnsupportedCheckpointError, ZeroIOError
 
-__all__ = ["LightningCheckpointResult", "write_lightning_ckpt", "LIGHTNING_PREFIX", "DEEPSPEED_STATE_KEYS"]
+__all__ = ["DEEPSPEED_STATE_KEYS", "LIGHTNING_PREFIX", "LightningCheckpointResult", "write_lightning_ckpt"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _read_client_state(path: Path, trusted_globals: frozenset[str]) -> dict[str,
 
 
 def _state_dict_key(name: str) -> str:
-    return name[len(LIGHTNING_PREFIX) :] if name.startswith(LIGHTNING_PREFIX) else name
+    return name.removeprefix(LIGHTNING_PREFIX)
 
 
 def _save_atomic(obj: dict[str, Any], dst: Path) -> None:
