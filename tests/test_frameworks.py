@@ -274,6 +274,42 @@ def test_write_lightning_ckpt_load_from_checkpoint(tmp_path, name):
     torch.testing.assert_close(out_ours, expected["outputs"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", LIGHTNING)
+def test_zeroio_load_into_lightning_module_runs_configure_model(name):
+    """zeroio.load of the ZeRO folder into a fresh module calls configure_model and gives Lightning's outputs."""
+    pytest.importorskip("lightning")
+    from zeroio._deploy import load
+
+    folder = FRAMEWORKS / name
+    tiny_lit = _generator_module().lightning_module_class()
+    model = tiny_lit()
+    report = load(folder / "model.ckpt", model)
+    assert report.hooks_called == ("configure_model",)
+    assert report.tied == {"head.weight": "emb.weight"} and model.head.weight is model.emb.weight
+    theirs = tiny_lit.load_from_checkpoint(
+        folder / "expected" / "lightning_fp32.ckpt", map_location="cpu", weights_only=True
+    ).eval()
+    ids = torch.load(folder / "expected" / "outputs.pt", weights_only=True)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids), theirs(ids))
+
+
+def test_zeroio_load_into_transformers_model():
+    """zeroio.load of checkpoint-N into AutoModelForCausalLM.from_config keeps the tie and gives the trained logits."""
+    transformers = pytest.importorskip("transformers")
+    from zeroio._deploy import load
+
+    expected = torch.load(HF / "expected" / "logits.pt", weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(HF_CKPT)).eval()
+    report = load(HF_CKPT, model)
+    assert report.tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=expected["input_ids"]).logits, expected["logits"], rtol=1e-5, atol=1e-6
+        )
+
+
 def test_write_lightning_ckpt_casts_dtype(tmp_path):
     """dtype="bf16" casts every floating tensor and keeps the tie."""
     folder = FRAMEWORKS / "lightning_z3_fp32"
