@@ -8,6 +8,7 @@ import importlib.util
 import json
 import pathlib
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,25 @@ def test_hf_transformers_reproduces_trained_logits():
     # Recorded on the machine that trained it (live ZeRO-3 forward); other CPUs may differ in the last bits.
     assert torch.equal(expected["logits"], expected["consolidated_logits"])
     torch.testing.assert_close(ours, expected["logits"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher (pip install -e '.[test]')")
+def test_fresh_hf_trainer_checkpoint_matches_deepspeed(tmp_path):
+    """A Trainer checkpoint written now by the installed transformers/DeepSpeed opens like DeepSpeed consolidates it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    proc = subprocess.run(
+        [sys.executable, str(FIXTURES / "generate_frameworks.py"), "--out", str(tmp_path), "hf"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "hf_trainer_gpt2_z3"
+    reference = torch.load(out / "expected" / "zero_to_fp32.pt", weights_only=True)
+    with zeroio.open(out / "checkpoint-3") as ckpt:
+        actual = ckpt.state_dict()
+    assert_state_dicts_equal(actual, reference)
+    assert actual["lm_head.weight"] is actual["transformer.wte.weight"]
 
 
 # =========================================================================== Lightning DeepSpeedStrategy
