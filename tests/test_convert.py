@@ -323,11 +323,11 @@ def test_missing_source_leaves_no_output(tmp_path):
 DS_FIXTURES = ["z3_ws2_fp32", "z2_ws3_fp16", "z1_ws3_bf16"]
 
 
-def _run_zero_to_fp32(src, out, *extra: str) -> subprocess.CompletedProcess[str]:
+def _start_zero_to_fp32(src, out, *extra: str) -> subprocess.Popen[str]:
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(src), str(out), *extra],
-        capture_output=True, text=True, env=env, timeout=300,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
 
 
@@ -335,20 +335,28 @@ def _run_zero_to_fp32(src, out, *extra: str) -> subprocess.CompletedProcess[str]
 @pytest.mark.parametrize("name", DS_FIXTURES)
 def test_deepspeed_script_fails_on_tied_weights_where_zeroio_succeeds(tmp_path, name):
     """DeepSpeed's `zero_to_fp32.py --safe_serialization` fails on tied weights; zeroio's output equals its .bin."""
-    safe = _run_zero_to_fp32(FIXTURES / name, tmp_path / "ds_safe", "--safe_serialization")
+    # DeepSpeed's script, both ways, in parallel (each spends most of its time importing DeepSpeed).
+    safe = _start_zero_to_fp32(FIXTURES / name, tmp_path / "ds_safe", "--safe_serialization")
+    binary = _start_zero_to_fp32(FIXTURES / name, tmp_path / "ds_bin")
+    _, safe_err = safe.communicate(timeout=300)
+    _, binary_err = binary.communicate(timeout=300)
     assert safe.returncode != 0
-    assert "Some tensors share memory" in safe.stderr
+    assert "Some tensors share memory" in safe_err
     assert not list((tmp_path / "ds_safe").glob("*.safetensors"))
-
-    binary = _run_zero_to_fp32(FIXTURES / name, tmp_path / "ds_bin")
-    assert binary.returncode == 0, binary.stderr[-2000:]
+    assert binary.returncode == 0, binary_err[-2000:]
     ds_state = torch.load(tmp_path / "ds_bin" / "pytorch_model.bin", weights_only=True)
 
-    convert(FIXTURES / name, tmp_path / "zeroio", progress=False)
-    state, _ = read_safetensors_output(tmp_path / "zeroio")
+    # The script writes every floating tensor as fp32 (frozen fp16/bf16 parameters included): so does dtype="fp32".
+    convert(FIXTURES / name, tmp_path / "zeroio_fp32", dtype="fp32", progress=False)
+    state, _ = read_safetensors_output(tmp_path / "zeroio_fp32")
     assert_bits_equal(state, ds_state)  # tensor for tensor, every key DeepSpeed writes
     dropped = sorted(set(state) - set(ds_state))
     assert dropped == (["frozen.bias", "frozen.weight"] if manifest(name)["stage"] == 1 else [])
+
+    # The default keeps frozen parameters in their training dtype; widened, they are the script's fp32 tensors.
+    convert(FIXTURES / name, tmp_path / "zeroio", progress=False)
+    default, _ = read_safetensors_output(tmp_path / "zeroio")
+    assert_bits_equal({k: v.float() if v.is_floating_point() else v for k, v in default.items()}, ds_state)
 
 
 # --------------------------------------------------------------------------- memory
