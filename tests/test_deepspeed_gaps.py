@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixture_data import FIXTURES, assert_state_dicts_equal, manifest, reference
 
 import zeroio
-from fixture_data import FIXTURES, assert_state_dicts_equal, manifest, reference
 from zeroio import errors
 from zeroio._unpickle import load_pickle
 from zeroio.cli import main
@@ -86,7 +86,7 @@ def live_deepspeed(tmp_path_factory):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", script, str(FIXTURES), str(out), *names],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results: dict[str, object] = {}
@@ -224,7 +224,7 @@ def test_stage0_masters_are_more_precise_than_module(name):
 
 
 def _rewrite_model_states(root: Path, edit) -> Path:
-    """Load a genuine stage-0 model_states with DeepSpeed's classes allowed, edit it and save it back."""
+    """Load a genuine model_states file (it references no DeepSpeed class), edit it and save it back."""
     path = root / "global_step2" / "mp_rank_00_model_states.pt"
     tree = torch.load(path, weights_only=True)
     edit(tree)
@@ -477,3 +477,64 @@ def test_fixture_manifests_record_gap_configurations():
     assert json.loads((FIXTURES / "z1_ws2_bf16_fp32acc" / "manifest.json").read_text())["grad_accum_dtype"] == "fp32"
     assert manifest("z0_ws2_fp16_fused")["fused_adam"] is True
     assert [manifest(n)["ep_size"] for n in MOE] == [1, 2, 2]
+
+
+# --------------------------------------------------------------------------- convert and load inherit the fix
+
+
+def _tiny_model() -> torch.nn.Module:
+    """The fixtures' TinyLM, built by fixtures/generate.py (torch only)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fixture_generate", FIXTURES / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._build_model()
+
+
+@pytest.mark.parametrize("name", ["z1_ws3_bf16", "z0_ws2_bf16", "z1_ws2_bf16_fp32acc"])
+def test_load_strict_gets_every_weight(name):
+    """zeroio.load(strict=True) fills every parameter, frozen ones included, with the engine's values."""
+    from zeroio._deploy import load
+
+    model = _tiny_model()
+    load(FIXTURES / name, model, strict=True)
+    expected = _engine(name)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key].to(value.dtype)), key
+
+
+@pytest.mark.parametrize("name", ["z1_ws3_bf16", "z0_ws2_fp16_fused", "moe_z2_ws4_ep2_bf16"])
+def test_convert_writes_every_weight(name, tmp_path):
+    """zeroio.convert writes every tensor the engine held (frozen, stage-0 masters, experts), bit for bit."""
+    from safetensors.torch import load_file
+
+    from zeroio._convert import convert
+
+    result = convert(FIXTURES / name, tmp_path / "out", progress=False)
+    written: dict[str, torch.Tensor] = {}
+    for file in result.files:
+        written.update(load_file(file))
+    expected = _engine(name)
+    assert sorted(expected) == sorted([*written, "head.weight"])  # the tied alias is stored once
+    assert_state_dicts_equal(written, {k: expected[k] for k in written})
+
+
+def test_autoep_moe_is_refused(tmp_path):
+    """A model_states file recording AutoEP layers is refused by name rather than misread."""
+    root = _copy(tmp_path, "moe_z2_ws2_fp32")
+    path = _rewrite_model_states(root, lambda tree: tree.update(ds_autoep_layers=[{"moe_layer_id": 0}]))
+    with pytest.raises(errors.UnsupportedCheckpointError) as excinfo:
+        zeroio.open(root)
+    assert str(excinfo.value) == (
+        f"'{path}' records AutoEP MoE layers ('ds_autoep_layers'); zeroio reads deepspeed.moe.layer.MoE "
+        "checkpoints only. Use DeepSpeed's ds_to_universal.py for this one."
+    )
+
+
+def test_deepspeed_zero1_output_fails_a_strict_load():
+    """What the dropped frozen params cost a user: DeepSpeed's ZeRO-1 output does not load strictly."""
+    model = _tiny_model()
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"frozen.weight\", \"frozen.bias\""):
+        model.load_state_dict(reference("z1_ws2_fp32"), strict=True)

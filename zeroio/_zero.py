@@ -730,6 +730,12 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
 
     # 4. Buffers: whole tensors in rank 0's module. DeepSpeed's consolidation returns floating buffers as fp32.
     infos, sources = _buffer_infos(module, buffer_names, model0_path)
+    if model0.get("ds_autoep_layers"):
+        raise UnsupportedCheckpointError(
+            f"'{model0_path}' records AutoEP MoE layers ('ds_autoep_layers'); zeroio reads deepspeed.moe.layer.MoE "
+            "checkpoints only. Use DeepSpeed's ds_to_universal.py for this one.",
+            path=model0_path,
+        )
     experts = _parse_experts(layout.expert_files, parse, model0, model0_path) if layout.expert_files else None
 
     # 5. Frozen parameters, in their training dtype.
@@ -818,7 +824,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
                 )
         names_shapes = [(n, s) for g in group_shapes for n, s in g]
         for (name, shape), numel, offset in zip(names_shapes, numels, offsets):
-            pieces = zero3_plan(numel, offset, world_size, group_sizes)
+            pieces = tuple(zero3_plan(numel, offset, world_size, group_sizes))
             infos[name] = TensorInfo(name, shape, flat_groups[0][0].dtype, "trainable", tuple(layout.optim_files))
             sources[name] = _FlatSource(tuple(pieces), tuple(flat_groups))
     else:
@@ -874,10 +880,10 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
                     "ds_to_universal.py for this one.",
                     path=tag_dir,
                 )
-            for name, shape, pieces in placed:
-                files_used = tuple(sorted({layout.optim_files[p.rank] for p in pieces})) or (layout.optim_files[0],)
+            for name, shape, plan in placed:
+                files_used = tuple(sorted({layout.optim_files[p.rank] for p in plan})) or (layout.optim_files[0],)
                 infos[name] = TensorInfo(name, shape, flat_groups[0][g].dtype, "trainable", files_used)
-                sources[name] = _FlatSource(tuple(pieces), tuple(flat_groups))
+                sources[name] = _FlatSource(tuple(plan), tuple(flat_groups))
 
     # 6b. MoE expert tensors not trained (frozen experts) come from the expert files, in the training dtype.
     if experts is not None:
