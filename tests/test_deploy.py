@@ -145,7 +145,8 @@ def make(name: str, mode: str):
     return case(name).make(mode)
 
 
-ALL = fixture_names()
+# DeepSpeed fixtures (fixtures/<name>/) and framework fixtures (fixtures/frameworks/<name>/), by their manifests.
+ALL = fixture_names() + [f"frameworks/{p.parent.name}" for p in sorted(FIXTURES.glob("frameworks/*/manifest.json"))]
 DEEPSPEED_READS = [n for n in ALL if not manifest(n).get("zero_to_fp32_fails")]
 LIGHTNING = [n for n in ALL if manifest(n).get("framework", "").startswith("lightning")]
 
@@ -320,8 +321,11 @@ def test_meta_model_leftovers_are_reported(caplog):
     assert report.meta_keys == ("scratch",)
     assert model.scratch.is_meta
     assert caplog.messages == [
-        f"1 tensors are still on the meta device after loading '{FIXTURES / 'z3_ws2_fp32' / 'global_step2'}' "
-        "(e.g. scratch); they were not in the checkpoint"
+        (
+            f"1 tensor(s) still on the meta device after loading '{FIXTURES / 'z3_ws2_fp32' / 'global_step2'}' "
+            "(first: scratch): the checkpoint does not hold them (non-persistent buffers are never saved); set them "
+            "before using the model"
+        )
     ]
 
 
@@ -692,6 +696,7 @@ def test_lightning_module_from_zero3(name):
 
 
 @pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:GPU available but not used:UserWarning")  # when run on a CUDA machine
 def test_lightning_ckpt_written_by_trainer(tmp_path):
     """A .ckpt saved by Lightning's Trainer loads into a fresh LightningModule and into the bare network."""
     pl = pytest.importorskip("lightning.pytorch")

@@ -6,7 +6,7 @@ import difflib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ __all__ = ["KeyMap", "LoadReport", "load"]
 
 logger = logging.getLogger(__name__)
 
-KeyMap = Union[Mapping[str, Union[str, None]], Callable[[str], Union[str, None]]]
+KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 """Checkpoint key -> model key; ``None`` drops the key."""
 
 PREFIXES = ("module.", "_forward_module.", "model.")
@@ -421,7 +421,8 @@ def _load(
     meta_keys = [n for slot in all_slots if slot.tensor.is_meta for n in slot.names]
     if meta_keys:
         logger.warning(
-            "%d tensors are still on the meta device after loading '%s' (e.g. %s); they were not in the checkpoint",
+            "%d tensor(s) still on the meta device after loading '%s' (first: %s): the checkpoint does not hold them "
+            "(non-persistent buffers are never saved); set them before using the model",
             len(meta_keys),
             where,
             meta_keys[0],
