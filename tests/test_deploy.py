@@ -404,7 +404,9 @@ def _prefixed(tmp_path, prefix: str):
     return tmp_path
 
 
-@pytest.mark.parametrize("prefix", ["module.", "_forward_module.", "model.", "_forward_module.model.", "module.module."])
+@pytest.mark.parametrize(
+    "prefix", ["module.", "_forward_module.", "model.", "_forward_module.model.", "module.module."]
+)
 def test_wrapper_prefixes_are_stripped(tmp_path, prefix):
     """DeepSpeed's module., Lightning's _forward_module. and model. prefixes are stripped when that matches."""
     model = build()

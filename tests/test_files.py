@@ -256,7 +256,10 @@ def test_metadata_value_that_is_not_a_tie(tmp_path):
             lambda raw: raw[:8] + b"x" + raw[9:],
             "its header is not JSON (Expecting value: line 1 column 1 (char 0))",
         ),
-        (lambda raw: raw[:-4], "'a' (4,) F32 needs 16 bytes, its data_offsets are [0, 16] in a data section of 12 bytes"),
+        (
+            lambda raw: raw[:-4],
+            "'a' (4,) F32 needs 16 bytes, its data_offsets are [0, 16] in a data section of 12 bytes",
+        ),
     ],
     ids=["short", "length", "json", "truncated"],
 )
@@ -387,7 +390,8 @@ def test_torch_file_with_code_is_refused(tmp_path, capsys):
     assert capsys.readouterr().out == ""
     assert str(exc.value) == (
         f"Refusing to unpickle global '__builtin__.print' from '{path}': it is not on zeroio's allowlist. "
-        "If you trust this file, pass trusted_globals=['__builtin__.print'] (it is rebuilt as inert data, never called)."
+        "If you trust this file, pass trusted_globals=['__builtin__.print'] "
+        "(it is rebuilt as inert data, never called)."
     )
 
 

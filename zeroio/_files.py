@@ -167,7 +167,9 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
             )
         shape = spec["shape"]
         offsets = spec["data_offsets"]
-        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+        if not (
+            isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+        ):
             raise _bad(path, f"'{name}' has an invalid shape {shape!r:.60}")
         if not (
             isinstance(offsets, list)
