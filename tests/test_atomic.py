@@ -12,9 +12,9 @@ import threading
 import time
 
 import pytest
+from fixture_data import FIXTURES, ROOT, reference
 from safetensors.torch import load_file
 
-from fixture_data import FIXTURES, ROOT, reference
 from zeroio._atomic import AtomicDir, clean_stale
 from zeroio._convert import convert
 from zeroio.errors import OutputError
@@ -38,7 +38,9 @@ def _assert_valid_output(folder) -> None:
 def _tmpfs(path, options: str):
     """Mount a small tmpfs (root only), unmounting afterwards."""
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False, capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -119,8 +121,7 @@ def test_keyboard_interrupt_removes_the_partial_output(tmp_path, workers):
     with pytest.raises(OutputError) as excinfo:
         convert(SRC, dst, progress=interrupt, workers=workers, max_shard_size=1, chunk_bytes=8)
     assert str(excinfo.value) == (
-        f"Cannot write '{dst}': interrupted (KeyboardInterrupt). Removed the partial output. "
-        "Run the conversion again."
+        f"Cannot write '{dst}': interrupted (KeyboardInterrupt). Removed the partial output. Run the conversion again."
     )
     assert isinstance(excinfo.value.__cause__, KeyboardInterrupt)
     assert list(tmp_path.iterdir()) == []
@@ -144,7 +145,9 @@ def test_any_exception_removes_the_partial_output(tmp_path):
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
-@pytest.mark.parametrize("fmt, file", [("safetensors", "model-00005-of-00010.safetensors"), ("torch", "pytorch_model-00005-of-00010.bin")])
+@pytest.mark.parametrize(
+    "fmt, file", [("safetensors", "model-00005-of-00010.safetensors"), ("torch", "pytorch_model-00005-of-00010.bin")]
+)
 def test_disk_full_on_a_real_small_filesystem(tmp_path, fmt, file):
     """On a 16 KiB tmpfs the 5th shard does not fit: OutputError names it, and the file system is left empty."""
     with _tmpfs(tmp_path / "disk", "size=16k") as disk:
@@ -175,7 +178,9 @@ def test_file_size_limit_in_a_subprocess(tmp_path):
             print(exc)
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == (
         f"Cannot write '{dst}': File too large ('{dst / 'model.safetensors'}'). Removed the partial output. "
@@ -284,10 +289,9 @@ def test_atomic_dir_commits_only_on_success(tmp_path):
         assert tmp.parent == tmp_path and tmp.name.startswith(f".ok.zeroio-tmp-{os.getpid()}-")
         (tmp / "f").write_text("done")
     assert (tmp_path / "ok" / "f").read_text() == "done"
-    with pytest.raises(OutputError) as excinfo:
-        with AtomicDir(tmp_path / "bad") as tmp:
-            (tmp / "f").write_text("half")
-            raise OSError(28, "No space left on device", str(tmp_path / "bad" / "f"))
+    with pytest.raises(OutputError) as excinfo, AtomicDir(tmp_path / "bad") as tmp:
+        (tmp / "f").write_text("half")
+        raise OSError(28, "No space left on device", str(tmp_path / "bad" / "f"))
     assert str(excinfo.value) == (
         f"Cannot write '{tmp_path / 'bad'}': No space left on device ('{tmp_path / 'bad' / 'f'}'). Removed the "
         "partial output. Free disk space or choose another destination."

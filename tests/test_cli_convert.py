@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
+from fixture_data import FIXTURES, ROOT
 from safetensors import safe_open
 
-from fixture_data import FIXTURES, ROOT
 from zeroio.cli import main
 
 SRC = FIXTURES / "z3_ws2_fp32"
@@ -74,8 +74,10 @@ def test_convert_refuses_existing_destination(tmp_path, capsys):
     assert main(["convert", str(SRC), str(dst)]) == 1
     assert capsys.readouterr() == (
         "",
-        f"Output error: Output folder '{dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
-        f"or choose another destination.\n{HINT}",
+        (
+            f"Output error: Output folder '{dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
+            f"or choose another destination.\n{HINT}"
+        ),
     )
     assert main(["convert", str(SRC), str(dst), "--overwrite", "--quiet"]) == 0
     assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors"]

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 import torch
+from fixture_data import FIXTURES, fixture_names, manifest, reference
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zeroio
-from fixture_data import FIXTURES, fixture_names, manifest, reference
 from zeroio._convert import ConvertResult, convert
 
 ALL = fixture_names()
@@ -135,8 +135,9 @@ def test_files_equal_what_huggingface_hub_writes(tmp_path, name, limit, fmt, cap
             assert a[8 + na :] == b[8 + nb :]
         else:
             # torch.save archives carry a random serialization id; compare what they load to.
-            x, y = torch.load(tmp_path / "zeroio" / filename, weights_only=True), torch.load(
-                tmp_path / "hf" / filename, weights_only=True
+            x, y = (
+                torch.load(tmp_path / "zeroio" / filename, weights_only=True),
+                torch.load(tmp_path / "hf" / filename, weights_only=True),
             )
             assert list(x) == list(y)
             assert_bits_equal(x, y)
@@ -300,12 +301,28 @@ def test_zeroio_open_reties_the_output(tmp_path):
         pytest.param({"max_shard_size": "5XB"}, "Cannot parse max_shard_size '5XB': use a number with a unit TB, GB, MB or KB (decimal, e.g. '5GB', '500MB') or a byte count.", id="size"),
         pytest.param({"workers": 0}, "workers must be a positive int (IO threads), got 0.", id="workers"),
         pytest.param({"chunk_bytes": 0}, "chunk_bytes must be a positive int, got 0.", id="chunk"),
-        pytest.param({"progress": "yes"}, "progress must be True, False or a callable(done, total), got 'yes'.", id="progress"),
     ],
 )  # fmt: skip
 def test_bad_arguments_fail_before_any_io(tmp_path, kwargs, message):
-    """Invalid arguments raise ValueError before the source is opened or the destination touched."""
+    """Invalid argument values raise ValueError before the source is opened or the destination touched."""
     with pytest.raises(ValueError) as excinfo:
+        convert(tmp_path / "no-such-source", tmp_path / "out", **kwargs)
+    assert str(excinfo.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        pytest.param({"progress": "yes"}, "progress must be True, False or a callable(done, total), got 'yes'.", id="progress"),
+        pytest.param({"workers": 2.0}, "workers must be a positive int (IO threads), got 2.0.", id="workers"),
+        pytest.param({"chunk_bytes": "1MB"}, "chunk_bytes must be a positive int, got '1MB'.", id="chunk"),
+        pytest.param({"max_shard_size": 5.5}, "max_shard_size must be an int or a string like '5GB', got 5.5.", id="size"),
+    ],
+)  # fmt: skip
+def test_wrongly_typed_arguments_fail_before_any_io(tmp_path, kwargs, message):
+    """Arguments of the wrong type raise TypeError before any IO."""
+    with pytest.raises(TypeError) as excinfo:
         convert(tmp_path / "no-such-source", tmp_path / "out", **kwargs)
     assert str(excinfo.value) == message
     assert list(tmp_path.iterdir()) == []
@@ -396,7 +413,7 @@ def test_peak_memory_is_bounded_by_chunks_not_tensor_size(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "small.safetensors"), str(tmp_path / "big.safetensors"),
          str(tmp_path / "out"), str(1024 * 1024)],
-        capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     base, after_small, after_big = (int(v) / 1024 for v in done.stdout.split())

@@ -55,15 +55,21 @@ def test_parse_size_accepts_byte_counts(value, expected):
         pytest.param(0, "max_shard_size must be positive, got 0.", id="zero"),
         pytest.param(-5, "max_shard_size must be positive, got -5.", id="negative"),
         pytest.param("0MB", "max_shard_size must be positive, got '0MB'.", id="zero-unit"),
-        pytest.param(True, "max_shard_size must be an int or a string like '5GB', got True.", id="bool"),
-        pytest.param(5.0, "max_shard_size must be an int or a string like '5GB', got 5.0.", id="float"),
     ],
 )
 def test_parse_size_rejects_bad_values(value, message):
-    """Unparseable, non-positive or wrongly typed sizes raise ValueError saying what to write."""
+    """Unparseable or non-positive sizes raise ValueError saying what to write."""
     with pytest.raises(ValueError) as excinfo:
         parse_size(value)
     assert str(excinfo.value) == message
+
+
+@pytest.mark.parametrize("value", [True, 5.0, None], ids=["bool", "float", "none"])
+def test_parse_size_rejects_other_types(value):
+    """Anything but an int or a string is a TypeError."""
+    with pytest.raises(TypeError) as excinfo:
+        parse_size(value)
+    assert str(excinfo.value) == f"max_shard_size must be an int or a string like '5GB', got {value!r}."
 
 
 def _hf_split(sizes: dict[str, int], limit: int, ties: dict[str, str] | None = None):
@@ -77,7 +83,9 @@ def _hf_split(sizes: dict[str, int], limit: int, ties: dict[str, str] | None = N
 @pytest.mark.parametrize(
     "sizes, limit, expected",
     [
-        pytest.param({"a": 6, "b": 6, "c": 2, "d": 6, "e": 2, "f": 2}, 10, [["a"], ["b", "c"], ["d", "e", "f"]], id="hf-doc"),
+        pytest.param(
+            {"a": 6, "b": 6, "c": 2, "d": 6, "e": 2, "f": 2}, 10, [["a"], ["b", "c"], ["d", "e", "f"]], id="hf-doc"
+        ),
         pytest.param({"a": 1, "b": 2, "c": 3}, 100, [["a", "b", "c"]], id="one-shard"),
         pytest.param({"a": 3, "big": 50, "b": 3, "c": 5}, 10, [["big"], ["a", "b"], ["c"]], id="oversized-own-shard"),
         pytest.param({"a": 10, "b": 10}, 10, [["a"], ["b"]], id="exactly-full"),

@@ -7,10 +7,10 @@ import struct
 
 import pytest
 import torch
+from fixture_data import FIXTURES, reference
 from safetensors.torch import save_file
 
 import zeroio
-from fixture_data import FIXTURES, reference
 from zeroio._convert import convert
 from zeroio._verify import Mismatch, VerifyReport, _aligned, verify
 
@@ -186,7 +186,15 @@ def test_other_tag_differs_everywhere_and_summary_truncates(tmp_path):
     """Two training steps apart, every trained tensor differs; the summary lists max_report and counts the rest."""
     report = verify(SRC, SRC, tag="global_step1", max_report=2)
     names = [m.name for m in report.mismatches]
-    assert names == ["calls", "emb.weight", "mlp_in.weight", "mlp_in.bias", "mlp_out.weight", "norm.weight", "norm.bias"]
+    assert names == [
+        "calls",
+        "emb.weight",
+        "mlp_in.weight",
+        "mlp_in.bias",
+        "mlp_out.weight",
+        "norm.weight",
+        "norm.bias",
+    ]
     lines = report.summary().splitlines()
     assert lines[0] == f"MISMATCH: 7 of 11 tensors differ between '{SRC}' (A) and '{SRC}' (B):"
     assert lines[1] == "  calls: 1 of 1 elements differ; first at []: 1 (A) vs 2 (B)"

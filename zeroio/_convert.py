@@ -23,7 +23,7 @@ from ._sharding import ShardPlan, index_json, parse_size, plan_shards
 from ._types import ProgressCallback, StrPath
 from .errors import OutputError
 
-__all__ = ["ConvertResult", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "convert"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "ConvertResult", "convert"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class _Progress:
         if callable(progress):
             self._callback = progress
         elif progress:
-            from tqdm import tqdm  # a huggingface_hub dependency
+            from tqdm import tqdm  # type: ignore[import-untyped]  # a huggingface_hub dependency
 
             # disable=None: no bar when stderr is not a terminal (logs, CI, captured output).
             self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=None, leave=False)
@@ -98,7 +98,9 @@ class _Progress:
 def _workers(workers: int | None) -> int:
     if workers is None:
         return DEFAULT_WORKERS
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    if isinstance(workers, bool) or not isinstance(workers, int):
+        raise TypeError(f"workers must be a positive int (IO threads), got {workers!r}.")
+    if workers < 1:
         raise ValueError(f"workers must be a positive int (IO threads), got {workers!r}.")
     return workers
 
@@ -156,7 +158,7 @@ def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]]
         return
     futures = [pool.submit(task) for task in tasks]
     try:
-        done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
         for future in futures:  # the earliest failure in submission order, for a deterministic error
             if future.done() and future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
@@ -177,6 +179,7 @@ def _card_facts(
 ) -> dict[str, Any]:
     meta = ckpt.metadata
     floating = sorted({dtype_name(d) for d in out_dtypes if d.is_floating_point})
+    output_dtype: str | None
     if target is not None:
         output_dtype = dtype_name(target)
     else:
@@ -295,23 +298,23 @@ def _write_torch(
     meter = _Progress(progress, plan.total_size, "Converting")
     meter.start()
     stop = threading.Event()
+
+    def loader(name: str, into: dict[str, torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            if not stop.is_set():
+                tensor = ckpt.get_tensor(name, dtype=target)
+                into[name] = tensor
+                meter.update(tensor.numel() * tensor.element_size())
+
+        return run
+
     try:
         with _pool(workers) as pool:
             for filename, shard_names in plan.shards:
-                # One shard in memory at a time: torch.save needs whole tensors.
+                # One shard in memory at a time: torch.save needs whole tensors. The planner keeps each tied
+                # alias in its source's shard, so the alias can share the source's tensor.
                 loaded: dict[str, torch.Tensor] = {}
-
-                def load(name: str) -> Callable[[], None]:
-                    def run() -> None:
-                        if not stop.is_set():
-                            tensor = ckpt.get_tensor(name, dtype=target)
-                            loaded[name] = tensor
-                            meter.update(tensor.numel() * tensor.element_size())
-
-                    return run
-
-                # The planner keeps each tied alias in its source's shard.
-                _run_all(pool, [load(n) for n in shard_names if n not in ties], stop)
+                _run_all(pool, [loader(n, loaded) for n in shard_names if n not in ties], stop)
                 shard = {n: loaded[ties.get(n, n)] for n in shard_names}
                 with _naming(dst / filename), open(tmp / filename, "xb") as fh:
                     torch.save(shard, fh)
@@ -385,7 +388,8 @@ def convert(
             filled, or the conversion was interrupted (KeyboardInterrupt); the partial output is removed.
         CheckpointNotFoundError, CheckpointFormatError: the source cannot be read (raised before ``dst`` is
             touched when found in metadata).
-        ValueError: an argument is invalid (format, dtype, shard size, workers).
+        ValueError: an argument has a bad value (format, dtype, shard size, workers).
+        TypeError: an argument has the wrong type.
 
     Example:
         >>> import zeroio
@@ -399,10 +403,12 @@ def convert(
     target = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     n_workers = _workers(workers)
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+        raise TypeError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
+    if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
     if not (isinstance(progress, bool) or callable(progress)):
-        raise ValueError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
+        raise TypeError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
     dst_path = Path(dst)
     out = AtomicDir(dst_path, overwrite=overwrite)
 
@@ -429,13 +435,30 @@ def convert(
         with out as tmp:
             if fmt == "safetensors":
                 plan, index = _write_safetensors(
-                    ckpt, tmp, out.dst, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
-                    chunk_bytes=chunk_bytes, progress=progress,
+                    ckpt,
+                    tmp,
+                    out.dst,
+                    names,
+                    ties,
+                    dtypes,
+                    target=target,
+                    max_shard_size=limit,
+                    workers=n_workers,
+                    chunk_bytes=chunk_bytes,
+                    progress=progress,
                 )
                 index_name = C.SAFETENSORS_INDEX
             else:
                 plan, index = _write_torch(
-                    ckpt, tmp, out.dst, names, ties, dtypes, target=target, max_shard_size=limit, workers=n_workers,
+                    ckpt,
+                    tmp,
+                    out.dst,
+                    names,
+                    ties,
+                    dtypes,
+                    target=target,
+                    max_shard_size=limit,
+                    workers=n_workers,
                     progress=progress,
                 )
                 index_name = C.TORCH_INDEX

@@ -25,9 +25,9 @@ __all__ = [
     "MAX_HEADER_SIZE",
     "SafetensorsLayout",
     "TensorSlot",
+    "plan_file",
     "preallocate",
     "pwrite_all",
-    "plan_file",
     "safetensors_dtype",
     "write_chunks",
 ]
@@ -125,8 +125,8 @@ def plan_file(
         The header bytes and each tensor's absolute byte range.
 
     Raises:
-        ValueError: a name repeats or is ``__metadata__``, a dtype has no safetensors encoding, metadata is
-            not ``str -> str``, or the header would exceed safetensors' 100 MB limit.
+        ValueError: a name repeats or is ``__metadata__``, a dtype has no safetensors encoding, or the header
+            would exceed safetensors' 100 MB limit. TypeError: metadata is not ``str -> str``.
 
     Example:
         >>> layout = plan_file([("w", torch.float32, (2, 2))], metadata={"format": "pt"})
@@ -150,7 +150,7 @@ def plan_file(
     if metadata:
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
-                raise ValueError(f"safetensors metadata must map str to str, got {key!r}: {value!r}.")
+                raise TypeError(f"safetensors metadata must map str to str, got {key!r}: {value!r}.")
         header["__metadata__"] = dict(metadata)
     offset = 0
     relative = []

@@ -21,14 +21,14 @@ def parse_size(value: int | str) -> int:
     a string of digits alone is a byte count.
 
     Raises:
-        ValueError: not a positive size with a TB/GB/MB/KB unit.
+        ValueError: not a positive size with a TB/GB/MB/KB unit. TypeError: neither an int nor a string.
 
     Example:
         >>> parse_size("1.5GB")
         1500000000
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"max_shard_size must be an int or a string like '5GB', got {value!r}.")
+        raise TypeError(f"max_shard_size must be an int or a string like '5GB', got {value!r}.")
     if isinstance(value, int):
         size = value
     else:

@@ -223,7 +223,11 @@ def verify(
             if found is not None:
                 mismatches.append(found)
     report = VerifyReport(
-        a=Path(a), b=Path(b), num_tensors=len(names), mismatches=tuple(mismatches), dtype=target,
+        a=Path(a),
+        b=Path(b),
+        num_tensors=len(names),
+        mismatches=tuple(mismatches),
+        dtype=target,
         max_report=max_report,
     )
     logger.info("verify %s vs %s: %d tensors, %d mismatches", a, b, len(names), len(mismatches))
