@@ -274,7 +274,7 @@ def test_stage0_master_that_matches_no_weight_is_not_guessed(tmp_path, caplog):
     assert "could not place fp32 master of shape [7]" in caplog.text
 
 
-# --------------------------------------------------------------------------- BF16_Optimizer (ZeRO-1 + fp32 accumulation)
+# --------------------------------------------------------------------------- BF16_Optimizer (ZeRO-1, fp32 accumulation)
 
 
 def test_bf16_optimizer_zero1_equals_live_engine():
