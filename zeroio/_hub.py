@@ -1,0 +1,504 @@
+"""Publish a converted checkpoint, or convert one on the fly, to the Hugging Face Hub."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import HubError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._types import ProgressCallback, StrPath
+
+__all__ = ["PushResult", "push_to_hub"]
+
+logger = logging.getLogger(__name__)
+
+CONVERTED_MARKERS = ("model.safetensors", "model.safetensors.index.json")
+"""A folder holding either file is taken as already converted and uploaded as is."""
+
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+"""Files the HF Trainer saves in ``checkpoint-N/`` beside ``global_stepN/``; pushed with the weights."""
+
+CARD_TAGS = ("deepspeed", "zeroio")
+
+_DEFAULT_BRANCH = "main"
+_ZERO_RANK_SUFFIXES = ("_model_states.pt", "_optim_states.pt")
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """What :func:`push_to_hub` committed."""
+
+    repo_id: str
+    """The repository pushed to, ``namespace/name``."""
+    revision: str
+    """The ref the commit landed on: ``"main"``, a branch name, or ``"refs/pr/N"``."""
+    commit_url: str
+    """URL of the commit (of the current head when nothing changed since the last push)."""
+    commit_oid: str
+    """Commit hash of that commit."""
+    pr_url: str | None
+    """URL of the pull request opened with ``create_pr=True``, else None."""
+    files: tuple[str, ...]
+    """Paths in the repo that the push contained, sorted (files unchanged since the last push included)."""
+
+
+def push_to_hub(
+    src: StrPath,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    tag: str | None = None,
+    endpoint: str | None = None,
+    model_card: bool = True,
+    progress: bool | ProgressCallback = True,
+) -> PushResult:
+    """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
+
+    ``src`` is either a folder :func:`zeroio.convert` already wrote (it holds ``model.safetensors`` or
+    ``model.safetensors.index.json``), uploaded as is, or anything :func:`zeroio.convert` reads (a DeepSpeed
+    checkpoint root or tag folder, a consolidated file), converted into a temporary folder first. The repo is
+    created if needed, and everything lands in one commit (huggingface_hub's Xet uploader may split very large
+    folders into several). Pushing the same content again creates no commit.
+
+    Alongside the weights it uploads ``config.json``, ``generation_config.json`` and tokenizer files found next
+    to the checkpoint (the HF Trainer keeps them in ``checkpoint-N/`` beside ``global_stepN/``), and, unless the
+    folder already has one, a ``README.md`` model card tagged ``deepspeed`` and ``zeroio`` that records the
+    source checkpoint (DeepSpeed version, ZeRO stage, world size, step, dtypes).
+
+    Authentication is huggingface_hub's: ``token``, else ``HF_TOKEN``, else the token saved by
+    ``hf auth login``. The endpoint is ``endpoint``, else ``HF_ENDPOINT`` (read when huggingface_hub is
+    imported), else https://huggingface.co. The token is never logged nor put in error messages.
+
+    Args:
+        src: a converted folder, or a checkpoint to convert.
+        repo_id: ``"namespace/name"``; created if missing.
+        token: a Hugging Face token with write access (default: ``HF_TOKEN`` or the saved login).
+        private: visibility of a *new* repo (None: the namespace default); an existing repo keeps its own.
+        revision: branch to commit to, created from ``main`` if it does not exist; or ``"refs/pr/N"`` to add a
+            commit to an open pull request. Default: ``main``.
+        create_pr: open a pull request against ``main`` instead of committing to it.
+        commit_message: the commit title (default: says what was pushed and that zeroio converted it).
+        dtype: cast floating tensors while converting (``"bf16"``, ``"fp16"``, ``"fp32"``). Given with an
+            already-converted folder, that folder is converted again with this dtype.
+        max_shard_size: largest safetensors shard when converting, ``"5GB"`` (decimal units) or bytes.
+        tag: the DeepSpeed tag to convert (default: the one in ``latest``).
+        endpoint: the Hub URL (default: ``HF_ENDPOINT`` or https://huggingface.co).
+        model_card: write a ``README.md`` model card when the upload has none.
+        progress: ``True`` shows conversion and upload progress, ``False`` is silent, or pass
+            ``callable(done, total)`` to receive conversion progress in bytes (uploads then stay silent).
+
+    Returns:
+        A :class:`PushResult`: repo, ref, commit URL and hash, pull request URL, and the files pushed.
+
+    Raises:
+        HubError: the Hub refused or could not be reached (bad or missing token, no write access, unknown
+            repo or pull request, network failure); the huggingface_hub error is ``__cause__``.
+        ValueError: ``create_pr=True`` together with a ``revision``, or an invalid conversion argument.
+        CheckpointNotFoundError, CheckpointFormatError: ``src`` cannot be read (raised before any upload).
+
+    Example:
+        >>> import zeroio
+        >>> result = zeroio.push_to_hub("out/model", "me/my-model", private=True)  # doctest: +SKIP
+        >>> result.commit_url  # doctest: +SKIP
+        'https://huggingface.co/me/my-model/commit/...'
+    """
+    # 1. Arguments, before any IO or network.
+    if create_pr and revision not in (None, _DEFAULT_BRANCH):
+        raise ValueError(
+            f"create_pr=True opens a pull request against '{_DEFAULT_BRANCH}', so it cannot be combined with "
+            f"revision={revision!r}. Drop revision to open a pull request, or pass revision='refs/pr/N' without "
+            "create_pr to add a commit to an open pull request."
+        )
+    src_path = Path(src)
+    if not src_path.exists():
+        from .errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(
+            f"Nothing to push: '{src_path}' does not exist. Pass a folder written by zeroio.convert or a DeepSpeed "
+            "checkpoint folder.",
+            path=src_path,
+        )
+    try:
+        from huggingface_hub import HfApi
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise ImportError("push_to_hub needs huggingface_hub: pip install 'huggingface_hub>=0.23'") from e
+
+    api = HfApi(endpoint=endpoint, token=token)
+    as_hub_error = functools.partial(
+        _as_hub_error,
+        repo_id=repo_id,
+        endpoint=api.endpoint,
+        src=src_path,
+        revision=revision,
+        token_given=token is not None,
+    )
+    with ExitStack() as stack:
+        if progress is not True:
+            stack.enter_context(_hub_progress_bars_disabled())
+
+        # 2. Repo and branch first, so a bad token or an unreachable Hub fails before a long conversion.
+        with as_hub_error():
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            if (
+                revision is not None
+                and revision != _DEFAULT_BRANCH
+                and not revision.startswith("refs/")  # refs/pr/N must exist already: it is not a branch
+                and not api.revision_exists(repo_id, revision)
+            ):
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+
+        # 3. The folder to upload: the converted folder itself, or a fresh conversion in a temporary folder.
+        converted = _is_converted(src_path) and dtype is None
+        card_facts: dict[str, Any] = {}
+        if converted:
+            weights_dir = src_path
+        else:
+            from ._convert import convert
+
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-push-")))
+            weights_dir = tmp / "model"
+            result = convert(
+                src_path, weights_dir, dtype=dtype, max_shard_size=max_shard_size, tag=tag, progress=progress
+            )
+            card_facts = dict(result.card_facts)
+
+        # 4. Stage weights + side files + card without touching the user's folder (symlinks, not copies).
+        staging = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-stage-")))
+        _link_tree(weights_dir, staging)
+        for side in _side_files(src_path, converted=converted):
+            if not (staging / side.name).exists():
+                _link(side, staging / side.name)
+        if model_card and not (staging / "README.md").exists():
+            (staging / "README.md").write_text(
+                render_model_card(repo_id, card_facts, files=_listing(staging)), encoding="utf-8"
+            )
+        files = tuple(_listing(staging))
+
+        # 5. One upload call: huggingface_hub skips files whose content the Hub already has.
+        logger.debug(
+            "pushing %d files from %s to %s at %s (revision=%s, create_pr=%s)",
+            len(files),
+            src_path,
+            repo_id,
+            api.endpoint,
+            revision,
+            create_pr,
+        )
+        with as_hub_error():
+            info = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=staging,
+                commit_message=commit_message or _default_message(card_facts, converted=converted),
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+    pushed_to = (info.pr_revision if info.pr_url else revision) or _DEFAULT_BRANCH
+    logger.debug("pushed %s to %s@%s: %s", src_path, repo_id, pushed_to, info.oid)
+    return PushResult(
+        repo_id=repo_id,
+        revision=pushed_to,
+        commit_url=info.commit_url,
+        commit_oid=info.oid,
+        pr_url=info.pr_url,
+        files=files,
+    )
+
+
+# --------------------------------------------------------------------------- the upload folder
+
+
+def _is_converted(src: Path) -> bool:
+    return src.is_dir() and any((src / name).is_file() for name in CONVERTED_MARKERS)
+
+
+def _side_files(src: Path, *, converted: bool) -> list[Path]:
+    """Config and tokenizer files next to the checkpoint: in ``src`` and, for a tag folder or file, its parent."""
+    if converted:
+        return []  # a converted folder is uploaded as is, side files included
+    folders = [src] if src.is_dir() else []
+    is_tag_folder = src.is_dir() and any(p.name.endswith(_ZERO_RANK_SUFFIXES) for p in src.iterdir())
+    if is_tag_folder or src.is_file():
+        folders.append(src.parent)  # HF Trainer: checkpoint-N/{config.json, global_stepN/}
+    found: dict[str, Path] = {}
+    for folder in folders:
+        for name in SIDE_FILES:
+            if name not in found and (folder / name).is_file():
+                found[name] = folder / name
+    return list(found.values())
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.symlink(src.resolve(), dst)
+    except OSError:  # e.g. Windows without the symlink privilege
+        shutil.copy2(src, dst)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if rel.parts[0] in (".git", ".cache") or path.name.endswith(".partial") or not path.is_file():
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        _link(path, dst / rel)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def _default_message(facts: Mapping[str, Any], *, converted: bool) -> str:
+    if converted or facts.get("source_format") != "zero":
+        return "Upload model with zeroio"
+    tag = f" {facts['tag']}" if facts.get("tag") else ""
+    return f"Upload DeepSpeed ZeRO checkpoint{tag} converted with zeroio"
+
+
+# --------------------------------------------------------------------------- model card
+
+
+def render_model_card(repo_id: str, facts: Mapping[str, Any], *, files: list[str] | tuple[str, ...] = ()) -> str:
+    """The ``README.md`` pushed with the weights: YAML front matter, then what the files are and where they came from.
+
+    ``facts`` are ``ConvertResult.card_facts``; without them the card stays generic.
+    """
+    has_config = "config.json" in files
+    tags = [*CARD_TAGS]
+    if any(f.endswith(".safetensors") for f in files) or facts.get("format") == "safetensors":
+        tags.append("safetensors")
+    lines = ["---", f"library_name: {'transformers' if has_config else 'pytorch'}", "tags:"]
+    lines += [f"- {t}" for t in tags]
+    lines += ["---", "", f"# {repo_id.split('/')[-1]}", ""]
+
+    zeroio_link = "[zeroio](https://pypi.org/project/zeroio/)"
+    if facts.get("source_format") == "zero":
+        intro = (
+            f"These weights were converted from a DeepSpeed ZeRO checkpoint with {zeroio_link}, which reads the "
+            "checkpoint's rank files directly (no DeepSpeed, no GPU)."
+        )
+    elif facts:
+        intro = f"These weights were converted from a {facts.get('source_format')} checkpoint with {zeroio_link}."
+    else:
+        intro = (
+            f"These weights were uploaded with {zeroio_link}, a reader and converter for DeepSpeed ZeRO checkpoints."
+        )
+    lines += [intro, ""]
+
+    rows = _fact_rows(facts)
+    if rows:
+        lines += ["| Source checkpoint | |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in rows]
+        lines.append("")
+
+    weights = [f for f in files if f.endswith((".safetensors", ".bin"))]
+    if weights:
+        lines += ["## Files", ""]
+        lines += [f"- `{f}`" for f in weights]
+        lines.append("")
+
+    lines += ["## Usage", ""]
+    if has_config:
+        lines += [
+            "```python",
+            "from transformers import AutoModel",
+            "",
+            f'model = AutoModel.from_pretrained("{repo_id}")',
+            "```",
+            "",
+        ]
+    else:
+        lines += [
+            "```python",
+            "from huggingface_hub import snapshot_download",
+            "from safetensors.torch import load_file",
+            "",
+            f'folder = snapshot_download("{repo_id}")',
+            'state_dict = load_file(f"{folder}/model.safetensors")  # sharded: see model.safetensors.index.json',
+            "```",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _fact_rows(facts: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    if facts.get("zero_stage") is not None:
+        rows.append(("ZeRO stage", str(facts["zero_stage"])))
+    if facts.get("world_size") is not None:
+        rows.append(("Data-parallel world size", str(facts["world_size"])))
+    if facts.get("ds_version"):
+        rows.append(("DeepSpeed version", f"`{facts['ds_version']}`"))
+    if facts.get("tag"):
+        rows.append(("Tag", f"`{facts['tag']}`"))
+    if facts.get("global_step") is not None:
+        rows.append(("Global step", f"{facts['global_step']:,}"))
+    if facts.get("train_dtype"):
+        rows.append(("Training dtype", str(facts["train_dtype"])))
+    if facts.get("output_dtype"):
+        rows.append(("Weights dtype", str(facts["output_dtype"])))
+    if facts.get("num_params") is not None:
+        rows.append(("Parameters", f"{facts['num_params']:,}"))
+    excluded = facts.get("excluded_frozen") or []
+    if excluded:
+        shown = ", ".join(f"`{n}`" for n in excluded[:5])
+        more = f" ... and {len(excluded) - 5} more" if len(excluded) > 5 else ""
+        rows.append(("Frozen parameters left out", shown + more))
+    return rows
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _hub_failures() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub and hf_xet raise for a failed push (HTTP errors, network errors, bad answers)."""
+    types: list[type[BaseException]] = [OSError, RuntimeError, ValueError]  # HfHubHTTPError is an OSError
+    try:
+        import httpx2  # huggingface_hub >= 2 (its HTTP errors are not OSErrors)
+
+        types.append(httpx2.HTTPError)
+    except ImportError:  # pragma: no cover - older huggingface_hub uses requests, whose errors are OSErrors
+        pass
+    return tuple(types)
+
+
+@contextmanager
+def _as_hub_error(*, repo_id: str, endpoint: str, src: Path, revision: str | None, token_given: bool) -> Iterator[None]:
+    """Re-raise what huggingface_hub / hf_xet raise as a HubError with a what-to-do message."""
+    try:
+        yield
+    except _hub_failures() as e:
+        had_token = token_given or _token_found()
+        raise _to_hub_error(
+            e, repo_id=repo_id, endpoint=endpoint, src=src, revision=revision, had_token=had_token
+        ) from e
+
+
+def _token_found() -> bool:
+    """Whether huggingface_hub finds a token (HF_TOKEN, saved login...); only asked once a push failed."""
+    try:
+        from huggingface_hub import get_token
+
+        return get_token() is not None
+    except Exception:  # noqa: BLE001 - e.g. a failed OIDC exchange: then there is no usable token either
+        return False
+
+
+def _to_hub_error(
+    e: BaseException, *, repo_id: str, endpoint: str, src: Path, revision: str | None, had_token: bool
+) -> HubError:
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    where = f"'{repo_id}' at {endpoint}"
+    no_token = (
+        "No Hugging Face token was found. Pass token='hf_...' (a token with write access), set HF_TOKEN, "
+        "or run `hf auth login`."
+    )
+    status = e.response.status_code if isinstance(e, HfHubHTTPError) and e.response is not None else None
+    not_found = isinstance(e, RepositoryNotFoundError)
+    if isinstance(e, RevisionNotFoundError):
+        message = (
+            f"Revision {revision!r} does not exist in {where}. Pass an existing branch (new branches are created "
+            "from main), or 'refs/pr/N' of an open pull request."
+        )
+    elif not had_token and (status in (401, 403) or not_found):
+        message = f"Cannot push to {where} without a token (HTTP {status}). {no_token}"
+    elif status == 401 and not not_found:
+        # huggingface_hub reports a 401 on a repo URL as RepositoryNotFoundError unless the token itself was refused.
+        message = (
+            f"The Hub rejected the token while pushing to {where} (HTTP 401): it is invalid or expired. Create a "
+            "token with write access at https://huggingface.co/settings/tokens and pass it as token=..., set "
+            "HF_TOKEN, or run `hf auth login`."
+        )
+    elif status == 403:
+        message = (
+            f"The token cannot write to {where} (HTTP 403). Use a token with the 'write' role, or a fine-grained "
+            f"token allowed to write to the namespace '{repo_id.split('/')[0]}'."
+        )
+    elif not_found or status in (401, 404):
+        message = (
+            f"Repository {where} was not found, or the token cannot see it (HTTP {status}). Check the repo id and "
+            "the endpoint (HF_ENDPOINT), and that the token's account may write to that namespace."
+        )
+    elif status in (409, 412):
+        message = (
+            f"{where} changed while pushing (HTTP {status}). Run the same push again; files already on the Hub "
+            "are not sent twice."
+        )
+    elif isinstance(e, HfHubHTTPError):
+        detail = (e.server_message or "").strip() or type(e).__name__
+        message = (
+            f"The Hub answered HTTP {status} while pushing to {where}: {_short(detail)}. Run the push again later."
+        )
+    elif _is_network_error(e):
+        message = (
+            f"Could not reach the Hub at {endpoint} while pushing to '{repo_id}' ({type(e).__name__}: "
+            f"{_short(str(e))}). The commit may not have been made. Check the network connection and HF_ENDPOINT, "
+            "then run the same push again: files already stored are not sent twice."
+        )
+    else:
+        message = (
+            f"Uploading to {where} failed ({type(e).__name__}: {_short(str(e))}). Run the same push again; if it "
+            "keeps failing, set ZEROIO_DEBUG=1 for the full traceback."
+        )
+    return HubError(message, path=src, name=repo_id, found=status)
+
+
+def _is_network_error(e: BaseException) -> bool:
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    try:
+        import httpx2
+
+        if isinstance(e, httpx2.TransportError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    cause = e.__cause__ or e.__context__
+    return cause is not None and cause is not e and _is_network_error(cause)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextmanager
+def _hub_progress_bars_disabled() -> Iterator[None]:
+    """Silence huggingface_hub's own progress bars for the push, then restore the previous state."""
+    from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
