@@ -55,11 +55,17 @@ class ZeroStageEnum(enum.IntEnum):
 class _Inert:
     """An object rebuilt from a pickle's state dict only; it has no behaviour."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Reached when a pickle "calls" a trusted global: record the arguments, run nothing.
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_Inert":
+        # Reached when a pickle "calls" (REDUCE) or instantiates (NEWOBJ) an allowed global: record the
+        # arguments, run nothing.
+        self = object.__new__(cls)
         if args or kwargs:
             self.__dict__["_args"] = args
             self.__dict__["_kwargs"] = kwargs
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict_state, slots_state)
@@ -245,6 +251,7 @@ def _build_allowlist() -> dict[str, Any]:
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
         "torch.storage.UntypedStorage": _StorageType(torch.uint8),
+        "torch.torch_version.TorchVersion": str,  # a str subclass: rebuilt as the plain string
         # DeepSpeed's classes, as inert stand-ins (checked with DeepSpeed 0.19.8 checkpoints).
         "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStageEnum,
         "deepspeed.runtime.fp16.loss_scaler.LossScaler": _inert("deepspeed.runtime.fp16.loss_scaler.LossScaler"),
@@ -268,7 +275,6 @@ def _build_allowlist() -> dict[str, Any]:
         "datetime.datetime",
         "datetime.date",
         "datetime.timedelta",
-        "torch.torch_version.TorchVersion",
     ):
         allowed[qualified] = _inert(qualified)
     for dtype, storage_name in torch.storage._dtype_to_storage_type_map().items():
