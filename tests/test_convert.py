@@ -406,7 +406,7 @@ print(base, after_small, peak_kib())
 
 
 def test_peak_memory_is_bounded_by_chunks_not_tensor_size(tmp_path):
-    """Peak RSS grows by a few 1 MB chunks, whether the tensor is 16 MB or 256 MB (a whole tensor would not fit)."""
+    """Peak RSS grows by about one 1 MiB chunk and its cast, whether the tensor is 16 MB or 256 MB."""
     _sparse_safetensors(tmp_path / "small.safetensors", 4 * 1024 * 1024)  # 16 MB of fp32
     _sparse_safetensors(tmp_path / "big.safetensors", 64 * 1024 * 1024)  # 256 MB of fp32, 128 MB of bf16 out
     script = _RSS_SCRIPT.format(warm_src=str(FIXTURES / "z3_ws2_fp32"))
@@ -417,9 +417,9 @@ def test_peak_memory_is_bounded_by_chunks_not_tensor_size(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     base, after_small, after_big = (int(v) / 1024 for v in done.stdout.split())
-    # Per IO thread: a 1 MB fp32 chunk and its 0.5 MB bf16 cast, plus what malloc keeps (measured 8-17 MiB in all).
-    # Holding the big tensor, or its cast, would add 128-384 MiB.
-    assert after_big - base < 48, f"peak RSS grew by {after_big - base:.0f} MiB"
-    assert after_big - after_small < 32, f"a 16x larger tensor grew peak RSS by {after_big - after_small:.0f} MiB"
+    # One reused 1 MiB fp32 buffer and one 0.5 MiB bf16 buffer per IO thread: measured 1.8 MiB above the baseline.
+    # Holding the big tensor, or its cast, would add 128-384 MiB; a fresh buffer per chunk, ~10-20 MiB of malloc churn.
+    assert after_big - base < 12, f"peak RSS grew by {after_big - base:.1f} MiB"
+    assert after_big - after_small < 6, f"a 16x larger tensor grew peak RSS by {after_big - after_small:.1f} MiB"
     with safe_open(tmp_path / "out-big" / "model.safetensors", framework="pt") as f:
         assert f.get_slice("w").get_shape() == [64 * 1024 * 1024] and f.get_slice("w").get_dtype() == "BF16"

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_save
 
 import zeroio
+from zeroio._convert import _Buffers, _output_dtype, _stream
+from zeroio._metadata import parse_dtype
 from zeroio._safetensors_writer import plan_file, preallocate, pwrite_all, write_chunks
 
 
@@ -177,24 +179,47 @@ class _RecordingView(zeroio.Checkpoint):
         self.inner._read_into(name, start, out)
 
 
+@pytest.mark.parametrize("dtype", [None, "bf16"])
 @pytest.mark.parametrize("chunk_bytes", [8, 64])
-def test_streaming_reads_never_exceed_chunk_bytes(tmp_path, chunk_bytes):
-    """Streaming a real checkpoint through the writer reads at most chunk_bytes at a time, and the file is right."""
+def test_streaming_reads_never_exceed_chunk_bytes(tmp_path, chunk_bytes, dtype):
+    """Converting a real checkpoint reads at most chunk_bytes at a time, into reused buffers, and writes it right."""
     with zeroio.open(FIXTURES / "z3_ws3_bf16") as inner:
         view = _RecordingView(inner)
         names = [n for n in view.infos if n not in view.tied]
-        layout = plan_file([(n, view.info(n).dtype, view.info(n).shape) for n in names], metadata={"format": "pt"})
+        target = parse_dtype(dtype)
+        specs = [(n, _output_dtype(view.info(n), target), view.info(n).shape) for n in names]
+        layout = plan_file(specs, metadata={"format": "pt"})
         path = tmp_path / "model.safetensors"
+        buffers = _Buffers()
+        pointers = set()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             pwrite_all(fd, layout.header, 0)
             for slot in layout.slots:
-                write_chunks(fd, slot, view.iter_chunks(slot.name, chunk_bytes=chunk_bytes))
+                chunks: list[torch.Tensor] = []
+
+                def watched(stream, chunks=chunks):
+                    for chunk in stream:
+                        pointers.add(chunk.data_ptr())
+                        chunks.append(chunk.clone())
+                        yield chunk
+
+                write_chunks(fd, slot, watched(_stream(view, slot.name, target, chunk_bytes, buffers)))
+                # Same elements, chunking and rounding as the checkpoint's own iter_chunks.
+                expected = list(inner.iter_chunks(slot.name, dtype=target, chunk_bytes=chunk_bytes))
+                assert [c.view(torch.uint8).tolist() for c in chunks] == [
+                    c.view(torch.uint8).tolist() for c in expected
+                ]
         finally:
             os.close(fd)
     assert view.reads and max(view.reads) <= chunk_bytes
-    assert sum(view.reads) == layout.data_bytes
-    expected = reference("z3_ws3_bf16")
+    # One buffer per dtype (fp32, bf16, int64), reused for every chunk; the bf16 one grows once (bf16 chunks
+    # cast to fp32 hold half as many elements as plain bf16 chunks).
+    assert len(pointers) <= 4 < len(view.reads)
+    reference_state = reference("z3_ws3_bf16")
     loaded = load_file(path)
     for name, tensor in loaded.items():
-        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+        want = reference_state[name]
+        if target is not None and want.is_floating_point():
+            want = want.to(target)
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
