@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
+import re
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -804,3 +807,57 @@ def test_argument_errors():
         load(FIXTURES / "z3_ws2_fp32", build(), init_hook="configure_model")
     with pytest.raises(ValueError, match="Unknown dtype 'fp8'"):
         load(FIXTURES / "z3_ws2_fp32", build(), dtype="fp8")
+
+
+_PEAK_SCRIPT = """
+import sys, torch
+from zeroio._deploy import load
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4096, 4096, bias=False) for _ in range(4))
+
+with torch.device("meta"):
+    model = Stack()
+open("/proc/self/clear_refs", "w").write("5")  # restart VmHWM from the current RSS
+before = status("VmRSS")
+load(sys.argv[1], model)
+print(status("VmHWM") - before - sum(p.numel() * p.element_size() for p in model.parameters()))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+def test_host_memory_is_one_chunk_not_the_model(tmp_path):
+    """Loading 256 MiB of weights into a meta model adds about one 64 MiB chunk of host memory beyond the model."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({f"layers.{i}.weight": torch.full((4096, 4096), float(i)) for i in range(4)}, path)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(path)], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(zeroio.__file__).parent.parent)},
+    )
+    extra = int(out.stdout.strip())
+    assert extra < 96 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's 256 MiB"
+
+
+_DOCS = FIXTURES.parent / "docs" / "loading.md"
+_DOC_BLOCKS = re.findall(r"```python\n(.*?)```", _DOCS.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_DOC_BLOCKS)))
+def test_loading_docs_examples_run(index, monkeypatch):
+    """Each ```python block of docs/loading.md runs from the repository root, MyModel being the fixtures' TinyLM."""
+    block = _DOC_BLOCKS[index]
+    for module in ("lightning", "transformers"):
+        if f"import {module}" in block or f"from {module}" in block:
+            pytest.importorskip(module)
+    monkeypatch.chdir(FIXTURES.parent)
+    monkeypatch.setattr(zeroio, "load", load, raising=False)  # until zeroio/__init__.py exports it
+    exec(compile(block, f"docs/loading.md[python block {index}]", "exec"), {"MyModel": type(build())})
