@@ -328,6 +328,19 @@ def test_wrongly_typed_arguments_fail_before_any_io(tmp_path, kwargs, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_dtype_safetensors_cannot_hold_fails_before_writing(tmp_path):
+    """A tensor safetensors cannot encode fails while planning, before anything is created; fmt="torch" works."""
+    state = {"w": torch.ones(2), "c": torch.ones(2, dtype=torch.complex128)}
+    torch.save(state, tmp_path / "src.pt")
+    with pytest.raises(ValueError) as excinfo:
+        convert(tmp_path / "src.pt", tmp_path / "out", progress=False)
+    assert str(excinfo.value) == "safetensors cannot store torch.complex128; convert with fmt='torch'."
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
+    result = convert(tmp_path / "src.pt", tmp_path / "out", fmt="torch", progress=False)
+    loaded = torch.load(result.files[0], weights_only=True)
+    assert_bits_equal(loaded, state)
+
+
 def test_missing_source_leaves_no_output(tmp_path):
     """A source that cannot be opened raises its own error and creates nothing."""
     with pytest.raises(zeroio.errors.CheckpointNotFoundError):

@@ -245,46 +245,73 @@ def _card_facts(
     }
 
 
+# --------------------------------------------------------------------------- plans (metadata only)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything to write, decided from metadata before any tensor byte is read."""
+
+    shards: ShardPlan
+    index: str | None
+    """The index file's text, or None for one file."""
+    layouts: tuple[tuple[str, SafetensorsLayout], ...] = ()
+    """safetensors only: each file's header and tensor byte ranges."""
+
+
+def _plan_safetensors(
+    ckpt: Checkpoint, names: list[str], ties: dict[str, str], dtypes: dict[str, torch.dtype], limit: int
+) -> _Plan:
+    infos = ckpt.infos
+    # 1. Shards from sizes alone, as huggingface_hub splits (tied aliases are dropped, as it does for safetensors).
+    stored = [n for n in names if n not in ties]
+    sizes = {n: infos[n].numel * dtypes[n].itemsize for n in stored}
+    shards = plan_shards(sizes, max_shard_size=limit, filename_pattern="model{suffix}.safetensors")
+    # 2. huggingface_hub's save_torch_state_dict records each dropped alias as `alias: kept name`: in the header of
+    #    a single file, in the index's metadata when sharded.
+    tie_meta = {alias: ties[alias] for alias in names if alias in ties}
+    file_meta = {"format": "pt"} if shards.is_sharded else {"format": "pt", **tie_meta}
+    # 3. Every file's header and byte offsets.
+    layouts = tuple(
+        (filename, plan_file([(n, dtypes[n], infos[n].shape) for n in shard_names], metadata=file_meta))
+        for filename, shard_names in shards.shards
+    )
+    index = index_json(shards, extra_metadata=tie_meta) if shards.is_sharded else None
+    return _Plan(shards, index, layouts)
+
+
+def _plan_torch(
+    ckpt: Checkpoint, names: list[str], ties: dict[str, str], dtypes: dict[str, torch.dtype], limit: int
+) -> _Plan:
+    infos = ckpt.infos
+    # Tied names stay as keys sharing one tensor (torch.save stores the storage once), in one shard, as
+    # huggingface_hub's save_torch_state_dict(safe_serialization=False) does.
+    sizes = {n: infos[n].numel * dtypes[n].itemsize for n in names}
+    shards = plan_shards(sizes, max_shard_size=limit, filename_pattern="pytorch_model{suffix}.bin", aliases=ties)
+    return _Plan(shards, index_json(shards) if shards.is_sharded else None)
+
+
 # --------------------------------------------------------------------------- writers
 
 
 def _write_safetensors(
     ckpt: Checkpoint,
+    plan: _Plan,
     tmp: Path,
     dst: Path,
-    names: list[str],
-    ties: dict[str, str],
-    dtypes: dict[str, torch.dtype],
     *,
     target: torch.dtype | None,
-    max_shard_size: int,
     workers: int,
     chunk_bytes: int,
     progress: bool | ProgressCallback,
-) -> tuple[ShardPlan, str | None]:
-    infos = ckpt.infos
-    stored = [n for n in names if n not in ties]
-    # 1. Shards from sizes alone, as huggingface_hub splits (tied aliases are dropped, as it does for safetensors).
-    sizes = {n: infos[n].numel * dtypes[n].itemsize for n in stored}
-    plan = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors")
-    # huggingface_hub's save_torch_state_dict records each dropped alias as `alias: kept name`: in the header of a
-    # single file, in the index's metadata when sharded.
-    tie_meta = {alias: ties[alias] for alias in names if alias in ties}
-    file_meta = {"format": "pt"} if plan.is_sharded else {"format": "pt", **tie_meta}
-    # 2. Every file's header and byte offsets, before any tensor is read.
-    layouts: list[tuple[str, SafetensorsLayout]] = []
-    for filename, shard_names in plan.shards:
-        specs = [(n, dtypes[n], infos[n].shape) for n in shard_names]
-        layouts.append((filename, plan_file(specs, metadata=file_meta)))
-    index = index_json(plan, extra_metadata=tie_meta) if plan.is_sharded else None
-
-    # 3. Create and preallocate every file (a full disk fails here, before reading), write the headers.
-    meter = _Progress(progress, plan.total_size, "Converting")
+) -> None:
+    # 1. Create and preallocate every file (a full disk fails here, before reading), write the headers.
+    meter = _Progress(progress, plan.shards.total_size, "Converting")
     fds: list[int] = []
     stop = threading.Event()
     try:
         slot_of = {}
-        for filename, layout in layouts:
+        for filename, layout in plan.layouts:
             with _naming(dst / filename):
                 fd = _create(tmp / filename)
                 fds.append(fd)
@@ -294,7 +321,7 @@ def _write_safetensors(
                 slot_of[slot.name] = (fd, slot, dst / filename)
         meter.start()
 
-        # 4. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
+        # 2. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
         #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes.
         buffers = _Buffers()
 
@@ -308,42 +335,35 @@ def _write_safetensors(
 
             return run
 
+        order = [name for name in ckpt.infos if name in slot_of]
         with _pool(workers) as pool:
-            _run_all(pool, [task(n) for n in stored], stop)
-        for fd, (filename, _) in zip(fds, layouts):
+            _run_all(pool, [task(n) for n in order], stop)
+        # 3. Durable before the index names them.
+        for fd, (filename, _) in zip(fds, plan.layouts):
             with _naming(dst / filename):
                 os.fsync(fd)
     finally:
         for fd in fds:
             os.close(fd)
         meter.close()
-    # 5. The index last.
-    if index is not None:
+    # 4. The index last.
+    if plan.index is not None:
         with _naming(dst / C.SAFETENSORS_INDEX):
-            _write_text(tmp / C.SAFETENSORS_INDEX, index)
-    return plan, index
+            _write_text(tmp / C.SAFETENSORS_INDEX, plan.index)
 
 
 def _write_torch(
     ckpt: Checkpoint,
+    plan: _Plan,
     tmp: Path,
     dst: Path,
-    names: list[str],
     ties: dict[str, str],
-    dtypes: dict[str, torch.dtype],
     *,
     target: torch.dtype | None,
-    max_shard_size: int,
     workers: int,
     progress: bool | ProgressCallback,
-) -> tuple[ShardPlan, str | None]:
-    infos = ckpt.infos
-    # Tied names stay as keys sharing one tensor (torch.save stores the storage once), in one shard, as
-    # huggingface_hub's save_torch_state_dict(safe_serialization=False) does.
-    sizes = {n: infos[n].numel * dtypes[n].itemsize for n in names}
-    plan = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern="pytorch_model{suffix}.bin", aliases=ties)
-    index = index_json(plan) if plan.is_sharded else None
-    meter = _Progress(progress, plan.total_size, "Converting")
+) -> None:
+    meter = _Progress(progress, plan.shards.total_size, "Converting")
     meter.start()
     stop = threading.Event()
 
@@ -358,7 +378,7 @@ def _write_torch(
 
     try:
         with _pool(workers) as pool:
-            for filename, shard_names in plan.shards:
+            for filename, shard_names in plan.shards.shards:
                 # One shard in memory at a time: torch.save needs whole tensors. The planner keeps each tied
                 # alias in its source's shard, so the alias can share the source's tensor.
                 loaded: dict[str, torch.Tensor] = {}
@@ -371,10 +391,9 @@ def _write_torch(
                 del shard, loaded
     finally:
         meter.close()
-    if index is not None:
+    if plan.index is not None:
         with _naming(dst / C.TORCH_INDEX):
-            _write_text(tmp / C.TORCH_INDEX, index)
-    return plan, index
+            _write_text(tmp / C.TORCH_INDEX, plan.index)
 
 
 # --------------------------------------------------------------------------- the public verb
@@ -422,7 +441,8 @@ def convert(
         max_shard_size: largest shard, ``"5GB"``, ``"500MB"``, ``"1.5GB"`` (decimal units) or bytes. A tensor
             larger than this gets a shard of its own.
         tag: the DeepSpeed tag to read (default: the one in ``latest``).
-        exclude_frozen: leave out frozen (``requires_grad=False``) parameters.
+        exclude_frozen: leave out frozen (``requires_grad=False``) parameters of a DeepSpeed checkpoint
+            (consolidated files do not say which parameters were frozen).
         overwrite: replace an existing ``dst``.
         workers: IO threads (default: up to 4).
         progress: ``True`` draws a tqdm bar in bytes on a terminal, ``False`` is silent, or pass
@@ -480,47 +500,34 @@ def convert(
         dtypes = {n: _output_dtype(infos[n], target) for n in names}
         logger.debug("converting %d tensors from %s to %s (%s)", len(names), ckpt.metadata.path, out.dst, fmt)
 
-        # 4. Build everything in a temporary folder beside dst; rename it into place only when complete.
+        # 4. Plan every file from metadata: shards, headers, offsets, index (a dtype safetensors cannot hold
+        #    fails here, before anything is created).
+        if fmt == "safetensors":
+            plan = _plan_safetensors(ckpt, names, ties, dtypes, limit)
+        else:
+            plan = _plan_torch(ckpt, names, ties, dtypes, limit)
+
+        # 5. Build everything in a temporary folder beside dst; rename it into place only when complete.
         with out as tmp:
             if fmt == "safetensors":
-                plan, index = _write_safetensors(
-                    ckpt,
-                    tmp,
-                    out.dst,
-                    names,
-                    ties,
-                    dtypes,
-                    target=target,
-                    max_shard_size=limit,
-                    workers=n_workers,
-                    chunk_bytes=chunk_bytes,
+                _write_safetensors(
+                    ckpt, plan, tmp, out.dst, target=target, workers=n_workers, chunk_bytes=chunk_bytes,
                     progress=progress,
-                )
-                index_name = C.SAFETENSORS_INDEX
+                )  # fmt: skip
             else:
-                plan, index = _write_torch(
-                    ckpt,
-                    tmp,
-                    out.dst,
-                    names,
-                    ties,
-                    dtypes,
-                    target=target,
-                    max_shard_size=limit,
-                    workers=n_workers,
-                    progress=progress,
-                )
-                index_name = C.TORCH_INDEX
+                _write_torch(ckpt, plan, tmp, out.dst, ties, target=target, workers=n_workers, progress=progress)
         num_params = sum(infos[n].numel for n in names if n not in ties)
         facts = _card_facts(ckpt, fmt, target, [dtypes[n] for n in names], excluded, num_params)
 
-    files = tuple(out.dst / filename for filename, _ in plan.shards)
+    files = tuple(out.dst / filename for filename, _ in plan.shards.shards)
     num_tensors = len([n for n in names if n not in ties])
-    logger.info("wrote %d tensors (%d bytes) in %d file(s) to %s", num_tensors, plan.total_size, len(files), out.dst)
+    total = plan.shards.total_size
+    logger.info("wrote %d tensors (%d bytes) in %d file(s) to %s", num_tensors, total, len(files), out.dst)
+    index_name = C.SAFETENSORS_INDEX if fmt == "safetensors" else C.TORCH_INDEX
     return ConvertResult(
         files=files,
-        index_path=out.dst / index_name if index is not None else None,
-        total_size=plan.total_size,
+        index_path=out.dst / index_name if plan.index is not None else None,
+        total_size=total,
         num_tensors=num_tensors,
         tied=ties,
         card_facts=facts,

@@ -69,9 +69,7 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise ValueError(
-            f"safetensors cannot store {dtype}; convert with fmt='torch', or cast with dtype='fp32'."
-        ) from None
+        raise ValueError(f"safetensors cannot store {dtype}; convert with fmt='torch'.") from None
 
 
 @dataclass(frozen=True, slots=True)
