@@ -17,7 +17,7 @@ def test_inspect_table(capsys):
     assert main(["inspect", str(FIXTURES / "z3_ws2_bf16")]) == 0
     out = capsys.readouterr().out
     tag_dir = FIXTURES / "z3_ws2_bf16" / "global_step2"
-    assert out.splitlines()[:8] == [
+    assert out.splitlines()[:9] == [
         f"checkpoint  {tag_dir}",
         "format      zero",
         "tag         global_step2",
@@ -26,6 +26,7 @@ def test_inspect_table(capsys):
         "train dtype bf16",
         "deepspeed   0.19.8",
         "global step 2",
+        "fp32 master yes",
     ]
     assert "frozen.weight   (7, 7)   bf16         98 B  frozen     zero_pp_rank_0_mp_rank_00_model_states.pt, " in out
     assert "head.weight     (13, 7)  fp32        364 B  trainable  tied to emb.weight" in out
@@ -66,3 +67,11 @@ def test_python_dash_m_and_console_script():
     """`python -m zeroio` runs the same CLI as the `zeroio` console script."""
     proc = subprocess.run([sys.executable, "-m", "zeroio", "--version"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.startswith("zeroio ")
+
+
+def test_push_refuses_pr_with_revision(capsys):
+    """`zeroio push --create-pr --revision X` is a usage error (exit 2) before any network call."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["push", str(FIXTURES / "z3_ws2_fp32"), "me/model", "--create-pr", "--revision", "dev"])
+    assert excinfo.value.code == 2
+    assert "--create-pr opens a pull request against the main branch" in capsys.readouterr().err

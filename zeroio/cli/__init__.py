@@ -17,6 +17,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    validate = getattr(args, "validate", None)
+    if validate is not None:
+        validate(parser, args)  # cross-flag checks: usage errors exit 2 like argparse's own
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -44,6 +44,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("deepspeed", meta["ds_version"]),
         ("global step", meta["global_step"]),
     ]
+    if meta["format"] == "zero":
+        facts.append(("fp32 master", "yes" if meta["has_fp32_master"] else "no (16-bit weights only)"))
     for label, value in facts:
         if value is not None:
             out.write(f"{label:<11} {value}\n")
@@ -133,11 +135,18 @@ def cmd_push(args: argparse.Namespace) -> int:
         commit_message=args.commit_message,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
+        tag=args.tag,
         endpoint=args.endpoint,
+        model_card=not args.no_model_card,
         progress=not args.quiet,
     )
     print(f"Pushed to {result.pr_url or result.commit_url}")
     return 0
+
+
+def _validate_push(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.create_pr and args.revision:
+        parser.error("--create-pr opens a pull request against the main branch; it cannot be combined with --revision")
 
 
 # --------------------------------------------------------------------------- parser
@@ -200,9 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit-message", help="commit title")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors when converting")
     p.add_argument("--max-shard-size", default="5GB", help="largest shard when converting (default: 5GB)")
+    p.add_argument("--tag", help="tag folder to read when converting (default: the one in 'latest')")
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
+    p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_push)
+    p.set_defaults(func=cmd_push, validate=_validate_push)
     return parser
 
 
