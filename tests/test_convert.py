@@ -166,6 +166,28 @@ def test_golden_index(tmp_path):
     assert [p.name for p in result.files] == [first, second, third]
 
 
+def test_golden_header_bytes_of_a_converted_fixture(tmp_path):
+    """The bf16 conversion of z3_ws2_bf16 starts with exactly these bytes: length, metadata, dtype-sorted tensors."""
+    result = convert(FIXTURES / "z3_ws2_bf16", tmp_path / "out", dtype="bf16", progress=False)
+    data = result.files[0].read_bytes()
+    header = (
+        b'{"__metadata__":{"format":"pt","head.weight":"emb.weight"},'
+        b'"calls":{"dtype":"I64","shape":[],"data_offsets":[0,8]},'
+        b'"emb.weight":{"dtype":"BF16","shape":[13,7],"data_offsets":[8,190]},'
+        b'"frozen.bias":{"dtype":"BF16","shape":[7],"data_offsets":[190,204]},'
+        b'"frozen.weight":{"dtype":"BF16","shape":[7,7],"data_offsets":[204,302]},'
+        b'"mlp_in.bias":{"dtype":"BF16","shape":[5],"data_offsets":[302,312]},'
+        b'"mlp_in.weight":{"dtype":"BF16","shape":[5,7],"data_offsets":[312,382]},'
+        b'"mlp_out.weight":{"dtype":"BF16","shape":[7,5],"data_offsets":[382,452]},'
+        b'"norm.bias":{"dtype":"BF16","shape":[7],"data_offsets":[452,466]},'
+        b'"norm.weight":{"dtype":"BF16","shape":[7],"data_offsets":[466,480]},'
+        b'"scale":{"dtype":"BF16","shape":[7],"data_offsets":[480,494]}}    '
+    )
+    assert data[:8] == b"\xe0\x02\x00\x00\x00\x00\x00\x00"  # 736
+    assert data[8 : 8 + 736] == header
+    assert len(data) == 8 + 736 + 494
+
+
 def test_single_file_header_records_format_and_tie(tmp_path):
     """One shard: `model.safetensors`, header metadata {"format": "pt", alias: source}, no index."""
     result = convert(FIXTURES / "z2_ws2_fp32", tmp_path / "out", progress=False)
