@@ -411,6 +411,62 @@ def test_deepspeed_script_fails_on_tied_weights_where_zeroio_succeeds(tmp_path, 
     assert_bits_equal({k: v.float() if v.is_floating_point() else v for k, v in default.items()}, ds_state)
 
 
+_HF_TRAIN = """
+import os, socket, sys
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+import deepspeed, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16, bos_token_id=0, eos_token_id=0,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+model = GPT2LMHeadModel(config)  # lm_head.weight tied to transformer.wte.weight
+ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10000,
+             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+             "zero_optimization": {"stage": 3}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+ids = torch.randint(0, 97, (2, 8))
+engine.backward(engine(input_ids=ids, labels=ids).loss)
+engine.step()
+engine.save_checkpoint(sys.argv[1])
+config.save_pretrained(sys.argv[1])
+"""
+
+_HF_LOAD = """
+import shutil, sys, torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from transformers import GPT2Config, GPT2LMHeadModel
+ckpt, out = sys.argv[1], sys.argv[2]
+shutil.copy(f"{ckpt}/config.json", out)
+loaded = GPT2LMHeadModel.from_pretrained(out).eval()
+reference = GPT2LMHeadModel(GPT2Config.from_pretrained(ckpt)).eval()
+reference.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(ckpt), strict=True)
+ids = torch.arange(12).view(2, 6)
+with torch.no_grad():
+    same = torch.equal(loaded(ids).logits, reference(ids).logits)
+tied = loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+print(same, tied)
+"""
+
+
+@pytest.mark.slow
+def test_transformers_from_pretrained_reads_the_output(tmp_path):
+    """A real DeepSpeed ZeRO-3 checkpoint of a tied GPT-2, converted and sharded, loads with transformers'
+    from_pretrained: every key found, head still tied, logits equal to DeepSpeed's consolidation loaded strictly."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    run = [sys.executable, "-c"]
+    train = subprocess.run([*run, _HF_TRAIN, str(ckpt)], check=False, capture_output=True, text=True, env=env)
+    assert train.returncode == 0, train.stderr[-3000:]
+    result = convert(ckpt, out, max_shard_size=20_000, progress=False)
+    assert len(result.files) > 2 and result.tied == {"lm_head.weight": "transformer.wte.weight"}
+    load = subprocess.run([*run, _HF_LOAD, str(ckpt), str(out)], check=False, capture_output=True, text=True, env=env)
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert load.stdout.splitlines()[-1] == "True True", load.stdout[-3000:]  # DeepSpeed prints its progress first
+
+
 # --------------------------------------------------------------------------- memory
 
 
