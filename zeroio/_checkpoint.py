@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from collections.abc import Iterator, Mapping
@@ -9,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Self
 
 from ._metadata import CheckpointMetadata, TensorInfo, parse_dtype
 from .errors import CheckpointClosedError, TensorNotFoundError
 
-__all__ = ["Checkpoint", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             self._state = _State.CLOSED
             self._release()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Self:
         self._check_open()
         return self
 
@@ -88,10 +90,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
             self.close()
-        except Exception:  # interpreter shutdown
-            pass
 
     def __repr__(self) -> str:
         meta = self._metadata

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import _constants as C
 from .errors import CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
-__all__ = ["ZeroLayout", "find_tag_dir", "scan_tag_dir", "is_zero_checkpoint"]
+__all__ = ["ZeroLayout", "find_tag_dir", "is_zero_checkpoint", "scan_tag_dir"]
 
 
 def _truncate(items: list[str], limit: int = 5) -> str:

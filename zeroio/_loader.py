@@ -27,7 +27,7 @@ def _is_consolidated(path: Path) -> bool:
     )
 
 
-def open(  # noqa: A001 - like gzip.open / tarfile.open
+def open(
     path: StrPath,
     tag: str | None = None,
     *,

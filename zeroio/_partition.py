@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = [
     "Piece",
-    "zero3_partition_numel",
+    "locate",
+    "split_pieces",
     "zero3_offsets",
+    "zero3_partition_numel",
     "zero3_plan",
     "zero12_offsets",
     "zero12_plan",
-    "locate",
-    "split_pieces",
 ]
 
 

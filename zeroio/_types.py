@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Union
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-StrPath = Union[str, "os.PathLike[str]"]
+StrPath = str | os.PathLike[str]
 StateDict = dict[str, torch.Tensor]
-DTypeLike = Union[str, torch.dtype]
+DTypeLike = str | torch.dtype
 InitHook = Callable[[nn.Module], None]
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(done, total)`` in bytes."""

@@ -20,11 +20,13 @@ import pickle
 import struct
 import threading
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from typing_extensions import Self
 
 from .errors import (
     CheckpointFormatError,
@@ -55,7 +57,7 @@ class ZeroStageEnum(enum.IntEnum):
 class _Inert:
     """An object rebuilt from a pickle's state dict only; it has no behaviour."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_Inert":
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         # Reached when a pickle "calls" (REDUCE) or instantiates (NEWOBJ) an allowed global: record the
         # arguments, run nothing.
         self = object.__new__(cls)
@@ -116,7 +118,7 @@ class TensorRef:
     exactly as torch rebuilds it.
     """
 
-    file: "RankFile"
+    file: RankFile
     storage: _Storage
     storage_offset: int
     shape: tuple[int, ...]
@@ -378,7 +380,7 @@ class RankFile:
                 path=self.path,
             )
         fields = _LOCAL_HEADER.unpack(header)
-        offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        offset = int(info.header_offset) + _LOCAL_HEADER.size + int(fields[9]) + int(fields[10])
         self._data_offsets[key] = offset
         return offset
 
@@ -532,12 +534,12 @@ def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str]
         ) from exc
     file = RankFile(path, records, size=size)
     for storage in unpickler.storages.values():
-        info = records.get(storage.key)
+        record = records.get(storage.key)
         needed = storage.numel * _itemsize(storage.dtype)
-        if info is None or info.file_size < needed:
+        if record is None or record.file_size < needed:
             raise CheckpointFormatError(
                 f"'{path}' is truncated or corrupted: storage '{storage.key}' needs {needed} bytes, "
-                f"the archive holds {0 if info is None else info.file_size}. Copy the file again.",
+                f"the archive holds {0 if record is None else record.file_size}. Copy the file again.",
                 path=path,
             )
     return _bind(tree, file), file
