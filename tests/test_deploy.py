@@ -701,7 +701,9 @@ def test_lightning_module_from_zero3(name):
 
 
 @pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
-@pytest.mark.filterwarnings("ignore:GPU available but not used:UserWarning")  # when run on a CUDA machine
+# Lightning's PossibleUserWarnings depend on the machine ("GPU available but not used", "does not have many
+# workers" on a 16-core GPU host); they are about training throughput, not about the checkpoint under test.
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lightning_ckpt_written_by_trainer(tmp_path):
     """A .ckpt saved by Lightning's Trainer loads into a fresh LightningModule and into the bare network."""
     pl = pytest.importorskip("lightning.pytorch")
