@@ -20,6 +20,7 @@ from ._checkpoint import Checkpoint
 from ._metadata import TensorInfo, dtype_name, parse_dtype
 from ._safetensors_writer import SafetensorsLayout, plan_file, preallocate, pwrite_all, write_chunks
 from ._sharding import ShardPlan, index_json, parse_size, plan_shards
+from ._side_files import copy_side_files
 from ._types import ProgressCallback, StrPath
 from .errors import OutputError
 
@@ -33,7 +34,7 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 """IO threads: reads of one tensor overlap writes of another (reads and writes release the GIL)."""
 
-Format = Literal["safetensors", "torch"]
+Format = Literal["safetensors", "torch", "lightning"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class ConvertResult:
     card_facts: dict[str, Any] = field(default_factory=dict)
     """Facts for a Hub model card: ``source_format``, ``tag``, ``ds_version``, ``zero_stage``, ``world_size``,
     ``global_step``, ``train_dtype``, ``output_dtype``, ``format``, ``num_params``, ``excluded_frozen``."""
+    copied: tuple[Path, ...] = ()
+    """Config and tokenizer files copied from beside the source (an HF Trainer ``checkpoint-N/``), in the output."""
 
 
 # --------------------------------------------------------------------------- progress
@@ -396,6 +399,48 @@ def _write_torch(
             _write_text(tmp / C.TORCH_INDEX, plan.index)
 
 
+def _convert_lightning(
+    src: StrPath, dst: Path, *, tag: str | None, target: torch.dtype | None, overwrite: bool
+) -> ConvertResult:
+    """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
+    from ._lightning import write_lightning_ckpt
+    from ._loader import open as zeroio_open
+
+    # 1. Refuse an existing file (or a file in the way of a parent folder) before reading anything, as for folders;
+    #    a folder at dst is refused by write_lightning_ckpt, overwrite or not (a Lightning checkpoint is one file).
+    dst = Path(os.path.abspath(dst))
+    if not dst.is_dir():
+        AtomicDir(dst, overwrite=overwrite).check()
+    if overwrite and dst.is_file() and dst.resolve() == Path(src).resolve():
+        raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
+    with zeroio_open(src, tag) as ckpt:
+        # 2. Missing parent folders are created, as convert creates them for an output folder.
+        if not dst.is_dir():
+            try:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(
+                    f"Cannot write '{dst}': cannot create the folder '{dst.parent}' ({exc.strerror or exc}). "
+                    "Check the permissions of the destination's folder or choose another destination.",
+                    path=dst,
+                ) from exc
+        written = write_lightning_ckpt(ckpt, dst, dtype=target, overwrite=overwrite)
+        infos = ckpt.infos
+        num_params = sum(info.numel for name, info in infos.items() if name not in ckpt.tied)
+        facts = _card_facts(
+            ckpt, "lightning", target, [_output_dtype(i, target) for i in infos.values()], [], num_params
+        )
+    logger.info("wrote %d tensors (%d bytes) to %s", written.num_tensors, written.total_size, written.path)
+    return ConvertResult(
+        files=(written.path,),
+        index_path=None,
+        total_size=written.total_size,
+        num_tensors=written.num_tensors,
+        tied=written.tied,
+        card_facts=facts,
+    )
+
+
 # --------------------------------------------------------------------------- the public verb
 
 
@@ -428,13 +473,23 @@ def convert(
     ``pytorch_model.bin.index.json``), loadable with ``torch.load(weights_only=True)``; tied names are both
     keys and share one tensor. It holds one shard in memory at a time (``torch.save`` needs whole tensors).
 
-    The output is built in a temporary folder beside ``dst`` and renamed into place when complete.
+    ``fmt="lightning"`` writes the single consolidated ``.ckpt`` file PyTorch Lightning users deploy (``dst`` is
+    that file): ``state_dict`` plus the client state Lightning saved (``epoch``, ``global_step``,
+    ``hyper_parameters``, ``loops``, ``callbacks``, ...), loadable with ``LightningModule.load_from_checkpoint``.
+    It holds the whole state dict in memory (a torch pickle); ``max_shard_size``, ``workers``, ``chunk_bytes``
+    and ``progress`` do not apply.
+
+    ``config.json``, ``generation_config.json`` and tokenizer files found beside the source (the HF Trainer's
+    ``checkpoint-N/``, or the parent of a tag folder or file) are copied into a ``safetensors``/``torch``
+    output folder, so ``transformers`` loads it as it is; a plain DeepSpeed checkpoint has none.
+
+    The output is built in a temporary folder (file) beside ``dst`` and renamed into place when complete.
 
     Args:
         src: anything :func:`zeroio.open` reads: a DeepSpeed checkpoint (root or tag folder) or a consolidated
             safetensors/torch checkpoint (to re-shard or cast).
-        dst: the output folder to create.
-        fmt: ``"safetensors"`` (default) or ``"torch"``.
+        dst: the output folder to create (the ``.ckpt`` file for ``fmt="lightning"``).
+        fmt: ``"safetensors"`` (default), ``"torch"`` or ``"lightning"``.
         dtype: cast floating tensors (``"fp32"``, ``"fp16"``, ``"bf16"`` or a torch dtype), with torch's own
             rounding (``tensor.to(dtype)``); integer buffers keep their dtype. Default: as stored (fp32 master
             weights, frozen parameters in their training dtype).
@@ -442,7 +497,8 @@ def convert(
             larger than this gets a shard of its own.
         tag: the DeepSpeed tag to read (default: the one in ``latest``).
         exclude_frozen: leave out frozen (``requires_grad=False``) parameters of a DeepSpeed checkpoint
-            (consolidated files do not say which parameters were frozen).
+            (consolidated files do not say which parameters were frozen). Not with ``fmt="lightning"``:
+            ``load_from_checkpoint`` needs every parameter.
         overwrite: replace an existing ``dst``.
         workers: IO threads (default: up to 4).
         progress: ``True`` draws a tqdm bar in bytes on a terminal, ``False`` is silent, or pass
@@ -450,14 +506,18 @@ def convert(
         chunk_bytes: largest piece of a tensor read at once, per thread.
 
     Returns:
-        A :class:`ConvertResult`: files, index path, total size, tensor count, ties and model-card facts.
+        A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
+        copied config/tokenizer files. For ``fmt="lightning"``: ``files=(dst,)``, ``index_path=None``.
 
     Raises:
         OutputError: ``dst`` exists (without ``overwrite``) or holds the source, cannot be written, the disk
             filled, or the conversion was interrupted (KeyboardInterrupt); the partial output is removed.
         CheckpointNotFoundError, CheckpointFormatError: the source cannot be read (raised before ``dst`` is
             touched when found in metadata).
-        ValueError: an argument has a bad value (format, dtype, shard size, workers).
+        ValueError: an argument has a bad value (format, dtype, shard size, workers), or ``exclude_frozen``
+            with ``fmt="lightning"``.
+        UnsupportedCheckpointError: ``fmt="lightning"`` and the client state holds an object zeroio cannot
+            rebuild.
         TypeError: an argument has the wrong type.
 
     Example:
@@ -467,8 +527,8 @@ def convert(
         ['model.safetensors']
     """
     # 1. Arguments, without IO.
-    if fmt not in ("safetensors", "torch"):
-        raise ValueError(f"fmt must be 'safetensors' or 'torch', got {fmt!r}.")
+    if fmt not in ("safetensors", "torch", "lightning"):
+        raise ValueError(f"fmt must be 'safetensors', 'torch' or 'lightning', got {fmt!r}.")
     target = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     n_workers = _workers(workers)
@@ -479,6 +539,13 @@ def convert(
     if not (isinstance(progress, bool) or callable(progress)):
         raise TypeError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
     dst_path = Path(dst)
+    if fmt == "lightning":
+        if exclude_frozen:
+            raise ValueError(
+                "exclude_frozen=True cannot be used with fmt='lightning': load_from_checkpoint loads strictly and "
+                "needs every parameter. Drop exclude_frozen, or write fmt='safetensors'."
+            )
+        return _convert_lightning(src, dst_path, tag=tag, target=target, overwrite=overwrite)
     out = AtomicDir(dst_path, overwrite=overwrite)
 
     # 2. Refuse an existing destination before reading anything; clean temporary folders of dead conversions.
@@ -516,6 +583,7 @@ def convert(
                 )  # fmt: skip
             else:
                 _write_torch(ckpt, plan, tmp, out.dst, ties, target=target, workers=n_workers, progress=progress)
+            copied = copy_side_files(Path(src), tmp)  # HF Trainer checkpoint-N: config and tokenizer files
         num_params = sum(infos[n].numel for n in names if n not in ties)
         facts = _card_facts(ckpt, fmt, target, [dtypes[n] for n in names], excluded, num_params)
 
@@ -531,4 +599,5 @@ def convert(
         num_tensors=num_tensors,
         tied=ties,
         card_facts=facts,
+        copied=tuple(out.dst / name for name in copied),
     )

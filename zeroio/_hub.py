@@ -27,22 +27,9 @@ logger = logging.getLogger(__name__)
 CONVERTED_MARKERS = ("model.safetensors", "model.safetensors.index.json")
 """A folder holding either file is taken as already converted and uploaded as is."""
 
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-"""Files the HF Trainer saves in ``checkpoint-N/`` beside ``global_stepN/``; pushed with the weights."""
-
 CARD_TAGS = ("deepspeed", "zeroio")
 
 _DEFAULT_BRANCH = "main"
-_ZERO_RANK_SUFFIXES = ("_model_states.pt", "_optim_states.pt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +176,10 @@ def push_to_hub(
             )
             card_facts = dict(result.card_facts)
 
-        # 4. Stage weights + side files + card without touching the user's folder (symlinks, not copies).
+        # 4. Stage weights + card without touching the user's folder (symlinks, not copies). Config and tokenizer
+        #    files are in weights_dir: convert copies them from beside the checkpoint (_side_files.py).
         staging = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-stage-")))
         _link_tree(weights_dir, staging)
-        for side in _side_files(src_path, converted=converted):
-            if not (staging / side.name).exists():
-                _link(side, staging / side.name)
         if model_card and not (staging / "README.md").exists():
             (staging / "README.md").write_text(
                 render_model_card(repo_id, card_facts, files=_listing(staging)), encoding="utf-8"
@@ -237,22 +222,6 @@ def push_to_hub(
 
 def _is_converted(src: Path) -> bool:
     return src.is_dir() and any((src / name).is_file() for name in CONVERTED_MARKERS)
-
-
-def _side_files(src: Path, *, converted: bool) -> list[Path]:
-    """Config and tokenizer files next to the checkpoint: in ``src`` and, for a tag folder or file, its parent."""
-    if converted:
-        return []  # a converted folder is uploaded as is, side files included
-    folders = [src] if src.is_dir() else []
-    is_tag_folder = src.is_dir() and any(p.name.endswith(_ZERO_RANK_SUFFIXES) for p in src.iterdir())
-    if is_tag_folder or src.is_file():
-        folders.append(src.parent)  # HF Trainer: checkpoint-N/{config.json, global_stepN/}
-    found: dict[str, Path] = {}
-    for folder in folders:
-        for name in SIDE_FILES:
-            if name not in found and (folder / name).is_file():
-                found[name] = folder / name
-    return list(found.values())
 
 
 def _link(src: Path, dst: Path) -> None:

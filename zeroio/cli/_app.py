@@ -177,8 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="write safetensors (or torch) files, streaming and atomic")
     p.add_argument("src", help="checkpoint to read")
-    p.add_argument("dst", help="output folder (created; must not exist unless --overwrite)")
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"], help="output format")
+    p.add_argument(
+        "dst", help="output folder (created; must not exist unless --overwrite); the .ckpt file for --format lightning"
+    )
+    p.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "torch", "lightning"],
+        help="output format: safetensors (default), torch (pytorch_model.bin), or lightning (one .ckpt file for "
+        "LightningModule.load_from_checkpoint)",
+    )
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors")
     p.add_argument(
         "--max-shard-size", default="5GB", type=shard_size, help="largest shard, e.g. 5GB, 500MB (default: 5GB)"
