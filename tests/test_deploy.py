@@ -20,7 +20,7 @@ from torch import nn
 import zeroio
 from fixture_data import FIXTURES, fixture_names, manifest, reference
 from zeroio._deploy import LoadReport, load
-from zeroio.errors import StateDictMismatchError, ZeroIOError
+from zeroio.errors import InitHookError, StateDictMismatchError, ZeroIOError
 
 MODES = ["normal", "meta", "hook"]
 
@@ -578,14 +578,14 @@ def test_many_size_mismatches_are_truncated():
 
 
 def test_raising_hook_is_a_zeroio_error():
-    """A hook that raises becomes a ZeroIOError naming it, with the original as __cause__; nothing is loaded."""
+    """A hook that raises becomes an InitHookError naming it, with the original as __cause__; nothing is loaded."""
     model = build()
     before = snapshot(model)
 
     def broken(m):
         raise RuntimeError("layer sizes unknown")
 
-    with pytest.raises(ZeroIOError) as exc:
+    with pytest.raises(InitHookError) as exc:
         load(FIXTURES / "z3_ws2_fp32", model, init_hook=broken)
     assert str(exc.value) == (
         "The init hook test_raising_hook_is_a_zeroio_error.<locals>.broken raised RuntimeError: layer sizes unknown. "

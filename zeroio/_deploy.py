@@ -14,7 +14,7 @@ from torch import nn
 from ._checkpoint import Checkpoint
 from ._metadata import CheckpointMetadata, parse_dtype
 from ._types import DTypeLike, InitHook, ProgressCallback, StrPath
-from .errors import StateDictMismatchError, ZeroIOError
+from .errors import InitHookError, StateDictMismatchError
 
 __all__ = ["KeyMap", "LoadReport", "load"]
 
@@ -130,7 +130,7 @@ def _run_hooks(model: nn.Module, init_hook: InitHook | None, where: str) -> tupl
             call()
         except Exception as exc:
             shown = name if init_hook is not None else f"{type(model).__name__}.{name}"
-            raise ZeroIOError(
+            raise InitHookError(
                 f"The init hook {shown} raised {type(exc).__name__}: {exc}. Nothing was loaded from '{where}'; fix "
                 "the hook so that it builds the model's layers, then call zeroio.load again.",
                 path=where,

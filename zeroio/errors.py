@@ -13,6 +13,7 @@
     ├── OutputError(ZeroIOError, OSError)                         destination exists, unwritable, disk full
     ├── HubError(ZeroIOError, RuntimeError)                       a push failed; the huggingface_hub error is __cause__
     ├── StateDictMismatchError(ZeroIOError, RuntimeError)         strict load: missing/unexpected/shape mismatch
+    ├── InitHookError(ZeroIOError, RuntimeError)                  the model's sharded-init hook raised; __cause__ has it
     └── CheckpointClosedError(ZeroIOError, RuntimeError)          use after close
 
 Each exception carries the facts of the failure as attributes (``path``, ``name``,
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "HubError",
+    "InitHookError",
     "OutputError",
     "PartitionMismatchError",
     "StateDictMismatchError",
@@ -127,6 +129,10 @@ class StateDictMismatchError(ZeroIOError, RuntimeError):
         self.missing_keys = list(missing_keys or [])
         self.unexpected_keys = list(unexpected_keys or [])
         self.mismatched_shapes = list(mismatched_shapes or [])
+
+
+class InitHookError(ZeroIOError, RuntimeError):
+    """The sharded-init hook (``configure_model`` or ``init_hook``) raised; nothing was loaded."""
 
 
 class CheckpointClosedError(ZeroIOError, RuntimeError):
