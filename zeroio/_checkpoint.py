@@ -212,7 +212,10 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             self._check_open(name)
             out = torch.empty(min(step, info.numel - start), dtype=stored)
             self._read_into(source, start, out)
-            yield out if out.dtype == wanted else out.to(wanted)
+            chunk = out if out.dtype == wanted else out.to(wanted)
+            del out  # drop our reference before the next allocation: peak stays one chunk
+            yield chunk
+            del chunk
 
     def iter_tensors(self, *, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for every key, one tensor at a time, so memory stays near one tensor.
