@@ -75,3 +75,12 @@ def test_push_refuses_pr_with_revision(capsys):
         main(["push", str(FIXTURES / "z3_ws2_fp32"), "me/model", "--create-pr", "--revision", "dev"])
     assert excinfo.value.code == 2
     assert "--create-pr opens a pull request against the main branch" in capsys.readouterr().err
+
+
+def test_invalid_flag_combination_is_a_usage_error(capsys, tmp_path):
+    """A flag combination the library rejects prints one line and exits 2, without a traceback."""
+    code = main(["convert", str(FIXTURES / "z3_ws2_fp32"), str(tmp_path / "m.ckpt"), "--format", "lightning",
+                 "--exclude-frozen", "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("Invalid arguments: ") and len(err) == 2

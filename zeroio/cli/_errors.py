@@ -16,6 +16,9 @@ ERROR_TABLE: list[tuple[type[BaseException], str, int]] = [
     (errors.UnsafePickleError, "Unsafe pickle", EXIT_FAILURE),
     (errors.UnsupportedCheckpointError, "Unsupported checkpoint", EXIT_FAILURE),
     (errors.ZeroIOError, "Error", EXIT_FAILURE),
+    # The library rejects bad argument values (e.g. --exclude-frozen with --format lightning) with ValueError:
+    # for the CLI those are usage errors.
+    (ValueError, "Invalid arguments", EXIT_USAGE),
 ]
 
 
