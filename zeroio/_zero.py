@@ -115,10 +115,13 @@ class ZeroCheckpoint(Checkpoint):
         tied: dict[str, str],
         sources: dict[str, _FlatSource | _WholeSource],
         files: list[RankFile],
+        optimizer_states: Sequence[Any] = (),
     ) -> None:
         super().__init__(metadata, infos, tied)
         self._sources = sources
         self._files = files
+        # Each rank's base optimizer state (Adam moments as TensorRefs), partitioned like the fp32 flat groups.
+        self._optimizer_states = tuple(optimizer_states)
 
     def _release(self) -> None:
         for file in self._files:
@@ -133,6 +136,12 @@ class ZeroCheckpoint(Checkpoint):
         if isinstance(source, _WholeSource):
             return [(source.ref.file.path, 0, source.ref.numel, 0)]
         return [(source.groups[p.rank][p.group].file.path, p.start, p.length, p.dest) for p in source.pieces]
+
+    def optimizer_state(self, name: str) -> dict[str, Any]:
+        """The consolidated optimizer state of one trainable parameter (see :func:`zeroio._optim.optimizer_state`)."""
+        from ._optim import optimizer_state
+
+        return optimizer_state(self, name)
 
 
 def _train_dtype(layout: ZeroLayout, module: dict[str, Any], param_names: list[str]) -> torch.dtype:
@@ -685,7 +694,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
 
     # 3. Optimizer states of every rank: stage, world size and the fp32 flat partitions (as references).
     optim_trees = [parse(p) for p in layout.optim_files]
-    stages, flat_groups = [], []
+    stages, flat_groups, base_states = [], [], []
     for rank, (opath, tree) in enumerate(zip(layout.optim_files, optim_trees)):
         osd = require_dict(require(tree, C.OPTIMIZER_STATE_DICT, opath), C.OPTIMIZER_STATE_DICT, opath)
         if C.ZERO_STAGE not in osd and C.SINGLE_PARTITION_OF_FP32_GROUPS in osd:
@@ -711,6 +720,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
             )
         stages.append(stage)
         flat_groups.append(_ref_list(require(osd, key, opath, f"ZeRO-{stage} optimizer state"), key, opath))
+        base_states.append(osd.get(C.OPTIMIZER_STATE_DICT if stage == 3 else "base_optimizer_state"))
     stage = stages[0]
     if any(s != stage for s in stages):
         raise CheckpointFormatError(
@@ -923,4 +933,4 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
         },
     )
     logger.debug("opened %s: ZeRO-%d, world size %d, %d tensors", tag_dir, stage, world_size, len(ordered))
-    return ZeroCheckpoint(metadata, ordered, tied, sources, files)
+    return ZeroCheckpoint(metadata, ordered, tied, sources, files, base_states)
