@@ -704,8 +704,8 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> bool:
     panels = [("cold", "seconds", "cold cache: time to durable completion (s)"),
               ("warm", "seconds", "warm cache: time to durable completion (s)"),
               ("cold", "peak_anon_bytes", "peak anonymous memory (MiB)")]
-    styles = {"zeroio": "o-", "ds_bin": "s-", "ds_lazy": "^-", "zeroio_stream": "d--", "limit": "k:",
-              "ds_safe": "v-"}
+    styles = {"zeroio": "o-", "zeroio_w1": "o--", "ds_bin": "s-", "ds_lazy": "^-", "zeroio_stream": "d--",
+              "limit": "k:", "ds_safe": "v-", "startup": "c-."}
     for ax, (cache, key, title) in zip(axes, panels):
         methods = dict.fromkeys(m for s in tied for m in s["results"].get(cache, {}))
         for method in methods:
@@ -782,6 +782,37 @@ def ensure_checkpoints(sizes: list[str], untied: list[str], work: Path, log: Any
     return paths
 
 
+def report_only(paths: list[Path], *, json_path: Path | None, markdown: Path | None, plot_path: Path | None) -> int:
+    """Merge result files (later ones win per checkpoint) and write the JSON, table and plot again."""
+    merged: dict[str, Any] = {}
+    by_checkpoint: dict[str, Any] = {}
+    for path in paths:
+        result = json.loads(path.read_text())
+        merged.setdefault("machine", result["machine"])
+        merged.setdefault("notes", []).extend(result.get("notes", []))
+        merged.setdefault("sources", []).append({"file": path.name, "machine": result["machine"],
+                                                 "seconds_total": result.get("seconds_total"),
+                                                 "checkpoints": [s["label"] for s in result["checkpoints"]]})
+        if "open_inspect" in result:
+            largest = max(result["checkpoints"], key=lambda s: s["params"])
+            if "open_inspect" not in merged or largest["params"] >= merged["_inspect_params"]:
+                merged["open_inspect"], merged["_inspect_params"] = result["open_inspect"], largest["params"]
+        for summary in result["checkpoints"]:
+            by_checkpoint[summary["checkpoint"]] = summary
+    merged.pop("_inspect_params", None)
+    summaries = list(by_checkpoint.values())
+    merged["checkpoints"] = summaries
+    table = markdown_table(summaries)
+    print(table)
+    if json_path:
+        json_path.write_text(json.dumps(merged, indent=2) + "\n")
+    if markdown:
+        markdown.write_text(table)
+    if plot_path and not plot(summaries, plot_path):
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -795,14 +826,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=DEFAULT_METHODS)
+    parser.add_argument("--untied-methods", nargs="+", default=["zeroio", "ds_bin", "ds_safe", "limit"],
+                        choices=DEFAULT_METHODS, help="methods on untied checkpoints (there for ds_safe)")
+    parser.add_argument("--untied-cache", nargs="+", default=["cold"], choices=["cold", "warm"])
     parser.add_argument("--workers", type=int, nargs="*", default=[], help="also run zeroio with --workers N")
     parser.add_argument("--memory-cap", type=parse_bytes, help="also run each method once under this cgroup limit")
     parser.add_argument("--inspect-repeats", type=int, default=3, help="zeroio.open/inspect repeats (largest)")
+    parser.add_argument("--report-only", type=Path, nargs="+",
+                        help="run nothing: merge these results JSONs (a later file's checkpoint replaces an earlier "
+                        "one's) and write --json/--markdown/--plot from them")
     parser.add_argument("--json", type=Path, help="write results here")
     parser.add_argument("--plot", type=Path, help="write the PNG plot here (needs matplotlib)")
     parser.add_argument("--markdown", type=Path, help="write the results table here")
     args = parser.parse_args(argv)
 
+    if args.report_only:
+        return report_only(args.report_only, json_path=args.json, markdown=args.markdown, plot_path=args.plot)
     caches = list(args.cache)
     notes = []
     if "cold" in caches and not can_drop_caches():
@@ -822,7 +861,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         subject = load_subject(path)
         print(f"{subject.label}: {subject.path} ({subject.fp32_bytes / 1e9:.2f} GB of fp32 master weights)")
-        runs = bench_subject(subject, methods=args.methods, caches=caches, repeats=args.repeats, work=args.work,
+        methods, subject_caches = args.methods, caches
+        if not subject.tied:
+            methods = [m for m in args.methods if m in args.untied_methods]
+            subject_caches = [c for c in caches if c in args.untied_cache]
+        runs = bench_subject(subject, methods=methods, caches=subject_caches, repeats=args.repeats, work=args.work,
                              workers=args.workers)
         summary = summarize(runs, subject)
         if args.memory_cap:
@@ -830,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
             if reason:
                 summary["memory_cap"] = {"skipped": reason}
             else:
-                cap_runs = bench_memory_cap(subject, methods=args.methods, cap=args.memory_cap, work=args.work)
+                cap_runs = bench_memory_cap(subject, methods=methods, cap=args.memory_cap, work=args.work)
                 summary["memory_cap"] = {"limit_bytes": args.memory_cap, "runs": [asdict(r) for r in cap_runs]}
         summaries.append(summary)
     largest = max(summaries, key=lambda s: s["params"])
