@@ -457,6 +457,7 @@ def convert(
     workers: int | None = None,
     progress: bool | ProgressCallback = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    distributed: bool = False,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -504,6 +505,10 @@ def convert(
         progress: ``True`` draws a tqdm bar in bytes on a terminal, ``False`` is silent, or pass
             ``callable(done, total)`` (bytes; it may be called from IO threads).
         chunk_bytes: largest piece of a tensor read at once, per thread.
+        distributed: run as one process of a ``torch.distributed`` job (an initialised process group, or
+            ``torchrun``'s environment): every process must call ``convert`` with the same arguments; each writes
+            its share of the shards into one folder on a filesystem shared by all, and every process returns the
+            same result. See ``docs/distributed.md``.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -539,6 +544,15 @@ def convert(
     if not (isinstance(progress, bool) or callable(progress)):
         raise TypeError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
     dst_path = Path(dst)
+    if distributed is not False:
+        if not isinstance(distributed, bool):
+            raise TypeError(f"distributed must be True or False, got {distributed!r}.")
+        from ._distributed import convert_distributed
+
+        return convert_distributed(
+            src, dst_path, fmt=fmt, target=target, limit=limit, tag=tag, exclude_frozen=exclude_frozen,
+            overwrite=overwrite, workers=n_workers, progress=progress, chunk_bytes=chunk_bytes,
+        )  # fmt: skip
     if fmt == "lightning":
         if exclude_frozen:
             raise ValueError(

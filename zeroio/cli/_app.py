@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -92,12 +93,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             workers=args.workers,
             progress=not args.quiet,
+            distributed=args.distributed,
         )
     except OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
             print(f"Output error: {exc}", file=sys.stderr)
             return 130
         raise
+    if args.distributed and os.environ.get("RANK", "0") != "0":
+        return 0  # every process returns the same result; rank 0 reports it (and pushes)
     if not args.quiet:
         print(
             f"Wrote {result.num_tensors} tensors ({_human_bytes(result.total_size)}) in {len(result.files)} file(s) "
@@ -110,6 +114,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"Pushed to {pushed.commit_url}")
     return 0
+
+
+def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.distributed:
+        return
+    from .._distributed import torchrun_env
+
+    if args.format == "lightning":
+        parser.error("--distributed writes sharded folders; --format lightning writes one file: drop --distributed")
+    if not torchrun_env():
+        parser.error(
+            "--distributed runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set): "
+            "torchrun --nnodes N --nproc-per-node P -m zeroio convert SRC DST --distributed"
+        )
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -197,7 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="IO threads (default: chosen from the CPU count)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="push the result to this Hub repo afterwards")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_convert)
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run as one process of a torchrun job: each process writes its share of the shards (DST and SRC on "
+        "a filesystem shared by all processes)",
+    )
+    p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
     p = sub.add_parser("verify", help="compare every tensor of two checkpoints (exit 1 on any difference)")
     p.add_argument("a", help="first checkpoint")
