@@ -458,6 +458,7 @@ def convert(
     progress: bool | ProgressCallback = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     distributed: bool = False,
+    include_optimizer: bool = False,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -509,6 +510,10 @@ def convert(
             ``torchrun``'s environment): every process must call ``convert`` with the same arguments; each writes
             its share of the shards into one folder on a filesystem shared by all, and every process returns the
             same result. See ``docs/distributed.md``.
+        include_optimizer: also write the consolidated optimizer state of a DeepSpeed ZeRO-1/2/3 checkpoint:
+            ``optimizer.safetensors`` (keys ``<param>.exp_avg``, ``<param>.exp_avg_sq``; sharded like the
+            weights) and ``optimizer.json`` (param groups, steps). ``fmt="safetensors"`` only; a source without
+            optimizer state fails before anything is written. See ``docs/resharding.md``.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -544,6 +549,11 @@ def convert(
     if not (isinstance(progress, bool) or callable(progress)):
         raise TypeError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
     dst_path = Path(dst)
+    if include_optimizer and (fmt != "safetensors" or distributed):
+        raise ValueError(
+            "include_optimizer=True writes optimizer.safetensors beside model.safetensors: use fmt='safetensors' "
+            "without distributed=True."
+        )
     if distributed is not False:
         if not isinstance(distributed, bool):
             raise TypeError(f"distributed must be True or False, got {distributed!r}.")
@@ -587,6 +597,11 @@ def convert(
             plan = _plan_safetensors(ckpt, names, ties, dtypes, limit)
         else:
             plan = _plan_torch(ckpt, names, ties, dtypes, limit)
+        optim = None
+        if include_optimizer:  # optimizer.safetensors + optimizer.json beside the weights (zeroio/_optim.py)
+            from ._optim import plan_optimizer_files
+
+            optim = plan_optimizer_files(ckpt, names, max_shard_size=limit)
 
         # 5. Build everything in a temporary folder beside dst; rename it into place only when complete.
         with out as tmp:
@@ -597,6 +612,10 @@ def convert(
                 )  # fmt: skip
             else:
                 _write_torch(ckpt, plan, tmp, out.dst, ties, target=target, workers=n_workers, progress=progress)
+            if optim is not None:
+                from ._optim import write_optimizer_files
+
+                write_optimizer_files(ckpt, optim, tmp, chunk_bytes=chunk_bytes)
             copied = copy_side_files(Path(src), tmp)  # HF Trainer checkpoint-N: config and tokenizer files
         num_params = sum(infos[n].numel for n in names if n not in ties)
         facts = _card_facts(ckpt, fmt, target, [dtypes[n] for n in names], excluded, num_params)
