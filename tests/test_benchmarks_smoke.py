@@ -51,13 +51,13 @@ def test_parse_bytes_table() -> None:
 
 
 def test_harness_end_to_end(tmp_path: Path) -> None:
-    """run.py times zeroio, zero_to_fp32 (.bin and safetensors) and dd on one checkpoint; writes JSON, table, PNG."""
+    """run.py times zeroio, zero_to_fp32 (.bin, safetensors) and the disk limits on a checkpoint; writes JSON, table, PNG."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "results"
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "run.py"),
         "--checkpoint", str(FIXTURE), "--repeats", "1", "--cache", "warm", "--inspect-repeats", "1",
-        "--methods", "zeroio", "ds_bin", "ds_safe", "limit",
+        "--methods", "zeroio", "ds_bin", "ds_safe", "limit", "limit_kernel",
         "--work", str(tmp_path / "work"),
         "--json", str(out / "results.json"), "--markdown", str(out / "table.md"), "--plot", str(out / "plot.png"),
     ]
@@ -67,16 +67,18 @@ def test_harness_end_to_end(tmp_path: Path) -> None:
     (summary,) = result["checkpoints"]
     rows = summary["results"]["warm"]
     assert summary["tied"] is True and summary["fp32_bytes"] > 0
-    for method in ("zeroio", "ds_bin", "limit"):
+    for method in ("zeroio", "ds_bin", "limit", "limit_kernel"):
         assert rows[method]["ok"] is True, rows[method]
         assert rows[method]["seconds"]["n"] == 1
     # zeroio writes one safetensors file; the dd baseline copies exactly the fp32 master bytes.
-    assert rows["limit"]["output_bytes"] == summary["fp32_bytes"]
+    assert rows["limit"]["output_bytes"] == rows["limit_kernel"]["output_bytes"] == summary["fp32_bytes"]
     assert rows["zeroio"]["output_bytes"] > 0 and rows["zeroio"]["peak_anon_bytes"]["median"] > 0
     # DeepSpeed's --safe_serialization cannot write tied weights: recorded as a failure, not a crash.
     assert rows["ds_safe"]["ok"] is False
     assert "share memory" in rows["ds_safe"]["error"] or "shared" in rows["ds_safe"]["error"], rows["ds_safe"]
-    assert set(summary["ratios"]["warm"]["zeroio"]) >= {"time_vs_ds_bin", "anon_vs_ds_bin", "throughput_vs_limit"}
+    assert set(summary["ratios"]["warm"]["zeroio"]) >= {
+        "time_vs_ds_bin", "anon_vs_ds_bin", "throughput_vs_limit", "throughput_vs_kernel_copy",
+    }
     assert result["open_inspect"]["warm"]["open_describe"]["n"] == 1
     assert (out / "table.md").read_text().startswith("| model | cache | method |")
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
