@@ -390,14 +390,15 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
         group.update((k, _jsonable(v)) for k, v in hyper.items() if k != "step")
         groups.append(group)
     meta_ck = zckpt.metadata
+    tensors_of = {name for name, _ in tensors.values()}  # aliases share their source's state
     summary = {
         "format": _FORMAT,
         "state_keys": list(layout.moments),
         "tensor_key": "<parameter name>.<state key>",
         "files": [filename for filename, _ in shards.shards],
         "param_groups": groups,
+        "tied": {a: s for a, s in zckpt._tied.items() if a in wanted and s in tensors_of},
         "source": {
-            "path": str(meta_ck.path),
             "tag": meta_ck.tag,
             "zero_stage": meta_ck.zero_stage,
             "world_size": meta_ck.world_size,

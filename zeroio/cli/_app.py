@@ -162,6 +162,28 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reshard(args: argparse.Namespace) -> int:
+    """Rewrite a ZeRO-3 checkpoint for another data-parallel world size (DeepSpeed resumes from it)."""
+    from .._reshard import reshard
+
+    result = reshard(
+        args.src,
+        args.dst,
+        world_size=args.world_size,
+        tag=args.tag,
+        output_tag=args.output_tag,
+        sub_group_size=args.sub_group_size,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    if not args.quiet:
+        print(
+            f"Wrote a ZeRO-3 checkpoint for world size {result.world_size} (from {result.source_world_size}) "
+            f"to {result.path}/{result.tag}: {len(result.files)} files, {_human_bytes(result.total_size)}"
+        )
+    return 0
+
+
 def _validate_push(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.create_pr and args.revision:
         parser.error("--create-pr opens a pull request against the main branch; it cannot be combined with --revision")
@@ -246,6 +268,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_push, validate=_validate_push)
+
+    p = sub.add_parser("reshard", help="rewrite a ZeRO-3 checkpoint for another number of GPUs (DeepSpeed resumes it)")
+    p.add_argument("src", help="DeepSpeed ZeRO-3 checkpoint (root or tag folder) with optimizer state")
+    p.add_argument("dst", help="output checkpoint folder (created; pass it to engine.load_checkpoint)")
+    p.add_argument("--world-size", type=int, required=True, metavar="M", help="data-parallel ranks that will load it")
+    p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
+    p.add_argument("--output-tag", help="tag folder to write (default: the source's tag)")
+    p.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size of the run that will load it")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_reshard)
     return parser
 
 
