@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ import torch
 
 from . import _constants as C
 from ._checkpoint import Checkpoint
+from ._io import pread_into
 from ._metadata import CheckpointMetadata, TensorInfo
 from ._unpickle import RankFile, TensorRef, load_pickle
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
@@ -60,25 +60,6 @@ _NESTED_STATE_DICT_KEYS = ("state_dict", "model_state_dict", "module", "model")
 # --------------------------------------------------------------------------- byte reading
 
 
-def _pread_into(fd: int, offset: int, out: torch.Tensor, path: Path) -> None:
-    """Fill the contiguous CPU tensor ``out`` with the bytes at ``offset`` (no intermediate copy)."""
-    nbytes = out.numel() * out.element_size()
-    if nbytes == 0:
-        return
-    # A writable view of the tensor's memory without numpy (bf16 has no numpy dtype).
-    view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-    done = 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise CheckpointFormatError(
-                f"'{path}' ends after {offset + done} bytes, inside a tensor's data: the file is truncated. "
-                "Copy it again from where it was saved.",
-                path=path,
-            )
-        done += got
-
-
 # --------------------------------------------------------------------------- safetensors
 
 
@@ -107,7 +88,7 @@ class _SafetensorsFile:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDONLY)
             fd = self._fd
-        _pread_into(fd, entry.begin + start * out.element_size(), out, self.path)
+        pread_into(fd, entry.begin + start * out.element_size(), out, self.path)
 
     def close(self) -> None:
         with self._lock:

@@ -12,7 +12,6 @@ locations (``cuda:0`` in GPU-written files) are ignored: bytes are bytes.
 from __future__ import annotations
 
 import collections
-import ctypes
 import enum
 import io
 import os
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
+from ._io import pread_into
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -400,21 +400,8 @@ class RankFile:
                 path=self.path,
             )
         itemsize = out.element_size()
-        nbytes = count * itemsize
         offset = self._data_offset(storage.key) + start * itemsize
-        # A writable view of the tensor's memory without numpy (bf16 has no numpy dtype).
-        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-        fd = self._open_fd()
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointFormatError(
-                    f"'{self.path}' ends after {offset + done} bytes, inside storage '{storage.key}': the file is "
-                    "truncated. Copy the rank file again from where it was saved.",
-                    path=self.path,
-                )
-            done += got
+        pread_into(self._open_fd(), offset, out, self.path, f"storage '{storage.key}'")
         return out
 
 
