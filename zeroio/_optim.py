@@ -124,9 +124,9 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
             path=zckpt.metadata.path,
         )
     no_state = (
-        "{path} holds no optimizer moments ({why}): it was stripped, or saved before the optimizer's first step. "
-        f"{what[0].upper() + what[1:]} needs them; the weights can still be read (zeroio.open, zeroio.convert "
-        "without include_optimizer)."
+        "{path} holds no optimizer moments ({why}): it was stripped, or saved before the optimizer's first step, "
+        f"so {what} cannot proceed. The weights can still be read (zeroio.open, zeroio.convert without "
+        "include_optimizer)."
     )
     moments: dict[str, list[list[TensorRef | None]]] = {}
     entries: tuple[Any, ...] = ()
