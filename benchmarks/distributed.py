@@ -1,0 +1,284 @@
+"""Benchmark ``zeroio convert`` in one process against ``torchrun --nproc-per-node P ... --distributed``.
+
+Every run converts the same checkpoint to safetensors shards (``--max-shard-size``, default 500MB so that
+there are several shards to share out) and is timed to completion (zeroio fsyncs what it writes). Runs
+rotate their order each repeat so load from other processes falls on all alike. Each process of a run
+reports, from inside (``--worker`` mode, which wraps ``zeroio.cli.main``):
+
+* ``start_s``: from process creation to the start of the conversion (interpreter, torch import, rendezvous);
+* ``plan_s``: opening the checkpoint's metadata and planning every file (distributed runs only, from the
+  ``zeroio._distributed`` debug log), ``convert_s``: the whole ``convert`` call;
+* ``rchar`` / ``wchar``: bytes it read and wrote through syscalls (``/proc/self/io``), ``read_bytes`` /
+  ``write_bytes``: what reached the block device;
+* the shards and bytes it was assigned.
+
+Every output is compared, file by file (SHA-256), with the single-process output.
+
+    python benchmarks/distributed.py --checkpoint /tmp/zeroio-bench/gpt-470M --processes 1 2 --repeats 3 \\
+        --json benchmarks/results/distributed.json
+
+``--cache cold`` drops the page cache before every run (root only; ``sync; echo 3 > /proc/sys/vm/drop_caches``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parent.parent
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+# --------------------------------------------------------------------------- worker mode (inside each process)
+
+
+def _proc_io() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            key, value = line.split(":")
+            out[key.strip()] = int(value)
+    return out
+
+
+def _process_age() -> float:
+    """Seconds since this process was created (``/proc/self/stat`` start time vs ``/proc/uptime``)."""
+    with open("/proc/self/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    start_ticks = int(fields[19])  # field 22 of stat(5), counted after "pid (comm)"
+    with open("/proc/uptime") as fh:
+        uptime = float(fh.read().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def worker(report: Path, argv: list[str]) -> int:
+    """Run ``zeroio <argv>`` in this process and write what it cost to ``report.<rank>.json``."""
+    sys.path.insert(0, str(REPO))
+    from zeroio.cli import main
+
+    capture = _Capture()
+    log = logging.getLogger("zeroio._distributed")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(capture)
+    start_s = _process_age()
+    io_before = _proc_io()
+    t0 = time.time()
+    code = main(argv)
+    convert_s = time.time() - t0
+    io_after = _proc_io()
+    plan = next((r for r in capture.records if r.getMessage().startswith("process ")), None)
+    rank = int(os.environ.get("RANK", "0"))
+    result: dict[str, Any] = {
+        "rank": rank,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "exit_code": code,
+        "start_s": start_s,
+        "convert_s": convert_s,
+        "plan_s": plan.created - t0 if plan is not None else None,
+        "assignment": plan.getMessage() if plan is not None else None,
+        "shards": plan.args[2] if plan is not None else None,  # type: ignore[index]
+        "shard_bytes": plan.args[4] if plan is not None else None,  # type: ignore[index]
+        **{k: io_after[k] - io_before[k] for k in ("rchar", "wchar", "read_bytes", "write_bytes")},
+    }
+    Path(f"{report}.{rank}.json").write_text(json.dumps(result))
+    return code
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    DROP_CACHES.write_text("3\n")
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file of an output folder."""
+    out = {}
+    for path in sorted(folder.iterdir()):
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(16 << 20):
+                h.update(chunk)
+        out[path.name] = h.hexdigest()
+    return out
+
+
+def run_once(args: argparse.Namespace, processes: int, distributed: bool, dst: Path, reports: Path) -> dict[str, Any]:
+    """One conversion (1 plain process, or ``processes`` under torchrun); wall time and every process's report."""
+    convert = ["convert", str(args.checkpoint), str(dst), "--max-shard-size", args.max_shard_size, "--quiet"]
+    if args.workers:
+        convert += ["--workers", str(args.workers)]
+    prefix = reports / f"{'dist' if distributed else 'plain'}-p{processes}-{time.time_ns()}"
+    if distributed:
+        convert.append("--distributed")
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            str(HERE), "--worker", str(prefix), "--", *convert,
+        ]  # fmt: skip
+    else:
+        command = [sys.executable, str(HERE), "--worker", str(prefix), "--", *convert]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    if args.cache == "cold":
+        drop_caches()
+    t0 = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    wall = time.time() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    ranks = [json.loads(Path(f"{prefix}.{r}.json").read_text()) for r in range(processes)]
+    return {"processes": processes, "distributed": distributed, "wall_s": wall, "ranks": ranks}
+
+
+def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, Any]]:
+    rows = []
+    keys = sorted({(r["processes"], r["distributed"]) for r in runs})
+    base = None
+    for processes, distributed in keys:
+        mine = [r for r in runs if (r["processes"], r["distributed"]) == (processes, distributed)]
+        walls = [r["wall_s"] for r in mine]
+        converts = [max(rank["convert_s"] for rank in r["ranks"]) for r in mine]
+        starts = [max(rank["start_s"] for rank in r["ranks"]) for r in mine]
+        plans = [max(rank["plan_s"] or 0.0 for rank in r["ranks"]) for r in mine]
+        row = {
+            "method": f"torchrun x{processes} --distributed" if distributed else "1 process (plain convert)",
+            "processes": processes,
+            "distributed": distributed,
+            "wall_s_median": statistics.median(walls),
+            "wall_s_min": min(walls),
+            "wall_s_max": max(walls),
+            "convert_s_median": statistics.median(converts),
+            "start_s_median": statistics.median(starts),
+            "plan_s_median": statistics.median(plans) if distributed else None,
+            "output_GBps_convert": output_bytes / statistics.median(converts) / 1e9,
+            "per_rank_rchar_GB": [round(rank["rchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
+            "per_rank_wchar_GB": [round(rank["wchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
+            "per_rank_shards": [rank["shards"] for rank in mine[-1]["ranks"]],
+        }
+        if not distributed and processes == 1:
+            base = row
+        rows.append(row)
+    for row in rows:
+        if base is not None:
+            row["speedup_wall"] = base["wall_s_median"] / row["wall_s_median"]
+            row["speedup_convert"] = base["convert_s_median"] / row["convert_s_median"]
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| method | wall s (median [min-max]) | convert s | start-up s | plan s | output GB/s (convert) | speed-up wall / convert | read GB per process | written GB per process | shards per process |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plan = f"{r['plan_s_median']:.2f}" if r["plan_s_median"] is not None else ""
+        lines.append(
+            f"| {r['method']} | {r['wall_s_median']:.2f} [{r['wall_s_min']:.2f}-{r['wall_s_max']:.2f}] "
+            f"| {r['convert_s_median']:.2f} | {r['start_s_median']:.2f} | {plan} | {r['output_GBps_convert']:.2f} "
+            f"| {r.get('speedup_wall', 1):.2f} / {r.get('speedup_convert', 1):.2f} "
+            f"| {', '.join(f'{x:.2f}' for x in r['per_rank_rchar_GB'])} "
+            f"| {', '.join(f'{x:.2f}' for x in r['per_rank_wchar_GB'])} "
+            f"| {', '.join(str(x) for x in r['per_rank_shards']) if r['distributed'] else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if "--worker" in sys.argv:
+        i = sys.argv.index("--worker")
+        rest = sys.argv[i + 2 :]
+        return worker(Path(sys.argv[i + 1]), rest[1:] if rest[:1] == ["--"] else rest)
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/zeroio-bench/gpt-470M"))
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="process counts under torchrun")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-shard-size", default="500MB")
+    parser.add_argument("--workers", type=int, help="IO threads per process (default: zeroio's)")
+    parser.add_argument("--cache", choices=["warm", "cold"], default="warm")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/zeroio-bench/distributed"))
+    parser.add_argument("--json", type=Path, help="write every run and the summary here")
+    parser.add_argument(
+        "--verify", choices=["all", "first", "none"], default="all",
+        help="compare outputs with the single-process output: every run, the first of each variant, or none",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.cache == "cold" and not os.access(DROP_CACHES, os.W_OK):
+        raise SystemExit("--cache cold needs root (writes /proc/sys/vm/drop_caches)")
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    reports = args.work / "reports"
+    reports.mkdir(exist_ok=True)
+    reference_dst = args.work / "reference"
+    shutil.rmtree(reference_dst, ignore_errors=True)
+    # The single-process output every run must reproduce (also warms the cache for warm runs).
+    first = run_once(args, 1, False, reference_dst, reports)
+    reference = digests(reference_dst)
+    output_bytes = sum(p.stat().st_size for p in reference_dst.iterdir())
+    shutil.rmtree(reference_dst)
+
+    variants = [(1, False)] + [(p, True) for p in args.processes]
+    runs: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        shift = repeat % len(variants)
+        for processes, distributed in variants[shift:] + variants[:shift]:
+            dst = args.work / f"out-p{processes}-{'d' if distributed else 'plain'}"
+            shutil.rmtree(dst, ignore_errors=True)
+            run = run_once(args, processes, distributed, dst, reports)
+            run["repeat"] = repeat
+            if args.verify == "all" or (args.verify == "first" and repeat == 0):
+                run["identical"] = digests(dst) == reference
+            else:
+                run["identical"] = None
+            if run["identical"] is False:
+                raise SystemExit(f"{dst} differs from the single-process output")
+            shutil.rmtree(dst)
+            runs.append(run)
+            print(
+                f"repeat {repeat} processes={processes} distributed={distributed}: {run['wall_s']:.2f} s wall, "
+                f"identical={run['identical']}",
+                file=sys.stderr,
+            )
+    rows = summarize(runs, output_bytes)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        info = {
+            "checkpoint": str(args.checkpoint),
+            "max_shard_size": args.max_shard_size,
+            "cache": args.cache,
+            "output_bytes": output_bytes,
+            "output_files": len(reference),
+            "cpus": os.cpu_count(),
+            "load_avg_start": os.getloadavg(),
+            "reference_run": first,
+        }
+        args.json.write_text(json.dumps({"info": info, "summary": rows, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
