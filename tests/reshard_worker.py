@@ -4,7 +4,8 @@ Run by DeepSpeed's launcher (``DS_ACCELERATOR=cpu deepspeed --num_gpus M tests/r
 NAME=DIR ...``). For each ``NAME=DIR`` it builds the fixtures' TinyLM with the fixtures' ZeRO-3 fp32 config
 (imported from ``fixtures/generate.py``), loads ``DIR`` with ``engine.load_checkpoint`` (``NAME`` starting with
 ``universal`` loads a DeepSpeed universal checkpoint), records the loaded fp32 weights and Adam moments, trains
-one step on a fixed per-rank batch and records them again. Rank 0 writes everything to ``F`` (torch.save).
+one step on a fixed per-rank batch and records them again (``NAME`` ending in ``_subgroupsK`` sets ZeRO-3's
+``sub_group_size`` to K). Rank 0 writes everything to ``F`` (torch.save).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main() -> None:
         config = gen._ds_config(cfg)
         if name.startswith("universal"):
             config["checkpoint"] = {"load_universal": True}
+        if "_subgroups" in name:  # e.g. zeroio_subgroups40: ZeRO-3 sub_group_size 40
+            config["zero_optimization"]["sub_group_size"] = int(name.rsplit("_subgroups", 1)[1])
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=gen._param_groups(model), config=config)
         engine.load_checkpoint(folder)
         loaded = snapshot(engine)

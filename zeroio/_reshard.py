@@ -72,7 +72,7 @@ def zero3_sub_groups(numels: Sequence[int], world_size: int, sub_group_size: int
 
     Example:
         >>> zero3_sub_groups([91, 35, 35], 2, 50)
-        [[0], [1, 2]]
+        [[0, 1], [2]]
     """
     parts = [zero3_partition_numel(n, world_size) for n in numels]
     if sub_group_size >= sum(parts):
