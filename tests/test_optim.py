@@ -25,9 +25,7 @@ from zeroio._convert import convert
 # ZeRO-1/2/3 fixtures DeepSpeed's merge reads (its tool fails on stage 0, BF16_Optimizer and MoE folders).
 MERGEABLE = [n for n in fixture_names() if manifest(n)["stage"] in (1, 2, 3) and not manifest(n)["zero_to_fp32_fails"]]
 # Every fixture ds_to_universal converts (MoE with expert parallelism > 1 breaks it: "shape '[7]' is invalid").
-UNIVERSAL = [
-    n for n in fixture_names() if manifest(n)["stage"] in (1, 2, 3) and manifest(n).get("ep_size", 1) == 1
-]
+UNIVERSAL = [n for n in fixture_names() if manifest(n)["stage"] in (1, 2, 3) and manifest(n).get("ep_size", 1) == 1]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -75,7 +73,9 @@ def test_moments_equal_deepspeed_merge_of_rank_partitions(name: str) -> None:
 
 def test_step_and_hyperparameters_come_from_the_params_group() -> None:
     """step is the state's tensor; lr, betas, eps, weight_decay, ... are the parameter's own param group's."""
-    raw = torch.load(FIXTURES / "z3_ws2_fp32/global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    raw = torch.load(
+        FIXTURES / "z3_ws2_fp32/global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False
+    )
     groups = raw["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]
     with zeroio.open(FIXTURES / "z3_ws2_fp32") as ckpt:
         decay = ckpt.optimizer_state("emb.weight")
@@ -288,7 +288,13 @@ def universal(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-c", _CONVERT_ALL], input=jobs, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _CONVERT_ALL],
+        input=jobs,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root

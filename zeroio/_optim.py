@@ -114,8 +114,11 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
 
     files = tuple(zckpt.metadata.path / name for name in zckpt.metadata.extra.get("optim_files", ()))
     flat = next(
-        (s.groups for n, s in zckpt._sources.items() if isinstance(s, _FlatSource) and zckpt._infos[n].kind ==
-         "trainable"),
+        (
+            s.groups
+            for n, s in zckpt._sources.items()
+            if isinstance(s, _FlatSource) and zckpt._infos[n].kind == "trainable"
+        ),
         None,
     )
     if flat is None:
@@ -172,9 +175,7 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
         if rank == 0:
             entries = tuple(pid for pid, _ in ids)
             param_group = tuple(g for _, g in ids)
-            param_groups = tuple(
-                {k: _plain(v) for k, v in group.items() if k != "params"} for group in pgroups
-            )
+            param_groups = tuple({k: _plain(v) for k, v in group.items() if k != "params"} for group in pgroups)
             first = next((e for e in state.values() if isinstance(e, dict) and e), {})
             for key, value in first.items():
                 if isinstance(value, TensorRef) and len(value.shape) == 1:
@@ -183,8 +184,8 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
                 raise CheckpointFormatError(
                     no_state.format(path=f"'{path}'", why="its state has no per-element tensors"), path=path, rank=rank
                 )
-        for key in moments:
-            moments[key].append([])
+        for per_rank in moments.values():
+            per_rank.append([])
         for j, ((pid, _), group) in enumerate(zip(ids, groups)):
             entry = state.get(pid)
             if group.numel == 0 and not entry:
@@ -200,8 +201,10 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
             for key in moments:
                 ref = entry.get(key)
                 if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.numel < group.numel:
-                    found = "nothing" if ref is None else (
-                        f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
+                    found = (
+                        "nothing"
+                        if ref is None
+                        else (f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__)
                     )
                     raise PartitionMismatchError(
                         f"'{path}': optimizer state '{key}' of flat group {j} should be a 1-D tensor of at least "
@@ -232,7 +235,9 @@ def _trainable_source(ckpt: ZeroCheckpoint, name: str) -> tuple[str, _FlatSource
     source_name = ckpt._source_name(name)
     source = ckpt._sources.get(source_name)
     if info.kind != "trainable" or not isinstance(source, _FlatSource):
-        what = {"frozen": "a frozen parameter", "buffer": "a buffer"}.get(info.kind, "not a parameter the optimizer owns")
+        what = {"frozen": "a frozen parameter", "buffer": "a buffer"}.get(
+            info.kind, "not a parameter the optimizer owns"
+        )
         trainable = [n for n, i in ckpt._infos.items() if i.kind == "trainable" and n not in ckpt._tied]
         raise TensorNotFoundError(
             f"No optimizer state for '{name}' in '{ckpt.metadata.path}': it is {what}, which the optimizer does not "
@@ -432,7 +437,9 @@ def _write_new(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def write_optimizer_files(ckpt: Checkpoint, plan: OptimizerFiles, folder: Path, *, chunk_bytes: int) -> tuple[Path, ...]:
+def write_optimizer_files(
+    ckpt: Checkpoint, plan: OptimizerFiles, folder: Path, *, chunk_bytes: int
+) -> tuple[Path, ...]:
     """Stream the planned optimizer files into ``folder`` (memory: one chunk); index and JSON last."""
     zckpt = _zero_checkpoint(ckpt, "include_optimizer=True")
     written = []
@@ -445,8 +452,9 @@ def write_optimizer_files(ckpt: Checkpoint, plan: OptimizerFiles, folder: Path, 
                 name, key = plan.tensors[slot.name]
                 _, source = _trainable_source(zckpt, name)
                 zckpt._check_open(name)
-                chunks = _chunks(zckpt, moment_source(plan.layout, source, key), math.prod(slot.shape), slot.dtype,
-                                 chunk_bytes)
+                chunks = _chunks(
+                    zckpt, moment_source(plan.layout, source, key), math.prod(slot.shape), slot.dtype, chunk_bytes
+                )
                 write_chunks(fd, slot, chunks)
             os.fsync(fd)
         finally:

@@ -119,12 +119,15 @@ class _Call:
 
 def _ds_object(qualified: str, state: dict[str, Any]) -> Any:
     """An object that pickles like an instance of ``qualified`` with ``__dict__`` ``state`` (NEWOBJ + BUILD)."""
-    obj = object.__new__(_ds_class(qualified))
+    obj: Any = object.__new__(_ds_class(qualified))
     obj.__dict__.update(state)
     return obj
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]  # the Python pickler: save_global is overridable
+_PythonPickler: Any = pickle._Pickler  # the pure-Python pickler: unlike the C one, its save_global can be overridden
+
+
+class _Pickler(_PythonPickler):  # type: ignore[misc]
     """Writes each :func:`_ds_class` as the global it stands for, without importing it."""
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
@@ -344,8 +347,9 @@ def _rebuild(value: Any, path: tuple[Any, ...], builder: _FileBuilder, buffers: 
         if type(value) is collections.OrderedDict:
             return collections.OrderedDict(items)
         if type(value) is not dict:
-            logger.warning("%s: '%s' (a %s) is written as a plain dict", where, ".".join(map(str, path)),
-                           type(value).__name__)
+            logger.warning(
+                "%s: '%s' (a %s) is written as a plain dict", where, ".".join(map(str, path)), type(value).__name__
+            )
         return items
     if isinstance(value, list):
         return [_rebuild(v, path + (i,), builder, buffers, where) for i, v in enumerate(value)]
@@ -398,7 +402,9 @@ def _sub_groups(
     return subs
 
 
-def _rank_reads(sources: Sequence[Any], numels: Sequence[int], world_size: int, rank: int) -> list[tuple[Any, int, int, int]]:
+def _rank_reads(
+    sources: Sequence[Any], numels: Sequence[int], world_size: int, rank: int
+) -> list[tuple[Any, int, int, int]]:
     """Rank ``rank``'s ZeRO-3 partition of each parameter: elements ``[rank*p, rank*p + count)`` plus padding."""
     reads = []
     for source, numel in zip(sources, numels):
@@ -475,8 +481,9 @@ def reshard(
             raise TypeError(f"{label} must be a positive int, got {value!r}.")
         if value < 1:
             raise ValueError(f"{label} must be a positive int, got {value!r}.")
-    if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int)
-                                       or sub_group_size < 0):
+    if sub_group_size is not None and (
+        isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size < 0
+    ):
         raise ValueError(f"sub_group_size must be a non-negative int, got {sub_group_size!r}.")
     if not hasattr(torch.serialization, "skip_data"):
         raise ImportError("zeroio.reshard needs torch >= 2.6 (torch.serialization.skip_data): pip install -U torch")
@@ -553,7 +560,9 @@ def _reshard_open(
     param_shapes = require(model0, C.PARAM_SHAPES, model0_path)
     groups = _param_groups(ckpt, layout, list(param_shapes), model0_path)
     subs = _sub_groups(ckpt, layout, groups, world_size, sub_group_size)
-    flat_dtype = ckpt.info(next(n for s in subs for n in s.names)).dtype if any(s.names for s in subs) else torch.float32
+    flat_dtype = (
+        ckpt.info(next(n for s in subs for n in s.names)).dtype if any(s.names for s in subs) else torch.float32
+    )
     buffers = _Buffers(chunk_bytes)
     prefix = "bf16_" if optim0_path.name.startswith("bf16_") else ""
     frozen_shapes = model0.get(C.FROZEN_PARAM_SHAPES)
@@ -573,13 +582,14 @@ def _reshard_open(
                 tree[key] = entries
             elif key == C.FROZEN_PARAM_FRAGMENTS and has_fragments:
                 fragments: collections.OrderedDict[str, Any] = collections.OrderedDict()
-                for name in (frozen_shapes or {}):
+                for name in frozen_shapes or {}:
                     info = ckpt.info(name)
                     source = ckpt._sources[name]
                     reads = _rank_reads([source], [info.numel], world_size, rank)
                     part = zero3_partition_numel(info.numel, world_size)
-                    fragments[name] = builder.tensor((key, name), (part,), info.dtype,
-                                                     _slices_chunks(reads, info.dtype, buffers))
+                    fragments[name] = builder.tensor(
+                        (key, name), (part,), info.dtype, _slices_chunks(reads, info.dtype, buffers)
+                    )
                 tree[key] = fragments
             elif key == C.PARAM_SHAPES:
                 tree[key] = [
@@ -606,8 +616,11 @@ def _reshard_open(
             sources = [ckpt._sources[n] for n in sub.names]
             reads = _rank_reads(sources, sub.numels, world_size, rank)
             size = sum(zero3_partition_numel(n, world_size) for n in sub.numels)
-            flats.append(builder.tensor((key_osd, C.FP32_FLAT_GROUPS, s), (size,), flat_dtype,
-                                        _slices_chunks(reads, flat_dtype, buffers)))
+            flats.append(
+                builder.tensor(
+                    (key_osd, C.FP32_FLAT_GROUPS, s), (size,), flat_dtype, _slices_chunks(reads, flat_dtype, buffers)
+                )
+            )
             if not sub.names:
                 continue  # an empty sub-group's flat tensor never steps: no state entry
             entry: dict[str, Any] = {}
@@ -616,8 +629,10 @@ def _reshard_open(
                 where = (key_osd, key_osd, "state", s, k)
                 if k in layout.moments:
                     dtype = v.dtype if isinstance(v, TensorRef) else torch.float32
-                    moment_reads = [(moment_source(layout, src, k), start, count, pad)
-                                    for src, (_, start, count, pad) in zip(sources, reads)]
+                    moment_reads = [
+                        (moment_source(layout, src, k), start, count, pad)
+                        for src, (_, start, count, pad) in zip(sources, reads)
+                    ]
                     entry[k] = builder.tensor(where, (size,), dtype, _slices_chunks(moment_reads, dtype, buffers))
                 else:
                     entry[k] = _rebuild(v, where, builder, buffers, optim0_path)
@@ -640,8 +655,10 @@ def _reshard_open(
         return tree, builder
 
     # 2. Plan every file (trees with data-less tensors) to know the total, then write rank by rank.
-    names = [(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-             for r in range(world_size)]
+    names = [
+        (f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        for r in range(world_size)
+    ]
     total = sum(model_file(r)[1].nbytes + optim_file(r)[1].nbytes for r in range(world_size))
     meter = progress_factory(total)
     meter.start()
@@ -663,7 +680,5 @@ def _reshard_open(
                 os.close(fd)
     finally:
         meter.close()
-    logger.info("resharded %s (world size %s) to %s for world size %d", meta.path, meta.world_size, out.dst,
-                world_size)
+    logger.info("resharded %s (world size %s) to %s for world size %d", meta.path, meta.world_size, out.dst, world_size)
     return ReshardResult(out.dst, tag, world_size, tuple(files), total, int(meta.world_size or 0))
-
