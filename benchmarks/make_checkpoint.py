@@ -81,9 +81,9 @@ def config_for(params: str, *, vocab: int, n_ctx: int, tied: bool) -> GPTConfig:
     for width in (64, 128, 256, 512, 768, 1024, 1536, 2048, 2560):
         if 12 * width * width * max(4, width // 64) + vocab * width <= target:
             d_model = width
-    per_layer = GPTConfig(vocab, n_ctx, 1, d_model, tied).num_params() - GPTConfig(
-        vocab, n_ctx, 0, d_model, tied
-    ).num_params()
+    per_layer = (
+        GPTConfig(vocab, n_ctx, 1, d_model, tied).num_params() - GPTConfig(vocab, n_ctx, 0, d_model, tied).num_params()
+    )
     base = GPTConfig(vocab, n_ctx, 0, d_model, tied).num_params()
     n_layer = max(1, round((target - base) / per_layer))
     return GPTConfig(vocab, n_ctx, n_layer, d_model, tied)
@@ -181,7 +181,13 @@ def _free_port() -> int:
 
 
 def make_checkpoint(
-    out: Path, *, params: str, tied: bool = True, vocab: int = 50304, n_ctx: int = 1024, world_size: int = 2,
+    out: Path,
+    *,
+    params: str,
+    tied: bool = True,
+    vocab: int = 50304,
+    n_ctx: int = 1024,
+    world_size: int = 2,
     overwrite: bool = False,
 ) -> dict:
     """Build the checkpoint at ``out`` (a DeepSpeed checkpoint root) and return its manifest."""
@@ -197,13 +203,24 @@ def make_checkpoint(
     out.mkdir(parents=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     cmd = [
-        "deepspeed", "--master_port", str(_free_port()), "--num_gpus", str(world_size), "--num_nodes", "1",
-        str(HERE), "--worker", "--out", str(out), "--config", json.dumps(asdict(cfg)),
+        "deepspeed",
+        "--master_port",
+        str(_free_port()),
+        "--num_gpus",
+        str(world_size),
+        "--num_nodes",
+        "1",
+        str(HERE),
+        "--worker",
+        "--out",
+        str(out),
+        "--config",
+        json.dumps(asdict(cfg)),
     ]
     log = out.parent / f".{out.name}.build.log"
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"DeepSpeed build of {out} failed (exit {proc.returncode}); see {log}")
@@ -238,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", default="125M", help="model size: 125M, 350M, 760M, 1.3B, or any count like 470M")
     parser.add_argument("--out", type=Path, help="checkpoint root to create (outside the repository)")
-    parser.add_argument("--untied", action="store_true", help="separate lm_head (DeepSpeed's safetensors path needs it)")
+    parser.add_argument(
+        "--untied", action="store_true", help="separate lm_head (DeepSpeed's safetensors path needs it)"
+    )
     parser.add_argument("--tied", dest="untied", action="store_false", help="tie lm_head to wte (default)")
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--n-ctx", type=int, default=1024)
@@ -260,8 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("--out is required")
     manifest = make_checkpoint(
-        args.out, params=args.params, tied=not args.untied, vocab=args.vocab, n_ctx=args.n_ctx,
-        world_size=args.world_size, overwrite=args.overwrite,
+        args.out,
+        params=args.params,
+        tied=not args.untied,
+        vocab=args.vocab,
+        n_ctx=args.n_ctx,
+        world_size=args.world_size,
+        overwrite=args.overwrite,
     )
     print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
     return 0

@@ -52,7 +52,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -276,8 +276,15 @@ class Run:
 
 
 def measure(
-    method: str, cmd: list[str], *, cache: str, repeat: int, output: Path | None, cgroup: MemoryCgroup | None = None,
-    env: dict[str, str] | None = None, timeout: float = 3600,
+    method: str,
+    cmd: list[str],
+    *,
+    cache: str,
+    repeat: int,
+    output: Path | None,
+    cgroup: MemoryCgroup | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 3600,
 ) -> Run:
     """Run ``cmd``, sample its memory, then ``sync`` what it wrote; the time is to durable completion."""
     if cache == "cold":
@@ -286,7 +293,13 @@ def measure(
     with open(err_path, "w+") as err, open(os.devnull, "w") as devnull:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, env=env, preexec_fn=cgroup.join if cgroup else None, text=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+            text=True,
+            # The child joins the cgroup before exec; no other thread of ours runs while Popen forks.
+            preexec_fn=cgroup.join if cgroup else None,  # noqa: PLW1509
         )
         sampler = _Sampler(proc.pid)
         sampler.start()
@@ -314,7 +327,7 @@ def measure(
         lines = [ln.strip() for ln in err_text.strip().splitlines() if ln.strip()]
         raised = [i for i, ln in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
         # The exception line and its continuation (safetensors' message spans several lines).
-        last = " ".join(lines[raised[-1]:raised[-1] + 4]) if raised else (lines[-1] if lines else "(no stderr)")
+        last = " ".join(lines[raised[-1] : raised[-1] + 4]) if raised else (lines[-1] if lines else "(no stderr)")
         killed = " (killed by SIGKILL: out of memory?)" if proc.returncode == -9 else ""
         error = f"exit {proc.returncode}{killed}: {last[:300]}"
     return Run(
@@ -343,8 +356,16 @@ def has_zeroio_convert() -> bool:
     return (REPO / "zeroio" / "_convert.py").exists()
 
 
-def command_for(method: str, src: Path, dst: Path, *, fp32_bytes: int, ranges: list[tuple[Path, int, int]],
-                work: Path, workers: int | None = None) -> list[str] | None:
+def command_for(
+    method: str,
+    src: Path,
+    dst: Path,
+    *,
+    fp32_bytes: int,
+    ranges: list[tuple[Path, int, int]],
+    work: Path,
+    workers: int | None = None,
+) -> list[str] | None:
     """The command line of ``method`` converting ``src`` into ``dst`` (None: not applicable here)."""
     py = sys.executable
     if method in ("zeroio", "zeroio_tmpfs"):
@@ -429,8 +450,7 @@ def _worker(mode: str, args: list[str]) -> int:
                 for name in ckpt:
                     if name in tied:
                         continue
-                    for chunk in ckpt.iter_chunks(name):
-                        fh.write(memoryview(chunk.view(torch_uint8()).numpy()))
+                    fh.writelines(memoryview(chunk.view(torch_uint8()).numpy()) for chunk in ckpt.iter_chunks(name))
         else:
             raise SystemExit(f"unknown worker mode {mode!r}")
         os.fsync(fh.fileno())
@@ -503,15 +523,19 @@ def prewarm(subject: Subject) -> None:
 
 
 def bench_subject(
-    subject: Subject, *, methods: list[str], caches: list[str], repeats: int, work: Path,
-    workers: list[int], log: Any = print,
+    subject: Subject,
+    *,
+    methods: list[str],
+    caches: list[str],
+    repeats: int,
+    work: Path,
+    workers: list[int],
+    log: Any = print,
 ) -> list[Run]:
     """All repeats of all methods on one checkpoint, alternating methods within each repeat."""
     runs: list[Run] = []
     failed: set[tuple[str, str]] = set()
-    variants = [(m, None) for m in methods if m != "zeroio"] + (
-        [("zeroio", None)] if "zeroio" in methods else []
-    )
+    variants = [(m, None) for m in methods if m != "zeroio"] + ([("zeroio", None)] if "zeroio" in methods else [])
     variants += [(f"zeroio_w{w}", w) for w in workers] if "zeroio" in methods else []
     out_root = work / "out"
     out_root.mkdir(parents=True, exist_ok=True)
@@ -519,7 +543,7 @@ def bench_subject(
         if cache == "warm":
             prewarm(subject)
         for rep in range(repeats):
-            order = variants[rep % len(variants):] + variants[: rep % len(variants)]  # rotate per repeat
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]  # rotate per repeat
             for method, w in order:
                 base = "zeroio" if method.startswith("zeroio_w") else method
                 if not applicable(base, subject, cache) or (method, cache) in failed:
@@ -528,8 +552,9 @@ def bench_subject(
                 dst = target_root / f"zeroio-bench-{os.getpid()}-{method}"
                 if base in ("limit", "limit_kernel", "limit_tmpfs", "ds_lazy", "zeroio_stream"):
                     dst = dst.with_suffix(".raw")
-                cmd = command_for(base, subject.path, dst, fp32_bytes=subject.fp32_bytes, ranges=subject.ranges,
-                                  work=work, workers=w)
+                cmd = command_for(
+                    base, subject.path, dst, fp32_bytes=subject.fp32_bytes, ranges=subject.ranges, work=work, workers=w
+                )
                 if cmd is None:
                     continue
                 _remove(dst)
@@ -537,8 +562,10 @@ def bench_subject(
                 _remove(dst)
                 runs.append(run)
                 status = "ok" if run.ok else f"FAILED ({run.error})"
-                log(f"  {subject.label:>12} {cache:<4} rep{rep} {method:<14} {run.seconds:7.2f}s "
-                    f"anon {run.peak_anon_bytes / 2**20:8.0f} MiB rss {run.peak_rss_bytes / 2**20:8.0f} MiB  {status}")
+                log(
+                    f"  {subject.label:>12} {cache:<4} rep{rep} {method:<14} {run.seconds:7.2f}s "
+                    f"anon {run.peak_anon_bytes / 2**20:8.0f} MiB rss {run.peak_rss_bytes / 2**20:8.0f} MiB  {status}"
+                )
                 if not run.ok:
                     failed.add((method, cache))
                     failed.add((method, "cold" if cache == "warm" else "warm"))
@@ -565,8 +592,9 @@ def bench_memory_cap(subject: Subject, *, methods: list[str], cap: int, work: Pa
         dst = out_root / f"zeroio-bench-cap-{method}"
         if base in ("ds_lazy", "zeroio_stream"):
             dst = dst.with_suffix(".raw")
-        cmd = command_for(base, subject.path, dst, fp32_bytes=subject.fp32_bytes, ranges=subject.ranges, work=work,
-                          workers=w)
+        cmd = command_for(
+            base, subject.path, dst, fp32_bytes=subject.fp32_bytes, ranges=subject.ranges, work=work, workers=w
+        )
         if cmd is None:
             continue
         _remove(dst)
@@ -578,8 +606,10 @@ def bench_memory_cap(subject: Subject, *, methods: list[str], cap: int, work: Pa
         _remove(dst)
         runs.append(run)
         outcome = "completed" if run.ok else ("OOM-killed" if run.cgroup and run.cgroup["oom_kill"] else run.error)
-        log(f"  cap {cap / 2**20:.0f} MiB {subject.label:>12} {method:<14} {outcome} "
-            f"({run.seconds:.1f}s, cgroup max {run.cgroup['max_usage_bytes'] / 2**20 if run.cgroup else 0:.0f} MiB)")
+        log(
+            f"  cap {cap / 2**20:.0f} MiB {subject.label:>12} {method:<14} {outcome} "
+            f"({run.seconds:.1f}s, cgroup max {run.cgroup['max_usage_bytes'] / 2**20 if run.cgroup else 0:.0f} MiB)"
+        )
     return runs
 
 
@@ -596,15 +626,20 @@ def time_open_and_inspect(subject: Subject, *, repeats: int, caches: list[str]) 
         for _ in range(repeats):
             if cache == "cold":
                 drop_caches()
-            out = subprocess.run([sys.executable, "-c", code, str(subject.path)], capture_output=True, text=True,
-                                 check=True, cwd=REPO).stdout
+            out = subprocess.run(
+                [sys.executable, "-c", code, str(subject.path)], capture_output=True, text=True, check=True, cwd=REPO
+            ).stdout
             imports.append(float(re.search(r"IMPORT=(\S+)", out).group(1)))  # type: ignore[union-attr]
             opens.append(float(re.search(r"OPEN=(\S+)", out).group(1)))  # type: ignore[union-attr]
             if cache == "cold":
                 drop_caches()
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "zeroio", "inspect", str(subject.path)], capture_output=True,
-                           check=True, cwd=REPO)
+            subprocess.run(
+                [sys.executable, "-m", "zeroio", "inspect", str(subject.path)],
+                capture_output=True,
+                check=True,
+                cwd=REPO,
+            )
             clis.append(time.perf_counter() - t0)
         result[cache] = {"import_zeroio": _stats(imports), "open_describe": _stats(opens), "inspect_cli": _stats(clis)}
     return result
@@ -644,7 +679,8 @@ def summarize(runs: list[Run], subject: Subject) -> dict[str, Any]:
             table[cache] = rows
     ratios: dict[str, Any] = {}
     for cache, rows in table.items():
-        def med(method: str, key: str = "seconds") -> float | None:
+
+        def med(method: str, key: str = "seconds", rows: dict[str, Any] = rows) -> float | None:
             row = rows.get(method)
             return row[key]["median"] if row and row.get("ok") and key in row else None
 
@@ -689,15 +725,19 @@ def summarize(runs: list[Run], subject: Subject) -> dict[str, Any]:
 def markdown_table(summaries: list[dict[str, Any]]) -> str:
     """The docs table: per checkpoint, cache and method: median [min-max] time, memory and ratios."""
     lines = [
-        "| model | cache | method | time s, median [min–max] | peak anon MiB | peak RSS MiB | GB/s "
-        "| vs zero_to_fp32 time | vs zero_to_fp32 anon | vs dd limit | vs kernel copy |",
+        (
+            "| model | cache | method | time s, median [min–max] | peak anon MiB | peak RSS MiB | GB/s "
+            "| vs zero_to_fp32 time | vs zero_to_fp32 anon | vs dd limit | vs kernel copy |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         for cache, rows in s["results"].items():
             for method, row in rows.items():
                 if not row.get("ok"):
-                    lines.append(f"| {s['label']} | {cache} | {method} | failed: {row['error'][:110]}... | | | | | | | |")
+                    lines.append(
+                        f"| {s['label']} | {cache} | {method} | failed: {row['error'][:110]}... | | | | | | | |"
+                    )
                     continue
                 t = row["seconds"]
                 ratio = s["ratios"].get(cache, {}).get(method, {})
@@ -727,11 +767,22 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> bool:
         return False
     tied = [s for s in summaries if s["tied"]] or summaries
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    panels = [("cold", "seconds", "cold cache: time to durable completion (s)"),
-              ("warm", "seconds", "warm cache: time to durable completion (s)"),
-              ("cold", "peak_anon_bytes", "peak anonymous memory (MiB)")]
-    styles = {"zeroio": "o-", "zeroio_w1": "o--", "ds_bin": "s-", "ds_lazy": "^-", "zeroio_stream": "d--",
-              "limit": "k:", "limit_kernel": "k--", "ds_safe": "v-", "startup": "c-."}
+    panels = [
+        ("cold", "seconds", "cold cache: time to durable completion (s)"),
+        ("warm", "seconds", "warm cache: time to durable completion (s)"),
+        ("cold", "peak_anon_bytes", "peak anonymous memory (MiB)"),
+    ]
+    styles = {
+        "zeroio": "o-",
+        "zeroio_w1": "o--",
+        "ds_bin": "s-",
+        "ds_lazy": "^-",
+        "zeroio_stream": "d--",
+        "limit": "k:",
+        "limit_kernel": "k--",
+        "ds_safe": "v-",
+        "startup": "c-.",
+    }
     for ax, (cache, key, title) in zip(axes, panels):
         methods = dict.fromkeys(m for s in tied for m in s["results"].get(cache, {}))
         for method in methods:
@@ -784,8 +835,9 @@ def machine_info() -> dict[str, Any]:
         info["torch"] = torch.__version__
         info["deepspeed"] = deepspeed.__version__
     with contextlib.suppress(Exception):
-        info["zeroio_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                               capture_output=True, text=True).stdout.strip()
+        info["zeroio_commit"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     return info
 
 
@@ -816,9 +868,14 @@ def report_only(paths: list[Path], *, json_path: Path | None, markdown: Path | N
         result = json.loads(path.read_text())
         merged.setdefault("machine", result["machine"])
         merged.setdefault("notes", []).extend(result.get("notes", []))
-        merged.setdefault("sources", []).append({"file": path.name, "machine": result["machine"],
-                                                 "seconds_total": result.get("seconds_total"),
-                                                 "checkpoints": [s["label"] for s in result["checkpoints"]]})
+        merged.setdefault("sources", []).append(
+            {
+                "file": path.name,
+                "machine": result["machine"],
+                "seconds_total": result.get("seconds_total"),
+                "checkpoints": [s["label"] for s in result["checkpoints"]],
+            }
+        )
         if "open_inspect" in result:
             largest = max(result["checkpoints"], key=lambda s: s["params"])
             if "open_inspect" not in merged or largest["params"] >= merged["_inspect_params"]:
@@ -852,15 +909,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=DEFAULT_METHODS)
-    parser.add_argument("--untied-methods", nargs="+", default=["zeroio", "ds_bin", "ds_safe", "limit"],
-                        choices=DEFAULT_METHODS, help="methods on untied checkpoints (there for ds_safe)")
+    parser.add_argument(
+        "--untied-methods",
+        nargs="+",
+        default=["zeroio", "ds_bin", "ds_safe", "limit"],
+        choices=DEFAULT_METHODS,
+        help="methods on untied checkpoints (there for ds_safe)",
+    )
     parser.add_argument("--untied-cache", nargs="+", default=["cold"], choices=["cold", "warm"])
     parser.add_argument("--workers", type=int, nargs="*", default=[], help="also run zeroio with --workers N")
     parser.add_argument("--memory-cap", type=parse_bytes, help="also run each method once under this cgroup limit")
     parser.add_argument("--inspect-repeats", type=int, default=3, help="zeroio.open/inspect repeats (largest)")
-    parser.add_argument("--report-only", type=Path, nargs="+",
-                        help="run nothing: merge these results JSONs (a later file's checkpoint replaces an earlier "
-                        "one's) and write --json/--markdown/--plot from them")
+    parser.add_argument(
+        "--report-only",
+        type=Path,
+        nargs="+",
+        help="run nothing: merge these results JSONs (a later file's checkpoint replaces an earlier "
+        "one's) and write --json/--markdown/--plot from them",
+    )
     parser.add_argument("--json", type=Path, help="write results here")
     parser.add_argument("--plot", type=Path, help="write the PNG plot here (needs matplotlib)")
     parser.add_argument("--markdown", type=Path, help="write the results table here")
@@ -891,8 +957,9 @@ def main(argv: list[str] | None = None) -> int:
         if not subject.tied:
             methods = [m for m in args.methods if m in args.untied_methods]
             subject_caches = [c for c in caches if c in args.untied_cache]
-        runs = bench_subject(subject, methods=methods, caches=subject_caches, repeats=args.repeats, work=args.work,
-                             workers=args.workers)
+        runs = bench_subject(
+            subject, methods=methods, caches=subject_caches, repeats=args.repeats, work=args.work, workers=args.workers
+        )
         summary = summarize(runs, subject)
         if args.memory_cap:
             reason = cgroup_available()
@@ -903,12 +970,18 @@ def main(argv: list[str] | None = None) -> int:
                 summary["memory_cap"] = {"limit_bytes": args.memory_cap, "runs": [asdict(r) for r in cap_runs]}
         summaries.append(summary)
     largest = max(summaries, key=lambda s: s["params"])
-    inspect = time_open_and_inspect(load_subject(Path(largest["checkpoint"])), repeats=args.inspect_repeats,
-                                    caches=caches)
+    inspect = time_open_and_inspect(
+        load_subject(Path(largest["checkpoint"])), repeats=args.inspect_repeats, caches=caches
+    )
     print("open/inspect on", largest["label"], json.dumps(inspect))
     info["loadavg_end"] = os.getloadavg()
-    result = {"machine": info, "notes": notes, "seconds_total": time.perf_counter() - t_start,
-              "open_inspect": {"checkpoint": largest["label"], **inspect}, "checkpoints": summaries}
+    result = {
+        "machine": info,
+        "notes": notes,
+        "seconds_total": time.perf_counter() - t_start,
+        "open_inspect": {"checkpoint": largest["label"], **inspect},
+        "checkpoints": summaries,
+    }
     table = markdown_table(summaries)
     print(table)
     if args.json:

@@ -46,7 +46,11 @@ def test_parse_bytes_table() -> None:
     """--memory-cap sizes accept binary and decimal units."""
     bench = _load_run_module()
     assert [bench.parse_bytes(t) for t in ("256MiB", "1GB", "64M", "1048576", "1.5GiB")] == [
-        256 * 2**20, 10**9, 64 * 10**6, 2**20, 3 * 2**29,
+        256 * 2**20,
+        10**9,
+        64 * 10**6,
+        2**20,
+        3 * 2**29,
     ]
 
 
@@ -55,13 +59,32 @@ def test_harness_end_to_end(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     out = tmp_path / "results"
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "run.py"),
-        "--checkpoint", str(FIXTURE), "--repeats", "1", "--cache", "warm", "--inspect-repeats", "1",
-        "--methods", "zeroio", "ds_bin", "ds_safe", "limit", "limit_kernel",
-        "--work", str(tmp_path / "work"),
-        "--json", str(out / "results.json"), "--markdown", str(out / "table.md"), "--plot", str(out / "plot.png"),
+        sys.executable,
+        str(REPO / "benchmarks" / "run.py"),
+        "--checkpoint",
+        str(FIXTURE),
+        "--repeats",
+        "1",
+        "--cache",
+        "warm",
+        "--inspect-repeats",
+        "1",
+        "--methods",
+        "zeroio",
+        "ds_bin",
+        "ds_safe",
+        "limit",
+        "limit_kernel",
+        "--work",
+        str(tmp_path / "work"),
+        "--json",
+        str(out / "results.json"),
+        "--markdown",
+        str(out / "table.md"),
+        "--plot",
+        str(out / "plot.png"),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((out / "results.json").read_text())
     (summary,) = result["checkpoints"]
@@ -77,7 +100,10 @@ def test_harness_end_to_end(tmp_path: Path) -> None:
     assert rows["ds_safe"]["ok"] is False
     assert "share memory" in rows["ds_safe"]["error"] or "shared" in rows["ds_safe"]["error"], rows["ds_safe"]
     assert set(summary["ratios"]["warm"]["zeroio"]) >= {
-        "time_vs_ds_bin", "anon_vs_ds_bin", "throughput_vs_limit", "throughput_vs_kernel_copy",
+        "time_vs_ds_bin",
+        "anon_vs_ds_bin",
+        "throughput_vs_limit",
+        "throughput_vs_kernel_copy",
     }
     assert result["open_inspect"]["warm"]["open_describe"]["n"] == 1
     assert (out / "table.md").read_text().startswith("| model | cache | method |")

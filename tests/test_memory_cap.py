@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -64,12 +63,13 @@ def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.rmtree(root, ignore_errors=True)  # gigabytes: free them as soon as the module is done
 
 
-def _convert_under_cap(src: Path, dst: Path, *extra: str) -> "bench.Run":
+def _convert_under_cap(src: Path, dst: Path, *extra: str) -> bench.Run:
     group = bench.MemoryCgroup(CAP)
     try:
         cmd = [sys.executable, "-m", "zeroio", "convert", str(src), str(dst), "--quiet", *extra]
-        return bench.measure("zeroio", cmd, cache="warm", repeat=0, output=dst, cgroup=group,
-                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+        return bench.measure(
+            "zeroio", cmd, cache="warm", repeat=0, output=dst, cgroup=group, env=dict(os.environ, PYTHONPATH=str(REPO))
+        )
     finally:
         group.remove()
 
@@ -114,8 +114,14 @@ def test_zero_to_fp32_is_oom_killed_under_the_same_cap(big_checkpoint: Path, tmp
     group = bench.MemoryCgroup(CAP)
     try:
         script = bench.zero_to_fp32_script(tmp_path)
-        run = bench.measure("ds_bin", [sys.executable, str(script), str(big_checkpoint), str(tmp_path / "out")],
-                            cache="warm", repeat=0, output=tmp_path / "out", cgroup=group)
+        run = bench.measure(
+            "ds_bin",
+            [sys.executable, str(script), str(big_checkpoint), str(tmp_path / "out")],
+            cache="warm",
+            repeat=0,
+            output=tmp_path / "out",
+            cgroup=group,
+        )
     finally:
         group.remove()
     assert run.cgroup is not None
