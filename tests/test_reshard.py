@@ -284,6 +284,25 @@ def test_source_without_optimizer_state_is_refused(tmp_path: Path) -> None:
         assert ckpt["emb.weight"].shape == (13, 7)
 
 
+def test_checkpoint_without_frozen_parameters_reshards_without_them(tmp_path: Path) -> None:
+    """Saved with exclude_frozen_parameters (simulated as DeepSpeed 0.19.8 writes it): resharded as it is."""
+    src = tmp_path / "no_frozen"
+    import shutil
+
+    shutil.copytree(FIXTURES / "z3_ws2_fp32", src)
+    for path in (src / "global_step2").glob("*_model_states.pt"):
+        tree = _load(path)  # engine._save_checkpoint: no frozen shapes/fragments, module without frozen params
+        tree["frozen_param_shapes"] = tree["frozen_param_fragments"] = None
+        tree["module"] = type(tree["module"])((k, v) for k, v in tree["module"].items() if not k.startswith("frozen"))
+        torch.save(tree, path)
+    reshard(src, tmp_path / "out", world_size=3)
+    model = _load(tmp_path / "out" / "global_step2" / "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    assert model["frozen_param_shapes"] is None and model["frozen_param_fragments"] is None
+    with zeroio.open(src) as a, zeroio.open(tmp_path / "out") as b:
+        assert list(a) == list(b) and "frozen.weight" not in b
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_existing_destination_and_bad_arguments(tmp_path: Path) -> None:
     """An existing dst is refused (overwrite replaces it); world_size must be a positive int."""
     (tmp_path / "out").mkdir()

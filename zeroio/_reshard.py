@@ -549,6 +549,12 @@ def _reshard_open(
             "ZeRO-3 checkpoints only.",
             path=meta.path,
         )
+    if (meta.path / "offloaded_tensors").exists():
+        raise UnsupportedCheckpointError(
+            f"'{meta.path}' keeps optimizer state in 'offloaded_tensors/' (NVMe offload), which zeroio does not "
+            "reshard yet.",
+            path=meta.path,
+        )
     if sub_group_size is None:
         sub_group_size = _config_int(ds_config, "sub_group_size")
         sub_group_size = DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
