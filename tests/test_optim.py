@@ -71,6 +71,18 @@ def test_moments_equal_deepspeed_merge_of_rank_partitions(name: str) -> None:
             assert torch.equal(got, want), f"{name} {param} {key}"
 
 
+@pytest.mark.parametrize("name", [n for n in fixture_names() if manifest(n)["stage"] in (1, 2, 3)])
+def test_every_trainable_parameter_has_full_shape_moments(name: str) -> None:
+    """Every fixture (MoE expert groups, BF16_Optimizer included): full-shape fp32 moments, v >= 0, a step of 2."""
+    with zeroio.open(FIXTURES / name) as ckpt:
+        for param in _trainable(ckpt):
+            state = ckpt.optimizer_state(param)
+            for key in MOMENTS:
+                assert state[key].shape == ckpt.info(param).shape and state[key].dtype == torch.float32
+            assert bool((state["exp_avg_sq"] >= 0).all()) and bool(state["exp_avg_sq"].any()), param
+            assert float(state["step"]) == 2.0
+
+
 def test_step_and_hyperparameters_come_from_the_params_group() -> None:
     """step is the state's tensor; lr, betas, eps, weight_decay, ... are the parameter's own param group's."""
     raw = torch.load(

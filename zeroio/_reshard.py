@@ -358,6 +358,36 @@ def _rebuild(value: Any, path: tuple[Any, ...], builder: _FileBuilder, buffers: 
     return value
 
 
+# --------------------------------------------------------------------------- progress
+
+
+class _Meter:
+    """Bytes written so far, shown as a tqdm bar (``progress=True``) or passed to ``callable(done, total)``."""
+
+    def __init__(self, progress: bool | ProgressCallback, total: int) -> None:
+        self.done, self.total = 0, total
+        self.callback = progress if callable(progress) else None
+        self.bar: Any = None
+        if progress is True:
+            from tqdm import tqdm  # type: ignore[import-untyped]  # a huggingface_hub dependency
+
+            # disable=None: no bar when stderr is not a terminal (logs, CI, captured output).
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="Resharding", disable=None, leave=False)
+        if self.callback is not None:
+            self.callback(0, total)
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 # --------------------------------------------------------------------------- the plan
 
 
@@ -485,12 +515,13 @@ def reshard(
         isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size < 0
     ):
         raise ValueError(f"sub_group_size must be a non-negative int, got {sub_group_size!r}.")
+    if not (isinstance(progress, bool) or callable(progress)):
+        raise TypeError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
     if not hasattr(torch.serialization, "skip_data"):
         raise ImportError("zeroio.reshard needs torch >= 2.6 (torch.serialization.skip_data): pip install -U torch")
     out = AtomicDir(Path(dst), overwrite=overwrite)
     out.check()
 
-    from ._convert import _Progress
     from ._loader import open as zeroio_open
     from ._zero import ZeroCheckpoint
 
@@ -514,7 +545,7 @@ def reshard(
             result = _reshard_open(
                 ckpt, layout, model0, model0_path, optim0, optim0_path, out,
                 world_size=world_size, output_tag=output_tag, sub_group_size=sub_group_size,
-                chunk_bytes=chunk_bytes, progress_factory=lambda total: _Progress(progress, total, "Resharding"),
+                chunk_bytes=chunk_bytes, progress=progress,
             )  # fmt: skip
         finally:
             model_file.close()
@@ -535,7 +566,7 @@ def _reshard_open(
     output_tag: str | None,
     sub_group_size: int | None,
     chunk_bytes: int,
-    progress_factory: Callable[[int], Any],
+    progress: bool | ProgressCallback,
 ) -> ReshardResult:
     meta = ckpt.metadata
     module = require_dict(require(model0, C.MODULE, model0_path), C.MODULE, model0_path)
@@ -666,8 +697,7 @@ def _reshard_open(
         for r in range(world_size)
     ]
     total = sum(model_file(r)[1].nbytes + optim_file(r)[1].nbytes for r in range(world_size))
-    meter = progress_factory(total)
-    meter.start()
+    meter = _Meter(progress, total)
     files: list[Path] = []
     try:
         with out as tmp:
