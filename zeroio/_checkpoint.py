@@ -53,6 +53,13 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """Fill the 1-D ``out`` (stored dtype) with flattened elements ``[start, start + out.numel())``."""
         raise NotImplementedError
 
+    def _byte_ranges(self, name: str) -> list[tuple[int, int, int]] | None:
+        """``(fd, offset, nbytes)`` file ranges whose concatenation is the tensor's stored bytes, or None.
+
+        Lets a writer copy bytes file to file inside the kernel (``copy_file_range``) when no cast is needed.
+        """
+        return None
+
     def _stored_dtype(self, info: TensorInfo) -> torch.dtype:
         return info.stored_dtype or info.dtype
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +20,7 @@ from . import _constants as C
 from ._atomic import AtomicDir
 from ._checkpoint import Checkpoint
 from ._metadata import TensorInfo, dtype_name, parse_dtype
-from ._safetensors_writer import SafetensorsLayout, plan_file, preallocate, pwrite_all, write_chunks
+from ._safetensors_writer import SafetensorsLayout, TensorSlot, plan_file, preallocate, pwrite_all, write_chunks
 from ._sharding import ShardPlan, index_json, parse_size, plan_shards
 from ._side_files import copy_side_files
 from ._types import ProgressCallback, StrPath
@@ -199,6 +201,52 @@ def _stream(
             yield cast[:n]
 
 
+# copy_file_range (Linux, Python >= 3.8); ZEROIO_NO_COPY_FILE_RANGE=1 forces the streaming path (tests use it).
+_KERNEL_COPY = hasattr(os, "copy_file_range") and os.environ.get("ZEROIO_NO_COPY_FILE_RANGE") != "1"
+_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF})
+
+
+def _copy_in_kernel(
+    ckpt: Checkpoint,
+    name: str,
+    target: torch.dtype | None,
+    fd: int,
+    slot: TensorSlot,
+    chunk_bytes: int,
+    on_bytes: Callable[[int], None],
+    stop: threading.Event,
+) -> bool:
+    """Copy a tensor that needs no cast file to file with ``copy_file_range``; False to fall back to streaming.
+
+    The bytes never enter user space: measured 1.8 s instead of 5.8 s for the 468M benchmark checkpoint's
+    fp32 pieces (docs/benchmarks.md). Falling back after a partial copy is safe: streaming rewrites the slot.
+    """
+    info = ckpt.info(name)
+    if not _KERNEL_COPY or sys.byteorder != "little" or _output_dtype(info, target) != ckpt._stored_dtype(info):
+        return False
+    ranges = ckpt._byte_ranges(ckpt._source_name(name))
+    if ranges is None or sum(n for _, _, n in ranges) != slot.nbytes:
+        return False
+    offset = slot.begin
+    for src_fd, src_offset, nbytes in ranges:
+        done = 0
+        while done < nbytes:
+            if stop.is_set():
+                return True
+            try:
+                got = os.copy_file_range(src_fd, fd, min(chunk_bytes, nbytes - done), src_offset + done, offset + done)
+            except OSError as exc:
+                if exc.errno in _NO_KERNEL_COPY:
+                    return False
+                raise
+            if got <= 0:  # the source ended early: let the streaming reader raise its precise error
+                return False
+            done += got
+            on_bytes(got)
+        offset += nbytes
+    return True
+
+
 def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]], stop: threading.Event) -> None:
     """Run tasks (in order when single-threaded); on the first failure or an interrupt, stop the rest and raise."""
     if pool is None:
@@ -332,8 +380,10 @@ def _write_safetensors(
             fd, slot, final = slot_of[name]
 
             def run() -> None:
-                chunks = _stream(ckpt, name, target, chunk_bytes, buffers)
                 with _naming(final):
+                    if _copy_in_kernel(ckpt, name, target, fd, slot, chunk_bytes, meter.update, stop):
+                        return
+                    chunks = _stream(ckpt, name, target, chunk_bytes, buffers)
                     write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
 
             return run

@@ -164,6 +164,14 @@ class TensorRef:
             return part.clone()
         return out.copy_(part)
 
+    def byte_range(self, start: int, count: int) -> tuple[int, int, int] | None:
+        """``(fd, file offset, nbytes)`` of flattened elements ``[start, start+count)``, or None if not contiguous."""
+        if not self.is_contiguous or start < 0 or start + count > self.numel:
+            return None
+        itemsize = _itemsize(self.dtype)
+        offset = self.file._data_offset(self.storage.key) + (self.storage_offset + start) * itemsize
+        return self.file._open_fd(), offset, count * itemsize
+
     def materialize(self) -> torch.Tensor:
         """The whole tensor, owned and with its shape."""
         if self.is_contiguous:

@@ -130,6 +130,23 @@ class ZeroCheckpoint(Checkpoint):
     def _read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         _read_source(self._sources[name], start, out)
 
+    def _byte_ranges(self, name: str) -> list[tuple[int, int, int]] | None:
+        source = self._sources[name]
+        if isinstance(source, _WholeSource):
+            whole = source.ref.byte_range(0, source.ref.numel)
+            return None if whole is None else [whole]
+        ranges = []
+        expected_dest = 0
+        for piece in sorted(source.pieces, key=lambda p: p.dest):
+            if piece.dest != expected_dest:
+                return None
+            found = source.groups[piece.rank][piece.group].byte_range(piece.start, piece.length)
+            if found is None:
+                return None
+            ranges.append(found)
+            expected_dest += piece.length
+        return ranges
+
     def pieces(self, name: str) -> list[tuple[Path, int, int, int]]:
         """Where a tensor's elements live: ``(file, element offset in that file's tensor, length, dest)`` rows."""
         source = self._sources[self._source_name(self.info(name).name)]
