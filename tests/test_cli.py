@@ -84,3 +84,10 @@ def test_invalid_flag_combination_is_a_usage_error(capsys, tmp_path):
     assert code == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("Invalid arguments: ") and len(err) == 2
+
+
+def test_convert_include_optimizer_flag(tmp_path):
+    """`zeroio convert --include-optimizer` writes the consolidated moments beside the weights."""
+    dst = tmp_path / "out"
+    assert main(["convert", str(FIXTURES / "z3_ws2_fp32"), str(dst), "--include-optimizer", "--quiet"]) == 0
+    assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors", "optimizer.json", "optimizer.safetensors"]

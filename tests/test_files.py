@@ -461,3 +461,19 @@ def test_deepspeed_consolidation_file_reads_back(name):
     assert list(actual) == list(expected)
     _assert_same(actual, expected)
     assert actual["head.weight"] is actual["emb.weight"]
+
+
+def test_consolidated_files_have_no_optimizer_state(tmp_path):
+    """optimizer_state() on a consolidated file raises UnsupportedCheckpointError, not AttributeError."""
+    import safetensors.torch
+
+    from zeroio.errors import UnsupportedCheckpointError
+
+    path = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(2)}, path)
+    with zeroio.open(path) as ckpt, pytest.raises(UnsupportedCheckpointError) as excinfo:
+        ckpt.optimizer_state("w")
+    assert str(excinfo.value) == (
+        f"'{path}' is a consolidated safetensors checkpoint: it holds no optimizer state. Read optimizer state from "
+        "the DeepSpeed checkpoint it was converted from."
+    )

@@ -8,6 +8,7 @@ from ._deploy import LoadReport, load
 from ._hub import PushResult, push_to_hub
 from ._loader import open
 from ._metadata import CheckpointMetadata, TensorInfo
+from ._reshard import ReshardResult, reshard
 from ._verify import Mismatch, VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "LoadReport",
     "Mismatch",
     "PushResult",
+    "ReshardResult",
     "TensorInfo",
     "VerifyReport",
     "__version__",
@@ -26,5 +28,6 @@ __all__ = [
     "load",
     "open",
     "push_to_hub",
+    "reshard",
     "verify",
 ]

@@ -249,6 +249,21 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """
         return dict(self.iter_tensors(dtype=dtype))
 
+    def optimizer_state(self, name: str) -> dict[str, Any]:
+        """Consolidated optimizer state of one parameter (``exp_avg``, ``exp_avg_sq``, ``step``, hyper-parameters).
+
+        Only DeepSpeed ZeRO-1/2/3 checkpoints carry it; consolidated files raise UnsupportedCheckpointError.
+        """
+        from .errors import UnsupportedCheckpointError
+
+        self._resolve(name)
+        raise UnsupportedCheckpointError(
+            f"'{self._metadata.path}' is a consolidated {self._metadata.format} checkpoint: it holds no optimizer "
+            "state. Read optimizer state from the DeepSpeed checkpoint it was converted from.",
+            path=self._metadata.path,
+            name=name,
+        )
+
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary: metadata, totals and one row per tensor (what ``zeroio inspect --json`` prints)."""
         from ._metadata import dtype_name

@@ -94,6 +94,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             workers=args.workers,
             progress=not args.quiet,
             distributed=args.distributed,
+            include_optimizer=args.include_optimizer,
         )
     except OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -234,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument(
+        "--include-optimizer",
+        action="store_true",
+        help="also write the consolidated Adam moments (optimizer.safetensors + optimizer.json)",
+    )
     p.add_argument("--workers", type=int, help="IO threads (default: chosen from the CPU count)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="push the result to this Hub repo afterwards")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
