@@ -173,6 +173,8 @@ def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, A
             "start_s_median": statistics.median(starts),
             "plan_s_median": statistics.median(plans) if distributed else None,
             "output_GBps_convert": output_bytes / statistics.median(converts) / 1e9,
+            # What reached the block device (0 when the source was in the page cache): tells cold from warm runs.
+            "device_read_GB_median": statistics.median(sum(k["read_bytes"] for k in r["ranks"]) / 1e9 for r in mine),
             "per_rank_rchar_GB": [round(rank["rchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
             "per_rank_wchar_GB": [round(rank["wchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
             "per_rank_shards": [rank["shards"] for rank in mine[-1]["ranks"]],
@@ -189,8 +191,12 @@ def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, A
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| method | wall s (median [min-max]) | convert s | start-up s | plan s | output GB/s (convert) | speed-up wall / convert | read GB per process | written GB per process | shards per process |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        (
+            "| method | wall s (median [min-max]) | convert s | start-up s | plan s | output GB/s (convert) "
+            "| speed-up wall / convert | read GB per process | written GB per process | shards per process "
+            "| disk-read GB (median) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         plan = f"{r['plan_s_median']:.2f}" if r["plan_s_median"] is not None else ""
@@ -200,7 +206,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r.get('speedup_wall', 1):.2f} / {r.get('speedup_convert', 1):.2f} "
             f"| {', '.join(f'{x:.2f}' for x in r['per_rank_rchar_GB'])} "
             f"| {', '.join(f'{x:.2f}' for x in r['per_rank_wchar_GB'])} "
-            f"| {', '.join(str(x) for x in r['per_rank_shards']) if r['distributed'] else ''} |"
+            f"| {', '.join(str(x) for x in r['per_rank_shards']) if r['distributed'] else ''} "
+            f"| {r['device_read_GB_median']:.2f} |"
         )
     return "\n".join(lines)
 
