@@ -5,7 +5,9 @@ Usage: ``RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/di
 SPEC is ``{"jobs": [{"src", "dst", "kwargs", "hook"}]}``; each job is one ``zeroio.convert(..., distributed=True)``
 call. A hook ``{"rank": r, "action": "kill" | "raise" | "hang" | "slow"}`` makes that rank SIGKILL itself, raise,
 hang, or sleep 0.25 s per chunk in its progress callback once it has written its first bytes (so its temporary
-shard exists); several hooks are a list. The failure
+shard exists); several hooks are a list. ``"chdir": {"<rank>": folder}`` runs that rank's call from another
+working folder (a relative ``src`` then names a different checkpoint there, as on a node without the shared
+filesystem). The failure
 injection lives here, in the test launcher, not in zeroio. Each job's outcome is printed as one line
 ``ZEROIO-RESULT {json}`` on stdout.
 """
@@ -53,6 +55,8 @@ def main() -> int:
     rank = dist.get_rank()
     for job in spec["jobs"]:
         started = time.monotonic()
+        cwd = os.getcwd()
+        os.chdir(job.get("chdir", {}).get(str(rank), cwd))
         try:
             result = zeroio.convert(
                 job["src"], job["dst"], distributed=True, progress=_hook(job.get("hook"), rank), **job["kwargs"]
@@ -67,6 +71,8 @@ def main() -> int:
             }
         except zeroio.errors.ZeroIOError as exc:
             outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc), "error_rank": exc.rank}
+        finally:
+            os.chdir(cwd)
         outcome["process"] = rank
         outcome["seconds"] = time.monotonic() - started
         print("ZEROIO-RESULT " + json.dumps(outcome), flush=True)

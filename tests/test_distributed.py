@@ -154,10 +154,16 @@ def test_assign_shards_balances_bytes_deterministically(sizes, world_size, owner
 
 
 def test_two_processes_write_the_single_process_bytes_and_fail_together(tmp_path):
-    """2 processes: several shards, one shard, a cast, torch format, then failures on one rank fail both cleanly."""
+    """2 processes write one process's bytes; one rank's failure or a differing checkpoint fails both cleanly."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "exists").mkdir()
+    # "ckpt" names a different checkpoint for each process, as on nodes that do not share a filesystem.
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir()
+    node1.mkdir()
+    (node0 / "ckpt").symlink_to(FIXTURES / "z3_ws2_fp32")
+    (node1 / "ckpt").symlink_to(FIXTURES / "z3_ws2_bf16")  # same names and shapes, frozen weights in bf16
     cases = [
         ("sharded", job("z3_ws3_fp32", out / "sharded", max_shard_size=300)),
         ("one-shard", job("z3_ws3_fp32", out / "one-shard")),
@@ -165,13 +171,14 @@ def test_two_processes_write_the_single_process_bytes_and_fail_together(tmp_path
         ("torch", job("z1_ws2_fp32", out / "torch", max_shard_size=300, fmt="torch")),
         ("exists", job("z3_ws2_fp32", out / "exists")),
         ("raises", job("z3_ws3_fp32", out / "raises", hook={"rank": 1, "action": "raise"}, max_shard_size=300)),
+        ("mismatch", {**job("-", out / "mismatch"), "src": "ckpt", "chdir": {"0": str(node0), "1": str(node1)}}),
         ("after-failures", job("z2_ws3_fp16", out / "after-failures", max_shard_size=200, chunk_bytes=8)),
     ]
     records = run_job(tmp_path, 2, [spec for _, spec in cases])
     by_case = {name: (records[0][i], records[1][i]) for i, (name, _) in enumerate(cases)}
 
     for name, spec in cases:
-        if name in ("exists", "raises"):
+        if name in ("exists", "raises", "mismatch"):
             continue
         single = convert(spec["src"], tmp_path / "single" / name, progress=False, **spec["kwargs"])
         assert_same_folder(tmp_path / "single" / name, out / name, fmt=spec["kwargs"].get("fmt", "safetensors"))
@@ -200,6 +207,17 @@ def test_two_processes_write_the_single_process_bytes_and_fail_together(tmp_path
         "OutputError", f"Process 1 of 2 failed while writing its shards, so '{out / 'raises'}' was not written. Its error: {own}", 1,
     )  # fmt: skip
     assert_nothing_left(out, out / "raises")
+
+    # Different checkpoints behind the same path: every process refuses before anything is created.
+    mismatch = (
+        f"Cannot write '{out / 'mismatch'}': processes 0 and 1 planned different outputs from 'ckpt', so they read "
+        "different checkpoints. Put the checkpoint on a filesystem shared by every process, at the same path, and do "
+        "not change it during the conversion."
+    )
+    assert [(r["type"], r["message"], r["error_rank"]) for r in by_case["mismatch"]] == [
+        ("OutputError", mismatch, 1)
+    ] * 2
+    assert_nothing_left(out, out / "mismatch")
 
 
 def test_three_processes_write_the_single_process_bytes(tmp_path):
