@@ -246,6 +246,16 @@ def main() -> int:
     output_bytes = sum(p.stat().st_size for p in reference_dst.iterdir())
     shutil.rmtree(reference_dst)
 
+    info = {
+        "checkpoint": str(args.checkpoint),
+        "max_shard_size": args.max_shard_size,
+        "cache": args.cache,
+        "output_bytes": output_bytes,
+        "output_files": len(reference),
+        "cpus": os.cpu_count(),
+        "load_avg_start": os.getloadavg(),
+        "reference_run": first,
+    }
     variants = [(1, False)] + [(p, True) for p in args.processes]
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
@@ -263,6 +273,9 @@ def main() -> int:
                 raise SystemExit(f"{dst} differs from the single-process output")
             shutil.rmtree(dst)
             runs.append(run)
+            if args.json:  # after every run, so an interrupted benchmark keeps what it measured
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({"info": info, "summary": summarize(runs, output_bytes), "runs": runs}))
             print(
                 f"repeat {repeat} processes={processes} distributed={distributed}: {run['wall_s']:.2f} s wall, "
                 f"identical={run['identical']}",
@@ -272,17 +285,6 @@ def main() -> int:
     table = markdown(rows)
     print(table)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        info = {
-            "checkpoint": str(args.checkpoint),
-            "max_shard_size": args.max_shard_size,
-            "cache": args.cache,
-            "output_bytes": output_bytes,
-            "output_files": len(reference),
-            "cpus": os.cpu_count(),
-            "load_avg_start": os.getloadavg(),
-            "reference_run": first,
-        }
         args.json.write_text(json.dumps({"info": info, "summary": rows, "runs": runs}, indent=1))
     return 0
 
