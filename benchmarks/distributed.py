@@ -129,6 +129,8 @@ def run_once(args: argparse.Namespace, processes: int, distributed: bool, dst: P
     convert = ["convert", str(args.checkpoint), str(dst), "--max-shard-size", args.max_shard_size, "--quiet"]
     if args.workers:
         convert += ["--workers", str(args.workers)]
+    if args.dtype:
+        convert += ["--dtype", args.dtype]
     prefix = reports / f"{'dist' if distributed else 'plain'}-p{processes}-{time.time_ns()}"
     if distributed:
         convert.append("--distributed")
@@ -224,6 +226,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-shard-size", default="500MB")
     parser.add_argument("--workers", type=int, help="IO threads per process (default: zeroio's)")
+    parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors (default: as stored)")
     parser.add_argument("--cache", choices=["warm", "cold"], default="warm")
     parser.add_argument("--work", type=Path, default=Path("/tmp/zeroio-bench/distributed"))
     parser.add_argument("--json", type=Path, help="write every run and the summary here")
@@ -249,6 +252,7 @@ def main() -> int:
     info = {
         "checkpoint": str(args.checkpoint),
         "max_shard_size": args.max_shard_size,
+        "dtype": args.dtype,
         "cache": args.cache,
         "output_bytes": output_bytes,
         "output_files": len(reference),
