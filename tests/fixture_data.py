@@ -11,6 +11,23 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 
+# Framework-written fixtures (fixtures/frameworks/, see fixtures/README.md).
+FRAMEWORKS = FIXTURES / "frameworks"
+HF = FRAMEWORKS / "hf_trainer_gpt2_z3"
+HF_CKPT = HF / "checkpoint-3"
+LIGHTNING = ["lightning_z3_fp32", "lightning_z3_bf16"]
+LIGHTNING_CLIENT_KEYS = (
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    "loops",
+    "callbacks",
+    "lr_schedulers",
+    "hparams_name",
+    "hyper_parameters",
+)
+"""Lightning's client state in its DeepSpeed model_states, in the order Lightning 2.6.6 writes it."""
+
 
 def fixture_names(**match: Any) -> list[str]:
     """Names of fixtures whose manifest matches every ``key=value`` given (e.g. ``stage=3``)."""

@@ -15,26 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from fixture_data import FIXTURES, assert_state_dicts_equal
+from fixture_data import FIXTURES, FRAMEWORKS, HF, HF_CKPT, LIGHTNING, LIGHTNING_CLIENT_KEYS, assert_state_dicts_equal
 
 import zeroio
 from zeroio._lightning import write_lightning_ckpt
 from zeroio.errors import OutputError, UnsafePickleError, UnsupportedCheckpointError
 
-FRAMEWORKS = FIXTURES / "frameworks"
-HF = FRAMEWORKS / "hf_trainer_gpt2_z3"
-HF_CKPT = HF / "checkpoint-3"
-LIGHTNING = ["lightning_z3_fp32", "lightning_z3_bf16"]
-LIGHTNING_CLIENT_KEYS = (
-    "epoch",
-    "global_step",
-    "pytorch-lightning_version",
-    "loops",
-    "callbacks",
-    "lr_schedulers",
-    "hparams_name",
-    "hyper_parameters",
-)
 
 
 def _generator_module() -> Any:

@@ -9,27 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from fixture_data import FIXTURES, assert_state_dicts_equal
+from fixture_data import FIXTURES, FRAMEWORKS, HF, HF_CKPT, LIGHTNING, LIGHTNING_CLIENT_KEYS, assert_state_dicts_equal
 
 from zeroio._convert import convert
 from zeroio.cli import main
 from zeroio.errors import OutputError
 
-FRAMEWORKS = FIXTURES / "frameworks"
-HF = FRAMEWORKS / "hf_trainer_gpt2_z3"
-HF_CKPT = HF / "checkpoint-3"
-LIGHTNING = ["lightning_z3_fp32", "lightning_z3_bf16"]
 HF_SIDE_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-LIGHTNING_CLIENT_KEYS = [
-    "epoch",
-    "global_step",
-    "pytorch-lightning_version",
-    "loops",
-    "callbacks",
-    "lr_schedulers",
-    "hparams_name",
-    "hyper_parameters",
-]
 HINT = "(set ZEROIO_DEBUG=1 for the full traceback)\n"
 
 
