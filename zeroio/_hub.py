@@ -135,7 +135,7 @@ def push_to_hub(
     try:
         from huggingface_hub import HfApi
     except ImportError as e:  # pragma: no cover - a declared dependency
-        raise ImportError("push_to_hub needs huggingface_hub: pip install 'huggingface_hub>=0.23'") from e
+        raise ImportError("push_to_hub needs huggingface_hub: pip install 'huggingface_hub>=0.24'") from e
 
     api = HfApi(endpoint=endpoint, token=token)
     as_hub_error = functools.partial(
