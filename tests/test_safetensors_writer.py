@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_save
 
 import zeroio
-from zeroio._convert import _Buffers, _output_dtype, _stream
+from zeroio._convert import _Buffers, _output_dtype
 from zeroio._metadata import parse_dtype
 from zeroio._safetensors_writer import plan_file, preallocate, pwrite_all, write_chunks
 
@@ -204,7 +204,7 @@ def test_streaming_reads_never_exceed_chunk_bytes(tmp_path, chunk_bytes, dtype):
                         chunks.append(chunk.clone())
                         yield chunk
 
-                write_chunks(fd, slot, watched(_stream(view, slot.name, target, chunk_bytes, buffers)))
+                write_chunks(fd, slot, watched(view._chunks(slot.name, target, chunk_bytes, buffers.get)))
                 # Same elements, chunking and rounding as the checkpoint's own iter_chunks.
                 expected = list(inner.iter_chunks(slot.name, dtype=target, chunk_bytes=chunk_bytes))
                 assert [c.view(torch.uint8).tolist() for c in chunks] == [

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from typing_extensions import Self
 
-from ._metadata import CheckpointMetadata, TensorInfo, parse_dtype
+from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
 from .errors import CheckpointClosedError, TensorNotFoundError
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint"]
@@ -199,7 +199,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         if info.numel:
             self._read_into(source, 0, out)
         tensor = out.view(info.shape)
-        wanted = target if (target is not None and info.dtype.is_floating_point) else info.dtype
+        wanted = output_dtype(info, target)
         return tensor if tensor.dtype == wanted else tensor.to(wanted)
 
     def iter_chunks(
@@ -209,18 +209,40 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
         Concatenated, the chunks equal ``get_tensor(name, dtype=dtype).reshape(-1)``; peak memory is one chunk.
         """
+        return self._chunks(name, parse_dtype(dtype), chunk_bytes)
+
+    def _chunks(
+        self,
+        name: str,
+        target: torch.dtype | None,
+        chunk_bytes: int,
+        scratch: Callable[[torch.dtype, int], torch.Tensor] | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """The one chunking loop, behind :meth:`iter_chunks` and the converter.
+
+        Without ``scratch`` every chunk is a fresh, owned tensor. With ``scratch(dtype, numel)`` (a 1-D buffer
+        of at least ``numel`` elements, reused by the caller) chunks are views of those buffers, valid until the
+        next chunk: the converter reuses one buffer per IO thread, because a fresh tensor per chunk makes glibc
+        keep freed chunks in per-thread arenas. ``copy_`` rounds exactly as ``.to()`` does.
+        """
         info = self._resolve(name)
-        target = parse_dtype(dtype)
-        wanted = target if (target is not None and info.dtype.is_floating_point) else info.dtype
+        wanted = output_dtype(info, target)
         stored = self._stored_dtype(info)
         step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize))
+        size = min(step, info.numel)
         source = self._source_name(name)
         for start in range(0, info.numel, step):
             self._check_open(name)
-            out = torch.empty(min(step, info.numel - start), dtype=stored)
-            self._read_into(source, start, out)
-            chunk = out if out.dtype == wanted else out.to(wanted)
-            del out  # drop our reference before the next allocation: peak stays one chunk
+            n = min(step, info.numel - start)
+            raw = torch.empty(n, dtype=stored) if scratch is None else scratch(stored, size)[:n]
+            self._read_into(source, start, raw)
+            if wanted == stored:
+                chunk = raw
+            elif scratch is None:
+                chunk = raw.to(wanted)
+            else:
+                chunk = scratch(wanted, size)[:n].copy_(raw)
+            del raw  # drop our reference before the next allocation: peak stays one chunk
             yield chunk
             del chunk
 

@@ -19,7 +19,8 @@ import torch
 from . import _constants as C
 from ._atomic import AtomicDir
 from ._checkpoint import Checkpoint
-from ._metadata import TensorInfo, dtype_name, parse_dtype
+from ._metadata import dtype_name, parse_dtype
+from ._metadata import output_dtype as _output_dtype
 from ._safetensors_writer import SafetensorsLayout, TensorSlot, plan_file, preallocate, pwrite_all, write_chunks
 from ._sharding import ShardPlan, index_json, parse_size, plan_shards
 from ._side_files import copy_side_files
@@ -110,11 +111,6 @@ def _workers(workers: int | None) -> int:
     return workers
 
 
-def _output_dtype(info: TensorInfo, target: torch.dtype | None) -> torch.dtype:
-    """Floating tensors take the requested dtype; integer and bool tensors keep theirs (DeepSpeed does the same)."""
-    return target if (target is not None and info.dtype.is_floating_point) else info.dtype
-
-
 def _is_within(inner: Path, outer: Path) -> bool:
     try:
         inner.resolve().relative_to(outer.resolve())
@@ -173,32 +169,6 @@ class _Buffers(threading.local):
             del buf
             buf = self.by_dtype[dtype] = torch.empty(numel, dtype=dtype)
         return buf
-
-
-def _stream(
-    ckpt: Checkpoint, name: str, target: torch.dtype | None, chunk_bytes: int, buffers: _Buffers
-) -> Iterator[torch.Tensor]:
-    """``ckpt.iter_chunks(name, dtype=target, chunk_bytes=...)``, yielding views of this thread's reused buffers.
-
-    Same elements, same chunking and the same rounding (``copy_`` casts as ``.to()`` does); each view is valid
-    until the next one is requested. Reads go through the checkpoint's backend interface (``_read_into``).
-    """
-    info = ckpt.info(name)
-    wanted = _output_dtype(info, target)
-    stored = ckpt._stored_dtype(info)
-    source = ckpt._source_name(name)
-    step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize))
-    raw = buffers.get(stored, min(step, info.numel))
-    cast = buffers.get(wanted, min(step, info.numel)) if wanted != stored else None
-    for start in range(0, info.numel, step):
-        ckpt._check_open(name)
-        n = min(step, info.numel - start)
-        ckpt._read_into(source, start, raw[:n])
-        if cast is None:
-            yield raw[:n]
-        else:
-            cast[:n].copy_(raw[:n])
-            yield cast[:n]
 
 
 # copy_file_range (Linux, Python >= 3.8); ZEROIO_NO_COPY_FILE_RANGE=1 forces the streaming path (tests use it).
@@ -383,7 +353,7 @@ def _write_safetensors(
                 with _naming(final):
                     if _copy_in_kernel(ckpt, name, target, fd, slot, chunk_bytes, meter.update, stop):
                         return
-                    chunks = _stream(ckpt, name, target, chunk_bytes, buffers)
+                    chunks = ckpt._chunks(name, target, chunk_bytes, buffers.get)
                     write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
 
             return run

@@ -28,7 +28,6 @@ from ._convert import (
     _card_facts,
     _is_within,
     _naming,
-    _output_dtype,
     _Plan,
     _plan_safetensors,
     _plan_torch,
@@ -36,6 +35,7 @@ from ._convert import (
     _write_text,
     _write_torch,
 )
+from ._metadata import output_dtype as _output_dtype
 from ._sharding import ShardPlan
 from ._side_files import copy_side_files
 from ._types import ProgressCallback, StrPath

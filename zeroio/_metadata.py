@@ -11,7 +11,15 @@ import torch
 
 from .errors import CheckpointFormatError
 
-__all__ = ["CheckpointMetadata", "TensorInfo", "dtype_name", "parse_dtype", "require", "require_dict"]
+__all__ = [
+    "CheckpointMetadata",
+    "TensorInfo",
+    "dtype_name",
+    "output_dtype",
+    "parse_dtype",
+    "require",
+    "require_dict",
+]
 
 TensorKind = Literal["trainable", "frozen", "buffer", "tensor"]
 
@@ -39,6 +47,11 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     if key not in _DTYPE_NAMES:
         raise ValueError(f"Unknown dtype {value!r}; use one of fp32, fp16, bf16 (or a torch.dtype).")
     return _DTYPE_NAMES[key]
+
+
+def output_dtype(info: TensorInfo, target: torch.dtype | None) -> torch.dtype:
+    """Floating tensors take the requested dtype; integer and bool tensors keep theirs (DeepSpeed does the same)."""
+    return target if (target is not None and info.dtype.is_floating_point) else info.dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 
-
 from .. import __version__
 
 
@@ -61,7 +60,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
         dtype = r["dtype"] if r["dtype"] == r["stored_dtype"] else f"{r['dtype']}*"
         out.write(
-            f"{r['name']:<{name_w}}  {str(tuple(r['shape'])):<{shape_w}}  {dtype:<5}  "
+            f"{r['name']:<{name_w}}  {tuple(r['shape'])!s:<{shape_w}}  {dtype:<5}  "
             f"{_human_bytes(r['nbytes']):>10}  {r['kind']:<9}  {source}\n"
         )
     out.write(
