@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import zeroio
-from zeroio._zero import _FlatSource
+from zeroio._zero import FlatPlan
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYNC_FILE_RANGE_WRITE = 2
@@ -42,15 +42,15 @@ def main(src: str, out: str, mode: str) -> float:
         if name in ckpt.tied:
             continue
         info = ckpt.info(name)
-        stored = ckpt._stored_dtype(info)
+        stored = ckpt.stored_dtype(name)
         source = ckpt._sources[name]  # type: ignore[attr-defined]
-        if mode in ("cfr", "sendfile") and isinstance(source, _FlatSource):
+        if mode in ("cfr", "sendfile") and isinstance(source, FlatPlan):
             for piece in source.pieces:
                 ref = source.groups[piece.rank][piece.group]
                 itemsize = ref.storage.dtype.itemsize
-                src_off = ref.file._data_offset(ref.storage.key) + (ref.storage_offset + piece.start) * itemsize
+                src_off = ref.file.data_offset(ref.storage.key) + (ref.storage_offset + piece.start) * itemsize
                 left, dst_off = piece.length * itemsize, offset + piece.dest * itemsize
-                src_fd = ref.file._open_fd()
+                src_fd = ref.file.source.fileno()
                 while left:
                     if mode == "cfr":
                         done = os.copy_file_range(src_fd, fd, left, src_off, dst_off)
@@ -63,7 +63,7 @@ def main(src: str, out: str, mode: str) -> float:
             for start in range(0, info.numel, step):
                 n = min(step, info.numel - start)
                 nbytes = n * stored.itemsize
-                ckpt._read_into(name, start, buf[:nbytes].view(stored))
+                ckpt.read_into(name, start, buf[:nbytes].view(stored))
                 at = offset + start * stored.itemsize
                 os.pwrite(fd, memoryview(buf[:nbytes].numpy()), at)
                 if mode == "user_sfr":

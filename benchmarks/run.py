@@ -116,7 +116,7 @@ def fp32_ranges(checkpoint: Path) -> list[tuple[Path, int, int]]:
         refs = osd.get("fp32_flat_groups") or osd.get("single_partition_of_fp32_groups") or []
         for ref in refs:
             itemsize = ref.storage.dtype.itemsize
-            start = rank_file._data_offset(ref.storage.key) + ref.storage_offset * itemsize
+            start = rank_file.data_offset(ref.storage.key) + ref.storage_offset * itemsize
             ranges.append((path, start, ref.numel * itemsize))
         rank_file.close()
     return ranges

@@ -211,9 +211,9 @@ def test_open_reads_only_metadata():
     """Opening parses the pickles but reads no tensor data: the Adam moments are never touched."""
     with zeroio.open(FIXTURES / "z3_ws2_fp32") as ckpt:
         files = ckpt._files  # the rank files; none has had a storage's data offset resolved yet
-        assert files and all(not f._data_offsets for f in files)
+        assert files and all(not f.read_offsets for f in files)
         ckpt["norm.bias"]
-        touched = {key for f in files for key in f._data_offsets}
+        touched = {key for f in files for key in f.read_offsets}
     # norm.bias lives in the second fp32 flat group of each optim file: exactly one storage per rank file read.
     assert 1 <= len(touched) <= 2
 

@@ -174,9 +174,9 @@ class _RecordingView(zeroio.Checkpoint):
         self.inner = inner
         self.reads: list[int] = []
 
-    def _read_into(self, name, start, out):
+    def read_into(self, name, start, out):
         self.reads.append(out.numel() * out.element_size())
-        self.inner._read_into(name, start, out)
+        self.inner.read_into(name, start, out)
 
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])
@@ -204,7 +204,7 @@ def test_streaming_reads_never_exceed_chunk_bytes(tmp_path, chunk_bytes, dtype):
                         chunks.append(chunk.clone())
                         yield chunk
 
-                write_chunks(fd, slot, watched(view._chunks(slot.name, target, chunk_bytes, buffers.get)))
+                write_chunks(fd, slot, watched(view.chunks(slot.name, target, chunk_bytes, buffers.get)))
                 # Same elements, chunking and rounding as the checkpoint's own iter_chunks.
                 expected = list(inner.iter_chunks(slot.name, dtype=target, chunk_bytes=chunk_bytes))
                 assert [c.view(torch.uint8).tolist() for c in chunks] == [

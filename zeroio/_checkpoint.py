@@ -13,6 +13,7 @@ import torch
 from typing_extensions import Self
 
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
+from ._storage import ByteRange
 from .errors import CheckpointClosedError, TensorNotFoundError
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint"]
@@ -38,7 +39,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             print(ckpt.metadata.zero_stage, list(ckpt)[:3])
             weight = ckpt["lm_head.weight"]
 
-    Backends provide :attr:`_infos` (ordered), :attr:`_tied` and :meth:`_read_into`.
+    Format readers subclass it and provide :meth:`read_into`, :meth:`byte_ranges` and :meth:`_release`; the
+    public methods below are the reader contract that load, convert, verify, optimizer export and reshard use.
     """
 
     def __init__(self, metadata: CheckpointMetadata, infos: dict[str, TensorInfo], tied: dict[str, str]) -> None:
@@ -49,18 +51,24 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     # ----------------------------------------------------------------- backend interface
 
-    def _read_into(self, name: str, start: int, out: torch.Tensor) -> None:
-        """Fill the 1-D ``out`` (stored dtype) with flattened elements ``[start, start + out.numel())``."""
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill the 1-D ``out`` (stored dtype) with flattened elements ``[start, start + out.numel())``.
+
+        ``name`` is a stored name (see :meth:`source_name`); no cast, no open-state check.
+        """
         raise NotImplementedError
 
-    def _byte_ranges(self, name: str) -> list[tuple[int, int, int]] | None:
-        """``(fd, offset, nbytes)`` file ranges whose concatenation is the tensor's stored bytes, or None.
+    def byte_ranges(self, name: str) -> list[ByteRange] | None:
+        """``(source, offset, nbytes)`` ranges whose concatenation is the stored bytes of ``name``, or None.
 
-        Lets a writer copy bytes file to file inside the kernel (``copy_file_range``) when no cast is needed.
+        Lets a writer copy bytes source to file without a pass through user space (``ByteSource.copy_to``)
+        when no cast is needed. ``name`` is a stored name (see :meth:`source_name`).
         """
         return None
 
-    def _stored_dtype(self, info: TensorInfo) -> torch.dtype:
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """dtype of the tensor's bytes at rest (what :meth:`read_into` fills)."""
+        info = self.info(name)
         return info.stored_dtype or info.dtype
 
     def _release(self) -> None:
@@ -68,7 +76,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     # ----------------------------------------------------------------- lifetime
 
-    def _check_open(self, name: str | None = None) -> None:
+    def ensure_open(self, name: str | None = None) -> None:
+        """Raise :class:`CheckpointClosedError` (naming ``name``) once the checkpoint is closed."""
         if self._state is _State.CLOSED:
             what = f"read '{name}'" if name else "use the checkpoint"
             raise CheckpointClosedError(
@@ -90,7 +99,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             self._release()
 
     def __enter__(self) -> Self:
-        self._check_open()
+        self.ensure_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -152,7 +161,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return self.get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:
-        self._check_open()
+        self.ensure_open()
         return iter(list(self._infos))
 
     def __len__(self) -> int:
@@ -164,13 +173,14 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     # ----------------------------------------------------------------- reading
 
     def _resolve(self, name: str) -> TensorInfo:
-        self._check_open(name)
+        self.ensure_open(name)
         info = self._infos.get(name)
         if info is None:
             raise self._not_found(name)
         return info
 
-    def _source_name(self, name: str) -> str:
+    def source_name(self, name: str) -> str:
+        """The stored name behind ``name``: its tie source for a tied alias, else ``name`` itself."""
         return self._tied.get(name, name)
 
     def get_tensor(self, name: str, *, dtype: str | torch.dtype | None = None) -> torch.Tensor:
@@ -193,11 +203,11 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """
         info = self._resolve(name)
         target = parse_dtype(dtype)
-        source = self._source_name(name)
-        stored = self._stored_dtype(info)
+        source = self.source_name(name)
+        stored = self.stored_dtype(name)
         out = torch.empty(info.numel, dtype=stored)
         if info.numel:
-            self._read_into(source, 0, out)
+            self.read_into(source, 0, out)
         tensor = out.view(info.shape)
         wanted = output_dtype(info, target)
         return tensor if tensor.dtype == wanted else tensor.to(wanted)
@@ -209,9 +219,9 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
         Concatenated, the chunks equal ``get_tensor(name, dtype=dtype).reshape(-1)``; peak memory is one chunk.
         """
-        return self._chunks(name, parse_dtype(dtype), chunk_bytes)
+        return self.chunks(name, parse_dtype(dtype), chunk_bytes)
 
-    def _chunks(
+    def chunks(
         self,
         name: str,
         target: torch.dtype | None,
@@ -227,15 +237,15 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """
         info = self._resolve(name)
         wanted = output_dtype(info, target)
-        stored = self._stored_dtype(info)
+        stored = self.stored_dtype(name)
         step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize))
         size = min(step, info.numel)
-        source = self._source_name(name)
+        source = self.source_name(name)
         for start in range(0, info.numel, step):
-            self._check_open(name)
+            self.ensure_open(name)
             n = min(step, info.numel - start)
             raw = torch.empty(n, dtype=stored) if scratch is None else scratch(stored, size)[:n]
-            self._read_into(source, start, raw)
+            self.read_into(source, start, raw)
             if wanted == stored:
                 chunk = raw
             elif scratch is None:
@@ -254,7 +264,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         targets = set(self._tied.values())
         kept: dict[str, torch.Tensor] = {}
         for name in list(self._infos):
-            source = self._source_name(name)
+            source = self.source_name(name)
             if source in kept:
                 yield name, kept[source]
                 continue

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import errno
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +22,7 @@ from ._metadata import output_dtype as _output_dtype
 from ._safetensors_writer import SafetensorsLayout, TensorSlot, plan_file, preallocate, pwrite_all, write_chunks
 from ._sharding import ShardPlan, index_json, parse_size, plan_shards
 from ._side_files import copy_side_files
+from ._storage import kernel_copy_enabled
 from ._types import ProgressCallback, StrPath
 from .errors import OutputError
 
@@ -171,11 +170,6 @@ class _Buffers(threading.local):
         return buf
 
 
-# copy_file_range (Linux, Python >= 3.8); ZEROIO_NO_COPY_FILE_RANGE=1 forces the streaming path (tests use it).
-_KERNEL_COPY = hasattr(os, "copy_file_range") and os.environ.get("ZEROIO_NO_COPY_FILE_RANGE") != "1"
-_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF})
-
-
 def _copy_in_kernel(
     ckpt: Checkpoint,
     name: str,
@@ -192,23 +186,20 @@ def _copy_in_kernel(
     fp32 pieces (docs/benchmarks.md). Falling back after a partial copy is safe: streaming rewrites the slot.
     """
     info = ckpt.info(name)
-    if not _KERNEL_COPY or sys.byteorder != "little" or _output_dtype(info, target) != ckpt._stored_dtype(info):
+    if not kernel_copy_enabled() or _output_dtype(info, target) != ckpt.stored_dtype(name):
         return False
-    ranges = ckpt._byte_ranges(ckpt._source_name(name))
+    ranges = ckpt.byte_ranges(ckpt.source_name(name))
     if ranges is None or sum(n for _, _, n in ranges) != slot.nbytes:
         return False
     offset = slot.begin
-    for src_fd, src_offset, nbytes in ranges:
+    for source, src_offset, nbytes in ranges:
         done = 0
         while done < nbytes:
             if stop.is_set():
                 return True
-            try:
-                got = os.copy_file_range(src_fd, fd, min(chunk_bytes, nbytes - done), src_offset + done, offset + done)
-            except OSError as exc:
-                if exc.errno in _NO_KERNEL_COPY:
-                    return False
-                raise
+            got = source.copy_to(fd, src_offset + done, min(chunk_bytes, nbytes - done), offset + done)
+            if got is None:  # no fast path between this source and the destination
+                return False
             if got <= 0:  # the source ended early: let the streaming reader raise its precise error
                 return False
             done += got
@@ -353,7 +344,7 @@ def _write_safetensors(
                 with _naming(final):
                     if _copy_in_kernel(ckpt, name, target, fd, slot, chunk_bytes, meter.update, stop):
                         return
-                    chunks = ckpt._chunks(name, target, chunk_bytes, buffers.get)
+                    chunks = ckpt.chunks(name, target, chunk_bytes, buffers.get)
                     write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
 
             return run

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +14,8 @@ import torch
 
 from . import _constants as C
 from ._checkpoint import Checkpoint
-from ._io import pread_into
 from ._metadata import CheckpointMetadata, TensorInfo
+from ._storage import LocalFile
 from ._unpickle import RankFile, TensorRef, load_pickle
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 
@@ -80,21 +78,16 @@ class _SafetensorsFile:
     path: Path
     entries: dict[str, _Entry]
     metadata: dict[str, str]
-    _fd: int | None = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    source: LocalFile = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.source = LocalFile(self.path)
 
     def read(self, entry: _Entry, start: int, out: torch.Tensor) -> None:
-        with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            fd = self._fd
-        pread_into(fd, entry.begin + start * out.element_size(), out, self.path)
+        self.source.read_into(entry.begin + start * out.element_size(), out)
 
     def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        self.source.close()
 
 
 def _bad(path: Path, what: str) -> CheckpointFormatError:
@@ -205,7 +198,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self._locations = locations
         self._files = files
 
-    def _read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         file, entry = self._locations[name]
         file.read(entry, start, out)
 
@@ -337,7 +330,7 @@ class TorchCheckpoint(Checkpoint):
         self._refs = refs
         self._files = files
 
-    def _read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         self._refs[name].read(start, out.numel(), out)
 
     def _release(self) -> None:

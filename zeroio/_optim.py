@@ -20,7 +20,7 @@ from .errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoun
 
 if TYPE_CHECKING:
     from ._checkpoint import Checkpoint
-    from ._zero import ZeroCheckpoint, _FlatSource
+    from ._zero import FlatPlan, ZeroCheckpoint
 
 __all__ = [
     "OPTIMIZER_INDEX",
@@ -91,7 +91,7 @@ def _zero_checkpoint(ckpt: Checkpoint, what: str) -> ZeroCheckpoint:
             "DeepSpeed ZeRO checkpoint folder (the one engine.save_checkpoint() wrote).",
             path=meta.path,
         )
-    if meta.zero_stage not in (1, 2, 3) or not ckpt._optimizer_states:
+    if meta.zero_stage not in (1, 2, 3) or not ckpt.optimizer_states:
         raise UnsupportedCheckpointError(
             f"'{meta.path}' is a ZeRO stage {meta.zero_stage} checkpoint: DeepSpeed keeps its optimizer state "
             f"unnamed in model_states['optimizer'], which zeroio does not read yet; {what} needs ZeRO stage 1-3. "
@@ -110,14 +110,14 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
         PartitionMismatchError: the state does not fit the flat groups.
     """
     zckpt = _zero_checkpoint(ckpt, what)
-    from ._zero import _FlatSource
+    from ._zero import FlatPlan
 
     files = tuple(zckpt.metadata.path / name for name in zckpt.metadata.extra.get("optim_files", ()))
     flat = next(
         (
             s.groups
-            for n, s in zckpt._sources.items()
-            if isinstance(s, _FlatSource) and zckpt._infos[n].kind == "trainable"
+            for n, s in zckpt.plans.items()
+            if isinstance(s, FlatPlan) and zckpt.info(n).kind == "trainable"
         ),
         None,
     )
@@ -136,7 +136,7 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
     param_group: tuple[int, ...] = ()
     scalars: list[dict[str, Any]] = []
     param_groups: tuple[dict[str, Any], ...] = ()
-    for rank, (base, groups) in enumerate(zip(zckpt._optimizer_states, flat)):
+    for rank, (base, groups) in enumerate(zip(zckpt.optimizer_states, flat)):
         path = files[rank] if rank < len(files) else zckpt.metadata.path
         if base is None:
             raise CheckpointFormatError(
@@ -227,18 +227,18 @@ def optimizer_layout(ckpt: Checkpoint, *, what: str = "optimizer state") -> Opti
     )
 
 
-def _trainable_source(ckpt: ZeroCheckpoint, name: str) -> tuple[str, _FlatSource]:
+def _trainable_source(ckpt: ZeroCheckpoint, name: str) -> tuple[str, FlatPlan]:
     """The flat source of a trainable parameter (aliases resolved), or TensorNotFoundError saying why not."""
-    from ._zero import _FlatSource
+    from ._zero import FlatPlan
 
     info = ckpt.info(name)  # TensorNotFoundError for unknown names
-    source_name = ckpt._source_name(name)
-    source = ckpt._sources.get(source_name)
-    if info.kind != "trainable" or not isinstance(source, _FlatSource):
+    source_name = ckpt.source_name(name)
+    source = ckpt.read_plan(source_name) if source_name in ckpt else None
+    if info.kind != "trainable" or not isinstance(source, FlatPlan):
         what = {"frozen": "a frozen parameter", "buffer": "a buffer"}.get(
             info.kind, "not a parameter the optimizer owns"
         )
-        trainable = [n for n, i in ckpt._infos.items() if i.kind == "trainable" and n not in ckpt._tied]
+        trainable = [n for n, i in ckpt.infos.items() if i.kind == "trainable" and n not in ckpt.tied]
         raise TensorNotFoundError(
             f"No optimizer state for '{name}' in '{ckpt.metadata.path}': it is {what}, which the optimizer does not "
             f"own. Parameters with optimizer state: {_names(trainable)}.",
@@ -248,19 +248,19 @@ def _trainable_source(ckpt: ZeroCheckpoint, name: str) -> tuple[str, _FlatSource
     return source_name, source
 
 
-def moment_source(layout: OptimizerLayout, source: _FlatSource, key: str) -> _FlatSource:
+def moment_source(layout: OptimizerLayout, source: FlatPlan, key: str) -> FlatPlan:
     """The read plan of a parameter's ``key`` state: its fp32 master pieces, pointed at the moment tensors."""
-    from ._zero import _FlatSource
+    from ._zero import FlatPlan
 
     refs = layout.moments[key]
-    return _FlatSource(source.pieces, refs)  # type: ignore[arg-type]  # None only where no piece reads
+    return FlatPlan(source.pieces, refs)  # type: ignore[arg-type]  # None only where no piece reads
 
 
-def _param_group_of(layout: OptimizerLayout, source: _FlatSource) -> int:
+def _param_group_of(layout: OptimizerLayout, source: FlatPlan) -> int:
     return layout.param_group[source.pieces[0].group] if source.pieces else 0
 
 
-def _step_of(layout: OptimizerLayout, source: _FlatSource) -> Any:
+def _step_of(layout: OptimizerLayout, source: FlatPlan) -> Any:
     """The parameter's ``step``: its state entry's (torch Adam), else its param group's (DeepSpeed FusedAdam)."""
     g = source.pieces[0].group if source.pieces else 0
     scalars = layout.scalars[g] if g < len(layout.scalars) else {}
@@ -297,10 +297,10 @@ def optimizer_state(ckpt: Checkpoint, name: str) -> dict[str, Any]:
         (torch.Size([13, 7]), 2.0, 0.05)
     """
     zckpt = _zero_checkpoint(ckpt, "optimizer_state()")
-    zckpt._check_open(name)
+    zckpt.ensure_open(name)
     _, source = _trainable_source(zckpt, name)
     layout = optimizer_layout(zckpt, what="optimizer_state()")
-    from ._zero import _read_source
+    from ._zero import read_plan_into
 
     info = zckpt.info(name)
     result: dict[str, Any] = {}
@@ -308,7 +308,7 @@ def optimizer_state(ckpt: Checkpoint, name: str) -> dict[str, Any]:
         dtype = next((r.dtype for rank in refs for r in rank if r is not None), torch.float32)
         out = torch.empty(info.numel, dtype=dtype)
         if info.numel:
-            _read_source(moment_source(layout, source, key), 0, out)
+            read_plan_into(moment_source(layout, source, key), 0, out)
         result[key] = out.view(info.shape)
     result["step"] = _step_of(layout, source)
     for key, value in layout.param_groups[_param_group_of(layout, source)].items():
@@ -367,8 +367,8 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     members: list[list[str]] = [[] for _ in layout.param_groups]
     steps: list[dict[str, Any]] = [{} for _ in layout.param_groups]
-    for name, info in zckpt._infos.items():
-        if name not in wanted or name in zckpt._tied or info.kind != "trainable":
+    for name, info in zckpt.infos.items():
+        if name not in wanted or name in zckpt.tied or info.kind != "trainable":
             continue
         _, source = _trainable_source(zckpt, name)
         g = _param_group_of(layout, source)
@@ -402,7 +402,7 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
         "tensor_key": "<parameter name>.<state key>",
         "files": [filename for filename, _ in shards.shards],
         "param_groups": groups,
-        "tied": {a: s for a, s in zckpt._tied.items() if a in wanted and s in tensors_of},
+        "tied": {a: s for a, s in zckpt.tied.items() if a in wanted and s in tensors_of},
         "source": {
             "tag": meta_ck.tag,
             "zero_stage": meta_ck.zero_stage,
@@ -416,15 +416,15 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
 
 
 def _chunks(
-    ckpt: ZeroCheckpoint, source: _FlatSource, numel: int, dtype: torch.dtype, chunk_bytes: int
+    ckpt: ZeroCheckpoint, source: FlatPlan, numel: int, dtype: torch.dtype, chunk_bytes: int
 ) -> Iterator[torch.Tensor]:
-    from ._zero import _read_source
+    from ._zero import read_plan_into
 
     step = max(1, chunk_bytes // dtype.itemsize)
     buf = torch.empty(min(step, numel), dtype=dtype)
     for start in range(0, numel, step):
         n = min(step, numel - start)
-        _read_source(source, start, buf[:n])
+        read_plan_into(source, start, buf[:n])
         yield buf[:n]
 
 
@@ -451,7 +451,7 @@ def write_optimizer_files(
             for slot in layout.slots:
                 name, key = plan.tensors[slot.name]
                 _, source = _trainable_source(zckpt, name)
-                zckpt._check_open(name)
+                zckpt.ensure_open(name)
                 chunks = _chunks(
                     zckpt, moment_source(plan.layout, source, key), math.prod(slot.shape), slot.dtype, chunk_bytes
                 )

@@ -306,7 +306,7 @@ def _ref_chunks(ref: TensorRef, buffers: _Buffers) -> Chunks:
 
 def _slices_chunks(reads: list[tuple[Any, int, int, int]], dtype: torch.dtype, buffers: _Buffers) -> Chunks:
     """``(source, start, count, padding)`` rows: ``count`` elements of a consolidated tensor, then zeros."""
-    from ._zero import _read_source
+    from ._zero import read_plan_into
 
     def run() -> Iterator[torch.Tensor]:
         buf = buffers.get(dtype)
@@ -314,7 +314,7 @@ def _slices_chunks(reads: list[tuple[Any, int, int, int]], dtype: torch.dtype, b
         for source, start, count, padding in reads:
             for done in range(0, count, buf.numel()):
                 n = min(buf.numel(), count - done)
-                _read_source(source, start + done, buf[:n])
+                read_plan_into(source, start + done, buf[:n])
                 yield buf[:n]
             for done in range(0, padding, zeros.numel()):
                 yield zeros[: min(zeros.numel(), padding - done)]
@@ -426,7 +426,7 @@ def _sub_groups(
         numels = [ckpt.info(n).numel for n in names]
         for members in zero3_sub_groups(numels, world_size, sub_group_size):
             chosen = tuple(names[i] for i in members)
-            first = ckpt._sources[chosen[0]] if chosen else None
+            first = ckpt.read_plan(chosen[0]) if chosen else None
             step_group = first.pieces[0].group if first is not None and first.pieces else -1
             subs.append(_SubGroup(g, chosen, tuple(numels[i] for i in members), step_group))
     return subs
@@ -621,7 +621,7 @@ def _reshard_open(
                 fragments: collections.OrderedDict[str, Any] = collections.OrderedDict()
                 for name in frozen_shapes or {}:
                     info = ckpt.info(name)
-                    source = ckpt._sources[name]
+                    source = ckpt.read_plan(name)
                     reads = _rank_reads([source], [info.numel], world_size, rank)
                     part = zero3_partition_numel(info.numel, world_size)
                     fragments[name] = builder.tensor(
@@ -650,7 +650,7 @@ def _reshard_open(
         source_entries = base0.get("state") or {}
         for s, sub in enumerate(subs):
             members[sub.param_group].append(s)
-            sources = [ckpt._sources[n] for n in sub.names]
+            sources = [ckpt.read_plan(n) for n in sub.names]
             reads = _rank_reads(sources, sub.numels, world_size, rank)
             size = sum(zero3_partition_numel(n, world_size) for n in sub.numels)
             flats.append(

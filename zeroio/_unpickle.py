@@ -17,7 +17,6 @@ import io
 import os
 import pickle
 import struct
-import threading
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from ._io import pread_into
+from ._storage import ByteRange, LocalFile
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -164,13 +163,13 @@ class TensorRef:
             return part.clone()
         return out.copy_(part)
 
-    def byte_range(self, start: int, count: int) -> tuple[int, int, int] | None:
-        """``(fd, file offset, nbytes)`` of flattened elements ``[start, start+count)``, or None if not contiguous."""
+    def byte_range(self, start: int, count: int) -> ByteRange | None:
+        """``(source, offset, nbytes)`` of flattened elements ``[start, start+count)``, or None if not contiguous."""
         if not self.is_contiguous or start < 0 or start + count > self.numel:
             return None
         itemsize = _itemsize(self.dtype)
-        offset = self.file._data_offset(self.storage.key) + (self.storage_offset + start) * itemsize
-        return self.file._open_fd(), offset, count * itemsize
+        offset = self.file.data_offset(self.storage.key) + (self.storage_offset + start) * itemsize
+        return self.file.source, offset, count * itemsize
 
     def materialize(self) -> torch.Tensor:
         """The whole tensor, owned and with its shape."""
@@ -353,24 +352,23 @@ class RankFile:
     path: Path
     _records: dict[str, zipfile.ZipInfo] = field(default_factory=dict, repr=False)
     _data_offsets: dict[str, int] = field(default_factory=dict, repr=False)
-    _fd: int | None = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     size: int = 0
+    source: LocalFile = field(init=False, repr=False)
 
-    def _open_fd(self) -> int:
-        with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            return self._fd
+    def __post_init__(self) -> None:
+        self.source = LocalFile(self.path, self.size or None)
 
     def close(self) -> None:
         """Release the file descriptor; idempotent."""
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        self.source.close()
 
-    def _data_offset(self, key: str) -> int:
+    @property
+    def read_offsets(self) -> dict[str, int]:
+        """Storage records whose data offset has been looked up (i.e. that were read), by key."""
+        return dict(self._data_offsets)
+
+    def data_offset(self, key: str) -> int:
+        """Byte offset in the file of storage record ``key``'s data."""
         offset = self._data_offsets.get(key)
         if offset is not None:
             return offset
@@ -381,7 +379,7 @@ class RankFile:
                 "Copy the rank file again from where it was saved.",
                 path=self.path,
             )
-        header = os.pread(self._open_fd(), _LOCAL_HEADER.size, info.header_offset)
+        header = self.source.read_bytes(info.header_offset, _LOCAL_HEADER.size)
         if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
             raise CheckpointFormatError(
                 f"Corrupted zip entry for storage '{key}' in '{self.path}'. Copy the rank file again.",
@@ -408,8 +406,8 @@ class RankFile:
                 path=self.path,
             )
         itemsize = out.element_size()
-        offset = self._data_offset(storage.key) + start * itemsize
-        pread_into(self._open_fd(), offset, out, self.path, f"storage '{storage.key}'")
+        offset = self.data_offset(storage.key) + start * itemsize
+        self.source.read_into(offset, out, f"storage '{storage.key}'")
         return out
 
 

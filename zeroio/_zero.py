@@ -17,6 +17,7 @@ from ._checkpoint import Checkpoint
 from ._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from ._metadata import CheckpointMetadata, TensorInfo, TensorKind, require, require_dict
 from ._partition import Piece, zero3_offsets, zero3_partition_numel, zero3_plan, zero12_offsets, zero12_plan
+from ._storage import ByteRange
 from ._unpickle import RankFile, TensorRef, load_pickle
 from .errors import (
     CheckpointFormatError,
@@ -26,13 +27,13 @@ from .errors import (
     WorldSizeMismatchError,
 )
 
-__all__ = ["ZeroCheckpoint", "open_zero"]
+__all__ = ["FlatPlan", "WholePlan", "ZeroCheckpoint", "open_zero", "read_plan_into"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _FlatSource:
+class FlatPlan:
     """Elements gathered from the ranks' flat groups (trainable params, ZeRO-3 frozen fragments)."""
 
     pieces: tuple[Piece, ...]
@@ -40,16 +41,16 @@ class _FlatSource:
 
 
 @dataclass(frozen=True, slots=True)
-class _WholeSource:
+class WholePlan:
     """A tensor stored whole in one file (buffers, ZeRO-1/2 frozen params)."""
 
     ref: TensorRef
 
 
-def _read_source(source: _FlatSource | _WholeSource, start: int, out: torch.Tensor) -> None:
+def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor) -> None:
     """Fill ``out`` with a tensor's flattened elements ``[start, start + out.numel())``; reads only those bytes."""
     end = start + out.numel()
-    if isinstance(source, _WholeSource):
+    if isinstance(source, WholePlan):
         source.ref.read(start, out.numel(), out)
         return
     for piece in source.pieces:
@@ -114,7 +115,7 @@ class ZeroCheckpoint(Checkpoint):
         metadata: CheckpointMetadata,
         infos: dict[str, TensorInfo],
         tied: dict[str, str],
-        sources: dict[str, _FlatSource | _WholeSource],
+        sources: dict[str, FlatPlan | WholePlan],
         files: list[RankFile],
         optimizer_states: Sequence[Any] = (),
     ) -> None:
@@ -124,16 +125,30 @@ class ZeroCheckpoint(Checkpoint):
         # Each rank's base optimizer state (Adam moments as TensorRefs), partitioned like the fp32 flat groups.
         self._optimizer_states = tuple(optimizer_states)
 
+    def read_plan(self, name: str) -> FlatPlan | WholePlan:
+        """Where the stored tensor ``name`` (a stored name, see :meth:`source_name`) lives in the rank files."""
+        return self._sources[name]
+
+    @property
+    def plans(self) -> dict[str, FlatPlan | WholePlan]:
+        """``{stored name: read plan}`` for every stored tensor, in key order."""
+        return dict(self._sources)
+
+    @property
+    def optimizer_states(self) -> tuple[Any, ...]:
+        """Each rank's base optimizer state (moments as TensorRefs), partitioned like the fp32 flat groups."""
+        return self._optimizer_states
+
     def _release(self) -> None:
         for file in self._files:
             file.close()
 
-    def _read_into(self, name: str, start: int, out: torch.Tensor) -> None:
-        _read_source(self._sources[name], start, out)
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        read_plan_into(self._sources[name], start, out)
 
-    def _byte_ranges(self, name: str) -> list[tuple[int, int, int]] | None:
+    def byte_ranges(self, name: str) -> list[ByteRange] | None:
         source = self._sources[name]
-        if isinstance(source, _WholeSource):
+        if isinstance(source, WholePlan):
             whole = source.ref.byte_range(0, source.ref.numel)
             return None if whole is None else [whole]
         ranges = []
@@ -150,8 +165,8 @@ class ZeroCheckpoint(Checkpoint):
 
     def pieces(self, name: str) -> list[tuple[Path, int, int, int]]:
         """Where a tensor's elements live: ``(file, element offset in that file's tensor, length, dest)`` rows."""
-        source = self._sources[self._source_name(self.info(name).name)]
-        if isinstance(source, _WholeSource):
+        source = self._sources[self.source_name(self.info(name).name)]
+        if isinstance(source, WholePlan):
             return [(source.ref.file.path, 0, source.ref.numel, 0)]
         return [(source.groups[p.rank][p.group].file.path, p.start, p.length, p.dest) for p in source.pieces]
 
@@ -190,7 +205,7 @@ def _sample_ranges(numel: int) -> list[tuple[int, int]]:
     return [(0, _SAMPLE), (numel - _SAMPLE, _SAMPLE)]
 
 
-def _casts_to(master: _FlatSource | _WholeSource, low: TensorRef, numel: int, master_dtype: torch.dtype) -> bool:
+def _casts_to(master: FlatPlan | WholePlan, low: TensorRef, numel: int, master_dtype: torch.dtype) -> bool:
     """True when the fp32 ``master`` rounds to ``low``'s stored bits (compared at both ends).
 
     DeepSpeed 0.19.8's 16-bit wrappers copy the fp32 master into the 16-bit parameter after every step
@@ -198,7 +213,7 @@ def _casts_to(master: _FlatSource | _WholeSource, low: TensorRef, numel: int, ma
     """
     for start, count in _sample_ranges(numel):
         hp = torch.empty(count, dtype=master_dtype)
-        _read_source(master, start, hp)
+        read_plan_into(master, start, hp)
         lp = low.read(start, count)
         if not torch.equal(hp.to(lp.dtype).view(torch.uint8), lp.view(torch.uint8)):
             return False
@@ -223,7 +238,7 @@ class _Stage0Masters:
     """Where a stage-0 checkpoint's fp32 master weights are, per parameter name."""
 
     layout: str
-    masters: dict[str, _FlatSource | _WholeSource]
+    masters: dict[str, FlatPlan | WholePlan]
     kinds: dict[str, TensorKind]
     unresolved: tuple[str, ...] = ()
 
@@ -278,7 +293,7 @@ def _fused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path
             if cursor == rows[0][2].storage.numel:  # the parameters tile the whole storage
                 tiled[key] = rows
     groups = (tuple(flats),)
-    masters: dict[str, _FlatSource | _WholeSource] = {}
+    masters: dict[str, FlatPlan | WholePlan] = {}
     unresolved: list[str] = []
     used: set[str] = set()
     for g, flat in enumerate(flats):
@@ -290,7 +305,7 @@ def _fused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path
             candidates = [
                 key for key in candidates
                 if all(
-                    _casts_to(_FlatSource((Piece(0, g, off, ref.numel, 0),), groups), ref, ref.numel, flat.dtype)
+                    _casts_to(FlatPlan((Piece(0, g, off, ref.numel, 0),), groups), ref, ref.numel, flat.dtype)
                     for off, _, ref in tiled[key]
                 )
             ]
@@ -299,7 +314,7 @@ def _fused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path
             continue
         used.add(candidates[0])
         for off, name, ref in tiled[candidates[0]]:
-            masters[name] = _FlatSource((Piece(0, g, off, ref.numel, 0),), groups)
+            masters[name] = FlatPlan((Piece(0, g, off, ref.numel, 0),), groups)
     kinds: dict[str, TensorKind] = {
         name: "trainable" if name in masters else ("tensor" if unresolved else "frozen") for name in params
     }
@@ -325,17 +340,17 @@ def _unfused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], pa
     for name, ref in params.items():
         if ref.dtype.is_floating_point:
             by_shape.setdefault(ref.shape, ([], []))[1].append(name)
-    masters: dict[str, _FlatSource | _WholeSource] = {}
+    masters: dict[str, FlatPlan | WholePlan] = {}
     unresolved: list[str] = []
     unsure: set[str] = set()
     for shape, (tensors, names) in by_shape.items():
         if not tensors:
             continue
         if len(tensors) == 1 and len(names) == 1:
-            masters[names[0]] = _WholeSource(tensors[0])
+            masters[names[0]] = WholePlan(tensors[0])
             continue
         candidates = [
-            [n for n in names if _casts_to(_WholeSource(t), params[n], t.numel, t.dtype)] for t in tensors
+            [n for n in names if _casts_to(WholePlan(t), params[n], t.numel, t.dtype)] for t in tensors
         ]
         taken: set[str] = set()
         pending = list(range(len(tensors)))
@@ -345,7 +360,7 @@ def _unfused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], pa
             for i in list(pending):
                 free = [n for n in candidates[i] if n not in taken]
                 if len(free) == 1:
-                    masters[free[0]] = _WholeSource(tensors[i])
+                    masters[free[0]] = WholePlan(tensors[i])
                     taken.add(free[0])
                     pending.remove(i)
                     progress = True
@@ -354,7 +369,7 @@ def _unfused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], pa
             same = all(_same_bits(tensors[pending[0]], tensors[i]) for i in pending)
             if same and len(free) == len(pending):  # identical masters: any pairing gives the same tensors
                 for i, name in zip(pending, free):
-                    masters[name] = _WholeSource(tensors[i])
+                    masters[name] = WholePlan(tensors[i])
             else:
                 unresolved.extend(f"fp32 master of shape {list(shape)}" for _ in pending)
                 unsure.update(n for n in names if n not in masters)
@@ -437,7 +452,7 @@ def _open_stage0(
         if kind != "frozen" and ref.dtype.is_floating_point and ref.dtype != torch.float32:
             has_fp32_master = False
         infos[name] = TensorInfo(name, ref.shape, ref.dtype, kind, (model0_path,))
-        sources[name] = _WholeSource(ref)
+        sources[name] = WholePlan(ref)
     for alias, src in tied.items():
         base = infos[src]
         infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, src)
@@ -468,15 +483,15 @@ def _open_stage0(
 
 def _buffer_infos(
     module: dict[Any, Any], buffer_names: list[str], path: Path
-) -> tuple[dict[str, TensorInfo], dict[str, _FlatSource | _WholeSource]]:
+) -> tuple[dict[str, TensorInfo], dict[str, FlatPlan | WholePlan]]:
     """Buffers: whole tensors in rank 0's module. DeepSpeed's consolidation returns floating buffers as fp32."""
     infos: dict[str, TensorInfo] = {}
-    sources: dict[str, _FlatSource | _WholeSource] = {}
+    sources: dict[str, FlatPlan | WholePlan] = {}
     for name in buffer_names:
         ref = _tensor_ref(require(module, name, path, "model state with this buffer"), f"buffer '{name}'", path)
         dtype = torch.float32 if ref.dtype.is_floating_point else ref.dtype
         infos[name] = TensorInfo(name, ref.shape, dtype, "buffer", (path,), ref.dtype if ref.dtype != dtype else None)
-        sources[name] = _WholeSource(ref)
+        sources[name] = WholePlan(ref)
     return infos, sources
 
 
@@ -663,7 +678,7 @@ def _plan_matches_experts(
     groups = tuple(flat_groups)
     for name, _, pieces in planned:
         low = experts.refs.get(name)
-        if low is None or not _casts_to(_FlatSource(tuple(pieces), groups), low, low.numel, torch.float32):
+        if low is None or not _casts_to(FlatPlan(tuple(pieces), groups), low, low.numel, torch.float32):
             return False
     return True
 
@@ -799,7 +814,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
             )
             dtype = frags[0][0].dtype
             infos[name] = TensorInfo(name, shape, dtype, "frozen", tuple(layout.model_files))
-            sources[name] = _FlatSource(pieces, tuple(frags))
+            sources[name] = FlatPlan(pieces, tuple(frags))
     else:
         fragments = require_dict(model0.get(C.FROZEN_PARAM_FRAGMENTS) or {}, C.FROZEN_PARAM_FRAGMENTS, model0_path)
         if not frozen_names:
@@ -823,7 +838,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
                     found=ref.shape,
                 )
             infos[name] = TensorInfo(name, tuple(shape), ref.dtype, "frozen", (model0_path,))
-            sources[name] = _WholeSource(ref)
+            sources[name] = WholePlan(ref)
 
     # 6. Trainable parameters: fp32 master weights from the optimizer partitions.
     if stage == 3:
@@ -854,7 +869,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
         for (name, shape), numel, offset in zip(names_shapes, numels, offsets):
             pieces = tuple(zero3_plan(numel, offset, world_size, group_sizes))
             infos[name] = TensorInfo(name, shape, flat_groups[0][0].dtype, "trainable", tuple(layout.optim_files))
-            sources[name] = _FlatSource(tuple(pieces), tuple(flat_groups))
+            sources[name] = FlatPlan(tuple(pieces), tuple(flat_groups))
     else:
         osd0 = optim_trees[0][C.OPTIMIZER_STATE_DICT]
         paddings = osd0.get(C.PARAM_ALIGNMENT_PADDINGS)
@@ -911,14 +926,14 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
             for name, shape, plan in placed:
                 files_used = tuple(sorted({layout.optim_files[p.rank] for p in plan})) or (layout.optim_files[0],)
                 infos[name] = TensorInfo(name, shape, flat_groups[0][g].dtype, "trainable", files_used)
-                sources[name] = _FlatSource(tuple(plan), tuple(flat_groups))
+                sources[name] = FlatPlan(tuple(plan), tuple(flat_groups))
 
     # 6b. MoE expert tensors not trained (frozen experts) come from the expert files, in the training dtype.
     if experts is not None:
         for name, ref in experts.refs.items():
             if name not in infos:
                 infos[name] = TensorInfo(name, ref.shape, ref.dtype, "frozen", (experts.files[name],))
-                sources[name] = _WholeSource(ref)
+                sources[name] = WholePlan(ref)
 
     # 7. Tied aliases (DeepSpeed's shared_params: alias -> source), only where the source exists.
     tied = {alias: src for alias, src in shared.items() if src in infos and alias not in infos}
