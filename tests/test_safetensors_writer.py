@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_save
 
 import zeroio
-from zeroio._convert import _Buffers, _output_dtype
+from zeroio._convert import _output_dtype
+from zeroio._fileio import ChunkBuffers as _Buffers
+from zeroio._fileio import preallocate, pwrite_all
 from zeroio._metadata import parse_dtype
-from zeroio._safetensors_writer import plan_file, preallocate, pwrite_all, write_chunks
+from zeroio._safetensors_writer import plan_file, write_chunks
 
 
 def _write(path, tensors: dict[str, torch.Tensor], metadata=None, chunk_elems: int | None = None) -> bytes:

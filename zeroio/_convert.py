@@ -17,8 +17,10 @@ import torch
 from . import _constants as C
 from ._atomic import AtomicDir
 from ._checkpoint import Checkpoint
+from ._fileio import ChunkBuffers, create_new, naming, write_new_file
 from ._metadata import dtype_name, parse_dtype
 from ._metadata import output_dtype as _output_dtype
+from ._progress import ByteProgress
 from ._safetensors_writer import SafetensorsLayout, TensorSlot, plan_file, preallocate, pwrite_all, write_chunks
 from ._sharding import ShardPlan, index_json, parse_size, plan_shards
 from ._side_files import copy_side_files
@@ -60,43 +62,6 @@ class ConvertResult:
     """Config and tokenizer files copied from beside the source (an HF Trainer ``checkpoint-N/``), in the output."""
 
 
-# --------------------------------------------------------------------------- progress
-
-
-class _Progress:
-    """Thread-safe byte counter feeding a tqdm bar (``progress=True``) or a ``callable(done, total)``."""
-
-    def __init__(self, progress: bool | ProgressCallback, total: int, desc: str) -> None:
-        self._lock = threading.Lock()
-        self._done = 0
-        self._total = total
-        self._callback: ProgressCallback | None = None
-        self._bar: Any = None
-        if callable(progress):
-            self._callback = progress
-        elif progress:
-            from tqdm import tqdm  # type: ignore[import-untyped]  # a huggingface_hub dependency
-
-            # disable=None: no bar when stderr is not a terminal (logs, CI, captured output).
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=None, leave=False)
-
-    def update(self, nbytes: int) -> None:
-        with self._lock:
-            self._done += nbytes
-            if self._bar is not None:
-                self._bar.update(nbytes)
-            if self._callback is not None:
-                self._callback(self._done, self._total)
-
-    def start(self) -> None:
-        if self._callback is not None:
-            self._callback(0, self._total)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -118,29 +83,6 @@ def _is_within(inner: Path, outer: Path) -> bool:
     return True
 
 
-def _create(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-
-
-@contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """Make an OSError name the output file it concerns (its final path, not the temporary one)."""
-    try:
-        yield
-    except OSError as exc:
-        exc.filename = str(path)
-        raise
-
-
-def _write_text(path: Path, text: str) -> None:
-    fd = _create(path)
-    try:
-        pwrite_all(fd, text.encode("utf-8"), 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def _pool(workers: int) -> Iterator[cf.ThreadPoolExecutor | None]:
     if workers == 1:
@@ -148,26 +90,6 @@ def _pool(workers: int) -> Iterator[cf.ThreadPoolExecutor | None]:
         return
     with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zeroio-io") as pool:
         yield pool
-
-
-class _Buffers(threading.local):
-    """One reusable chunk buffer per dtype and IO thread.
-
-    A fresh tensor per chunk (what ``Checkpoint.iter_chunks`` allocates) makes glibc keep freed chunks in
-    per-thread malloc arenas: ~170 MiB more resident memory with 16 MiB chunks and 2 threads, measured in
-    ``tests/test_memory_cap.py``. Reusing one buffer per thread keeps memory at ``workers x chunk``.
-    """
-
-    def __init__(self) -> None:
-        self.by_dtype: dict[torch.dtype, torch.Tensor] = {}
-
-    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = self.by_dtype.get(dtype)
-        if buf is None or buf.numel() < numel:
-            self.by_dtype.pop(dtype, None)
-            del buf
-            buf = self.by_dtype[dtype] = torch.empty(numel, dtype=dtype)
-        return buf
 
 
 def _copy_in_kernel(
@@ -318,14 +240,14 @@ def _write_safetensors(
     progress: bool | ProgressCallback,
 ) -> None:
     # 1. Create and preallocate every file (a full disk fails here, before reading), write the headers.
-    meter = _Progress(progress, plan.shards.total_size, "Converting")
+    meter = ByteProgress(progress, plan.shards.total_size, "Converting")
     fds: list[int] = []
     stop = threading.Event()
     try:
         slot_of = {}
         for filename, layout in plan.layouts:
-            with _naming(dst / filename):
-                fd = _create(tmp / filename)
+            with naming(dst / filename):
+                fd = create_new(tmp / filename)
                 fds.append(fd)
                 preallocate(fd, layout.size)
                 pwrite_all(fd, layout.header, 0)
@@ -335,13 +257,13 @@ def _write_safetensors(
 
         # 2. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
         #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes.
-        buffers = _Buffers()
+        buffers = ChunkBuffers()
 
         def task(name: str) -> Callable[[], None]:
             fd, slot, final = slot_of[name]
 
             def run() -> None:
-                with _naming(final):
+                with naming(final):
                     if _copy_in_kernel(ckpt, name, target, fd, slot, chunk_bytes, meter.update, stop):
                         return
                     chunks = ckpt.chunks(name, target, chunk_bytes, buffers.get)
@@ -354,7 +276,7 @@ def _write_safetensors(
             _run_all(pool, [task(n) for n in order], stop)
         # 3. Durable before the index names them.
         for fd, (filename, _) in zip(fds, plan.layouts):
-            with _naming(dst / filename):
+            with naming(dst / filename):
                 os.fsync(fd)
     finally:
         for fd in fds:
@@ -362,8 +284,8 @@ def _write_safetensors(
         meter.close()
     # 4. The index last.
     if plan.index is not None:
-        with _naming(dst / C.SAFETENSORS_INDEX):
-            _write_text(tmp / C.SAFETENSORS_INDEX, plan.index)
+        with naming(dst / C.SAFETENSORS_INDEX):
+            write_new_file(tmp / C.SAFETENSORS_INDEX, plan.index)
 
 
 def _write_torch(
@@ -377,7 +299,7 @@ def _write_torch(
     workers: int,
     progress: bool | ProgressCallback,
 ) -> None:
-    meter = _Progress(progress, plan.shards.total_size, "Converting")
+    meter = ByteProgress(progress, plan.shards.total_size, "Converting")
     meter.start()
     stop = threading.Event()
 
@@ -398,7 +320,7 @@ def _write_torch(
                 loaded: dict[str, torch.Tensor] = {}
                 _run_all(pool, [loader(n, loaded) for n in shard_names if n not in ties], stop)
                 shard = {n: loaded[ties.get(n, n)] for n in shard_names}
-                with _naming(dst / filename), open(tmp / filename, "xb") as fh:
+                with naming(dst / filename), open(tmp / filename, "xb") as fh:
                     torch.save(shard, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
@@ -406,8 +328,8 @@ def _write_torch(
     finally:
         meter.close()
     if plan.index is not None:
-        with _naming(dst / C.TORCH_INDEX):
-            _write_text(tmp / C.TORCH_INDEX, plan.index)
+        with naming(dst / C.TORCH_INDEX):
+            write_new_file(tmp / C.TORCH_INDEX, plan.index)
 
 
 def _convert_lightning(

@@ -13,6 +13,7 @@ from torch import nn
 
 from ._checkpoint import Checkpoint
 from ._metadata import CheckpointMetadata, parse_dtype
+from ._text import SHOWN, listing
 from ._types import DTypeLike, InitHook, ProgressCallback, StrPath
 from .errors import InitHookError, StateDictMismatchError
 
@@ -27,7 +28,7 @@ PREFIXES = ("module.", "_forward_module.", "model.")
 """Wrapper prefixes real checkpoints carry: DeepSpeed's engine (``module.``), Lightning's strategy wrapper
 (``_forward_module.``) and a LightningModule holding the network as ``self.model`` (``model.``)."""
 
-_SHOWN = 5  # list items shown in an error message before "... and N more"
+_SHOWN = SHOWN  # list items shown in an error message before "... and N more"
 
 _FRAMEWORK_MODULES = ("lightning", "pytorch_lightning", "lightning_fabric")
 _HOOK_NAMES = ("configure_sharded_model", "configure_model")  # Lightning's order: legacy hook first
@@ -186,8 +187,7 @@ def _normalise(mapped: dict[str, str], model_keys: Mapping[str, Any]) -> dict[st
 
 def _listing(keys: list[str], notes: Mapping[str, str] | None = None) -> str:
     notes = notes or {}
-    shown = ", ".join(f'"{k}"{notes.get(k, "")}' for k in keys[:_SHOWN])
-    return shown + (f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+    return listing(keys, limit=_SHOWN, show=lambda k: f'"{k}"{notes.get(k, "")}')
 
 
 def _mismatch_message(

@@ -27,14 +27,13 @@ from ._convert import (
     ConvertResult,
     _card_facts,
     _is_within,
-    _naming,
     _Plan,
     _plan_safetensors,
     _plan_torch,
     _write_safetensors,
-    _write_text,
     _write_torch,
 )
+from ._fileio import naming, write_new_file
 from ._metadata import output_dtype as _output_dtype
 from ._sharding import ShardPlan
 from ._side_files import copy_side_files
@@ -476,8 +475,8 @@ def _run(
                 _check_shards(plan, share, tmp, out.dst)
                 if plan.index is not None:
                     index_name = C.SAFETENSORS_INDEX if fmt == "safetensors" else C.TORCH_INDEX
-                    with _naming(out.dst / index_name):
-                        _write_text(tmp / index_name, plan.index)
+                    with naming(out.dst / index_name):
+                        write_new_file(tmp / index_name, plan.index)
                 copied = list(copy_side_files(Path(src), tmp))
             except BaseException as exc:  # noqa: BLE001
                 error = exc

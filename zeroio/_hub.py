@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._text import listing
 from .errors import HubError
 
 if TYPE_CHECKING:
@@ -337,9 +338,7 @@ def _fact_rows(facts: Mapping[str, Any]) -> list[tuple[str, str]]:
         rows.append(("Parameters", f"{facts['num_params']:,}"))
     excluded = facts.get("excluded_frozen") or []
     if excluded:
-        shown = ", ".join(f"`{n}`" for n in excluded[:5])
-        more = f" ... and {len(excluded) - 5} more" if len(excluded) > 5 else ""
-        rows.append(("Frozen parameters left out", shown + more))
+        rows.append(("Frozen parameters left out", listing(excluded, show=lambda n: f"`{n}`")))
     return rows
 
 

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _constants as C
+from ._text import listing
 from .errors import CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
 __all__ = ["ZeroLayout", "find_tag_dir", "is_zero_checkpoint", "scan_tag_dir"]
 
 
 def _truncate(items: list[str], limit: int = 5) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
+    return listing(items, limit=limit)
 
 
 def _has_states(folder: Path) -> bool:

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._safetensors_writer import SafetensorsLayout, plan_file, preallocate, pwrite_all, write_chunks
+from ._fileio import create_new, preallocate, pwrite_all, write_new_file
+from ._safetensors_writer import SafetensorsLayout, plan_file, write_chunks
 from ._sharding import ShardPlan, index_json, plan_shards
+from ._text import listing
 from ._unpickle import TensorRef
 from .errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoundError, UnsupportedCheckpointError
 
@@ -43,8 +45,7 @@ _FORMAT = "zeroio.optimizer.v1"
 
 
 def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:5])
-    return shown + (f" ... and {len(names) - 5} more" if len(names) > 5 else "")
+    return listing(names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,15 +429,6 @@ def _chunks(
         yield buf[:n]
 
 
-def _write_new(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        pwrite_all(fd, data, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_optimizer_files(
     ckpt: Checkpoint, plan: OptimizerFiles, folder: Path, *, chunk_bytes: int
 ) -> tuple[Path, ...]:
@@ -444,7 +436,7 @@ def write_optimizer_files(
     zckpt = _zero_checkpoint(ckpt, "include_optimizer=True")
     written = []
     for filename, layout in plan.files:
-        fd = os.open(folder / filename, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = create_new(folder / filename)
         try:
             preallocate(fd, layout.size)
             pwrite_all(fd, layout.header, 0)
@@ -461,9 +453,9 @@ def write_optimizer_files(
             os.close(fd)
         written.append(folder / filename)
     if plan.index is not None:
-        _write_new(folder / OPTIMIZER_INDEX, plan.index.encode("utf-8"))
+        write_new_file(folder / OPTIMIZER_INDEX, plan.index)
         written.append(folder / OPTIMIZER_INDEX)
-    _write_new(folder / OPTIMIZER_JSON, plan.summary.encode("utf-8"))
+    write_new_file(folder / OPTIMIZER_JSON, plan.summary)
     written.append(folder / OPTIMIZER_JSON)
     logger.debug("wrote optimizer state of %d tensors to %s", len(plan.tensors), folder)
     return tuple(written)

@@ -21,10 +21,10 @@ import torch
 
 from . import _constants as C
 from ._atomic import AtomicDir
+from ._fileio import pwrite_all
 from ._metadata import require, require_dict
 from ._optim import OptimizerLayout, moment_source, optimizer_layout
 from ._partition import zero3_partition_numel
-from ._safetensors_writer import pwrite_all
 from ._types import ProgressCallback, StrPath
 from ._unpickle import TensorRef, load_pickle
 from .errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError

@@ -9,10 +9,7 @@ tensors and one metadata key is byte-identical to ``safetensors.torch.save_file`
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
-import os
 import struct
 import sys
 import threading
@@ -20,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ._fileio import preallocate, pwrite_all, tensor_bytes
 
 __all__ = [
     "MAX_HEADER_SIZE",
@@ -173,48 +172,6 @@ def plan_file(
 # --------------------------------------------------------------------------- bytes on disk
 
 
-def _buffer(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (bf16 has no numpy dtype, so not via numpy)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked)."""
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-_libc_fallocate: Callable[..., int] | None
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc_fallocate = _libc.fallocate
-    _libc_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    _libc_fallocate.restype = ctypes.c_int
-except (OSError, AttributeError):  # not Linux/glibc
-    _libc_fallocate = None
-
-
-def preallocate(fd: int, size: int) -> None:
-    """Reserve ``size`` bytes for the file now, so a full disk fails before any tensor is read.
-
-    Uses Linux ``fallocate(2)`` directly: glibc's ``posix_fallocate`` would emulate it on file systems without
-    support by writing zeros (the whole file twice). Where unsupported, this does nothing.
-
-    Raises:
-        OSError: ``ENOSPC``/``EDQUOT`` (disk or quota full) or ``EFBIG`` (file size limit).
-    """
-    if size <= 0 or _libc_fallocate is None:
-        return
-    if _libc_fallocate(fd, 0, 0, size) != 0:
-        err = ctypes.get_errno()
-        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
-            return
-        raise OSError(err, os.strerror(err))
-
-
 def write_chunks(
     fd: int,
     slot: TensorSlot,
@@ -250,7 +207,7 @@ def write_chunks(
         if offset + nbytes > slot.end:
             raise ValueError(f"'{slot.name}': chunks hold more than the planned {slot.nbytes} bytes.")
         if nbytes:
-            pwrite_all(fd, _buffer(chunk), offset)
+            pwrite_all(fd, tensor_bytes(chunk), offset)
         offset += nbytes
         del chunk
         if on_bytes is not None and nbytes:

@@ -124,6 +124,20 @@ class ZeroCheckpoint(Checkpoint):
         self._files = files
         # Each rank's base optimizer state (Adam moments as TensorRefs), partitioned like the fp32 flat groups.
         self._optimizer_states = tuple(optimizer_states)
+        self._trees: dict[Path, Any] = {}
+
+    def file_tree(self, path: Path) -> Any:
+        """The parsed object tree of one rank file read at open (tensors as references), without re-parsing it.
+
+        Raises KeyError for a file that was not read (e.g. a later rank's model states at ZeRO-1/2).
+        """
+        self.ensure_open()
+        return self._trees[Path(path)]
+
+    @property
+    def parsed_files(self) -> tuple[Path, ...]:
+        """The rank files parsed at open, in the order they were read."""
+        return tuple(self._trees)
 
     def read_plan(self, name: str) -> FlatPlan | WholePlan:
         """Where the stored tensor ``name`` (a stored name, see :meth:`source_name`) lives in the rank files."""
@@ -685,6 +699,13 @@ def _plan_matches_experts(
 
 def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[str] = frozenset()) -> ZeroCheckpoint:
     """Parse a DeepSpeed checkpoint's metadata (no tensor bytes) into a :class:`ZeroCheckpoint`."""
+    trees: dict[Path, Any] = {}
+    ckpt = _open_zero(path, tag, trusted_globals, trees)
+    ckpt._trees = trees
+    return ckpt
+
+
+def _open_zero(path: Path, tag: str | None, trusted_globals: frozenset[str], trees: dict[Path, Any]) -> ZeroCheckpoint:
     # 1. Locate the tag folder and classify its files (names only).
     tag_dir, tag_name = find_tag_dir(path, tag)
     layout = scan_tag_dir(tag_dir)
@@ -693,6 +714,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
     def parse(p: Path) -> Any:
         tree, file = load_pickle(p, trusted_globals=trusted_globals)
         files.append(file)
+        trees[p] = tree
         return tree
 
     # 2. Model states of rank 0: names, shapes, buffers, ties; fail before touching optimizer files.
