@@ -129,6 +129,46 @@ def optimizer_layout(ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "o
     """
     zckpt = require_partitioned(ckpt, what)
     files = tuple(zckpt.metadata.path / name for name in zckpt.metadata.extra.get("optim_files", ()))
+    flat = _trainable_flat_groups(zckpt)
+    no_state = _NO_STATE.replace("{what}", what)
+    moments: dict[str, list[tuple[TensorRef | None, ...]]] = {}
+    entries: tuple[Any, ...] = ()
+    param_group: tuple[int, ...] = ()
+    scalars: list[dict[str, Any]] = []
+    param_groups: tuple[dict[str, Any], ...] = ()
+    for rank, (base, groups) in enumerate(zip(zckpt.optimizer_states, flat)):
+        path = files[rank] if rank < len(files) else zckpt.metadata.path
+        state, pgroups = _torch_state_dict(base, path, rank, no_state)
+        ids = _flat_group_ids(pgroups, groups, path, rank)
+        if rank == 0:
+            entries = tuple(pid for pid, _ in ids)
+            param_group = tuple(g for _, g in ids)
+            param_groups = tuple({k: plain_value(v) for k, v in group.items() if k != "params"} for group in pgroups)
+            moments = {key: [] for key in _moment_keys(state, path, no_state)}
+        rank_moments, rank_scalars = _rank_moments(state, ids, groups, list(moments), path, rank, no_state)
+        for key, refs in rank_moments.items():
+            moments[key].append(refs)
+        if rank == 0:
+            scalars = rank_scalars
+    return OptimizerLayout(
+        files=files,
+        entries=entries,
+        param_group=param_group,
+        moments={k: tuple(v) for k, v in moments.items()},
+        scalars=tuple(scalars),
+        param_groups=param_groups,
+    )
+
+
+_NO_STATE = (
+    "{path} holds no optimizer moments ({why}): it was stripped, or saved before the optimizer's first step, "
+    "so {what} cannot proceed. The weights can still be read (zeroio.open, zeroio.convert without "
+    "include_optimizer)."
+)
+
+
+def _trainable_flat_groups(zckpt: PartitionedCheckpoint) -> tuple[tuple[TensorRef, ...], ...]:
+    """Every rank's fp32 flat groups, as the trainable parameters' read plans point at them."""
     flat = next(
         (
             s.groups
@@ -142,105 +182,108 @@ def optimizer_layout(ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "o
             f"'{zckpt.metadata.path}' has no trainable parameters, so no optimizer state to read.",
             path=zckpt.metadata.path,
         )
-    no_state = (
-        "{path} holds no optimizer moments ({why}): it was stripped, or saved before the optimizer's first step, "
-        f"so {what} cannot proceed. The weights can still be read (zeroio.open, zeroio.convert without "
-        "include_optimizer)."
-    )
-    moments: dict[str, list[list[TensorRef | None]]] = {}
-    entries: tuple[Any, ...] = ()
-    param_group: tuple[int, ...] = ()
+    return flat
+
+
+def _torch_state_dict(base: Any, path: Path, rank: int, no_state: str) -> tuple[dict[Any, Any], list[Any]]:
+    """``state`` and ``param_groups`` of one rank's base optimizer state_dict, checked to be there and non-empty."""
+    if base is None:
+        raise CheckpointFormatError(
+            no_state.format(path=f"'{path}'", why="its base optimizer state is missing"), path=path, rank=rank
+        )
+    if isinstance(base, list):
+        raise UnsupportedCheckpointError(
+            f"'{path}' holds an elastic (per-group list) optimizer state, which zeroio does not read yet. "
+            "Save with zero_optimization.elastic_checkpoint=false.",
+            path=path,
+        )
+    state, pgroups = base.get("state") if isinstance(base, dict) else None, None
+    if isinstance(base, dict):
+        pgroups = base.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(pgroups, list):
+        raise CheckpointFormatError(
+            f"'{path}': the base optimizer state should be a torch optimizer state_dict with 'state' and "
+            f"'param_groups', found {type(base).__name__}. The file is corrupted.",
+            path=path,
+            rank=rank,
+        )
+    if not state:
+        raise CheckpointFormatError(
+            no_state.format(path=f"'{path}'", why="its base optimizer state is empty"), path=path, rank=rank
+        )
+    return state, pgroups
+
+
+def _flat_group_ids(
+    pgroups: list[Any], groups: tuple[TensorRef, ...], path: Path, rank: int
+) -> list[tuple[Any, int]]:
+    """``(state key, param group)`` of each flat group, in order: one base-optimizer parameter per flat group."""
+    ids = [(pid, g) for g, group in enumerate(pgroups) for pid in (group.get("params") or [])]
+    if len(ids) != len(groups):
+        raise PartitionMismatchError(
+            f"'{path}': the base optimizer's param groups list {len(ids)} parameters, the file holds "
+            f"{len(groups)} fp32 flat groups. The file is corrupted or was written by another optimizer layout.",
+            path=path,
+            rank=rank,
+            expected=len(groups),
+            found=len(ids),
+        )
+    return ids
+
+
+def _moment_keys(state: dict[Any, Any], path: Path, no_state: str) -> list[str]:
+    """The per-element state keys (1-D tensors: ``exp_avg``, ``exp_avg_sq``, ...) of rank 0's first entry."""
+    first = next((e for e in state.values() if isinstance(e, dict) and e), {})
+    keys = [key for key, value in first.items() if isinstance(value, TensorRef) and len(value.shape) == 1]
+    if not keys:
+        raise CheckpointFormatError(
+            no_state.format(path=f"'{path}'", why="its state has no per-element tensors"), path=path, rank=0
+        )
+    return keys
+
+
+def _rank_moments(
+    state: dict[Any, Any],
+    ids: list[tuple[Any, int]],
+    groups: tuple[TensorRef, ...],
+    keys: list[str],
+    path: Path,
+    rank: int,
+    no_state: str,
+) -> tuple[dict[str, tuple[TensorRef | None, ...]], list[dict[str, Any]]]:
+    """One rank's moment tensors per key and flat group (None for an empty group), and its other state values."""
+    moments: dict[str, list[TensorRef | None]] = {key: [] for key in keys}
     scalars: list[dict[str, Any]] = []
-    param_groups: tuple[dict[str, Any], ...] = ()
-    for rank, (base, groups) in enumerate(zip(zckpt.optimizer_states, flat)):
-        path = files[rank] if rank < len(files) else zckpt.metadata.path
-        if base is None:
+    for j, ((pid, _), group) in enumerate(zip(ids, groups)):
+        entry = state.get(pid)
+        if group.numel == 0 and not entry:
+            for refs in moments.values():
+                refs.append(None)
+            scalars.append({})
+            continue
+        if not isinstance(entry, dict) or not entry:
             raise CheckpointFormatError(
-                no_state.format(path=f"'{path}'", why="its base optimizer state is missing"), path=path, rank=rank
+                no_state.format(path=f"'{path}'", why=f"no state for flat group {j}"), path=path, rank=rank
             )
-        if isinstance(base, list):
-            raise UnsupportedCheckpointError(
-                f"'{path}' holds an elastic (per-group list) optimizer state, which zeroio does not read yet. "
-                "Save with zero_optimization.elastic_checkpoint=false.",
-                path=path,
-            )
-        state, pgroups = base.get("state") if isinstance(base, dict) else None, None
-        if isinstance(base, dict):
-            pgroups = base.get("param_groups")
-        if not isinstance(state, dict) or not isinstance(pgroups, list):
-            raise CheckpointFormatError(
-                f"'{path}': the base optimizer state should be a torch optimizer state_dict with 'state' and "
-                f"'param_groups', found {type(base).__name__}. The file is corrupted.",
-                path=path,
-                rank=rank,
-            )
-        if not state:
-            raise CheckpointFormatError(
-                no_state.format(path=f"'{path}'", why="its base optimizer state is empty"), path=path, rank=rank
-            )
-        ids = [(pid, g) for g, group in enumerate(pgroups) for pid in (group.get("params") or [])]
-        if len(ids) != len(groups):
-            raise PartitionMismatchError(
-                f"'{path}': the base optimizer's param groups list {len(ids)} parameters, the file holds "
-                f"{len(groups)} fp32 flat groups. The file is corrupted or was written by another optimizer layout.",
-                path=path,
-                rank=rank,
-                expected=len(groups),
-                found=len(ids),
-            )
-        if rank == 0:
-            entries = tuple(pid for pid, _ in ids)
-            param_group = tuple(g for _, g in ids)
-            param_groups = tuple({k: plain_value(v) for k, v in group.items() if k != "params"} for group in pgroups)
-            first = next((e for e in state.values() if isinstance(e, dict) and e), {})
-            for key, value in first.items():
-                if isinstance(value, TensorRef) and len(value.shape) == 1:
-                    moments[key] = []
-            if not moments:
-                raise CheckpointFormatError(
-                    no_state.format(path=f"'{path}'", why="its state has no per-element tensors"), path=path, rank=rank
+        for key, refs in moments.items():
+            ref = entry.get(key)
+            if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.numel < group.numel:
+                found = (
+                    "nothing"
+                    if ref is None
+                    else (f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__)
                 )
-        for per_rank in moments.values():
-            per_rank.append([])
-        for j, ((pid, _), group) in enumerate(zip(ids, groups)):
-            entry = state.get(pid)
-            if group.numel == 0 and not entry:
-                for key in moments:
-                    moments[key][rank].append(None)
-                if rank == 0:
-                    scalars.append({})
-                continue
-            if not isinstance(entry, dict) or not entry:
-                raise CheckpointFormatError(
-                    no_state.format(path=f"'{path}'", why=f"no state for flat group {j}"), path=path, rank=rank
+                raise PartitionMismatchError(
+                    f"'{path}': optimizer state '{key}' of flat group {j} should be a 1-D tensor of at least "
+                    f"{group.numel} elements (the fp32 partition), found {found}. The file is corrupted.",
+                    path=path,
+                    rank=rank,
+                    expected=group.numel,
+                    found=None if not isinstance(ref, TensorRef) else ref.numel,
                 )
-            for key in moments:
-                ref = entry.get(key)
-                if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.numel < group.numel:
-                    found = (
-                        "nothing"
-                        if ref is None
-                        else (f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__)
-                    )
-                    raise PartitionMismatchError(
-                        f"'{path}': optimizer state '{key}' of flat group {j} should be a 1-D tensor of at least "
-                        f"{group.numel} elements (the fp32 partition), found {found}. The file is corrupted.",
-                        path=path,
-                        rank=rank,
-                        expected=group.numel,
-                        found=None if not isinstance(ref, TensorRef) else ref.numel,
-                    )
-                moments[key][rank].append(ref)
-            if rank == 0:
-                scalars.append({k: v for k, v in entry.items() if k not in moments})
-    return OptimizerLayout(
-        files=files,
-        entries=entries,
-        param_group=param_group,
-        moments={k: tuple(tuple(r) for r in v) for k, v in moments.items()},
-        scalars=tuple(scalars),
-        param_groups=param_groups,
-    )
+            refs.append(ref)
+        scalars.append({k: v for k, v in entry.items() if k not in moments})
+    return {key: tuple(refs) for key, refs in moments.items()}, scalars
 
 
 def trainable_source(ckpt: PartitionedCheckpoint, name: str) -> tuple[str, FlatPlan]:

@@ -101,7 +101,7 @@ class ZeroCheckpoint(Checkpoint):
         return [(source.groups[p.rank][p.group].file.path, p.start, p.length, p.dest) for p in source.pieces]
 
     def optimizer_state(self, name: str) -> dict[str, Any]:
-        """The consolidated optimizer state of one trainable parameter (see :func:`zeroio._formats.optimizer_state`)."""
+        """The consolidated optimizer state of one trainable parameter (see :func:`.optimizer.optimizer_state`)."""
         return optimizer_state(self, name)
 
 
