@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import zeroio
 from fixture_data import FIXTURES, fixture_names, reference
-from zeroio._files import open_consolidated
+from zeroio._formats.consolidated import open_consolidated
 from zeroio.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,

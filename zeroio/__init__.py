@@ -5,8 +5,8 @@ from __future__ import annotations
 from ._checkpoint import Checkpoint
 from ._convert import ConvertResult, convert
 from ._deploy import LoadReport, load
+from ._formats import open
 from ._hub import PushResult, push_to_hub
-from ._loader import open
 from ._metadata import CheckpointMetadata, TensorInfo
 from ._reshard import ReshardResult, reshard
 from ._verify import Mismatch, VerifyReport, verify

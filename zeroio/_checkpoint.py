@@ -7,7 +7,7 @@ import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from typing_extensions import Self
@@ -16,12 +16,55 @@ from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
 from ._storage import ByteRange
 from .errors import CheckpointClosedError, TensorNotFoundError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest single read when streaming a tensor: memory stays bounded by this, not by tensor size."""
+
+
+class TensorReader(Protocol):
+    """The reader contract: all that load, convert, verify, export and reshard may use of an open checkpoint.
+
+    Every format reader (a :class:`Checkpoint` subclass in ``zeroio._formats``) provides it; verbs depend on
+    these members only, never on a reader's own attributes, so a new format needs no change in any verb.
+    """
+
+    @property
+    def metadata(self) -> CheckpointMetadata: ...
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]: ...
+
+    @property
+    def tied(self) -> dict[str, str]: ...
+
+    def info(self, name: str) -> TensorInfo: ...
+
+    def source_name(self, name: str) -> str: ...
+
+    def stored_dtype(self, name: str) -> torch.dtype: ...
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None: ...
+
+    def byte_ranges(self, name: str) -> list[ByteRange] | None: ...
+
+    def chunks(
+        self,
+        name: str,
+        target: torch.dtype | None,
+        chunk_bytes: int,
+        scratch: Callable[[torch.dtype, int], torch.Tensor] | None = None,
+    ) -> Iterator[torch.Tensor]: ...
+
+    def get_tensor(self, name: str, *, dtype: str | torch.dtype | None = None) -> torch.Tensor: ...
+
+    def iter_tensors(self, *, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def ensure_open(self, name: str | None = None) -> None: ...
+
+    def optimizer_state(self, name: str) -> dict[str, Any]: ...
 
 
 class _State(enum.Enum):
@@ -39,8 +82,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             print(ckpt.metadata.zero_stage, list(ckpt)[:3])
             weight = ckpt["lm_head.weight"]
 
-    Format readers subclass it and provide :meth:`read_into`, :meth:`byte_ranges` and :meth:`_release`; the
-    public methods below are the reader contract that load, convert, verify, optimizer export and reshard use.
+    Format readers subclass it and provide :meth:`read_into`, :meth:`byte_ranges` and :meth:`_release`; of the
+    public methods below, :class:`TensorReader` lists the ones load, convert, verify, export and reshard use.
     """
 
     def __init__(self, metadata: CheckpointMetadata, infos: dict[str, TensorInfo], tied: dict[str, str]) -> None:

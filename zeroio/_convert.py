@@ -336,8 +336,8 @@ def _convert_lightning(
     src: StrPath, dst: Path, *, tag: str | None, target: torch.dtype | None, overwrite: bool
 ) -> ConvertResult:
     """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
+    from ._formats import open as zeroio_open
     from ._lightning import write_lightning_ckpt
-    from ._loader import open as zeroio_open
 
     # 1. Refuse an existing file (or a file in the way of a parent folder) before reading anything, as for folders;
     #    a folder at dst is refused by write_lightning_ckpt, overwrite or not (a Lightning checkpoint is one file).
@@ -514,7 +514,7 @@ def convert(
         )
 
     # 3. The source's metadata (no tensor bytes yet): what to write, in which dtype.
-    from ._loader import open as zeroio_open
+    from ._formats import open as zeroio_open
 
     with zeroio_open(src, tag) as ckpt:
         infos = ckpt.infos

@@ -326,7 +326,7 @@ def load(
     if isinstance(path, Checkpoint):
         ckpt = path
     else:
-        from ._loader import open as open_checkpoint
+        from ._formats import open as open_checkpoint
 
         ckpt = open_checkpoint(path, tag)
     try:

@@ -377,7 +377,7 @@ def _run(
     progress: bool | ProgressCallback,
     chunk_bytes: int,
 ) -> ConvertResult:
-    from ._loader import open as zeroio_open
+    from ._formats import open as zeroio_open
 
     rank, world_size, out = job.comm.rank, job.comm.world_size, job.out
     with contextlib.ExitStack() as stack:

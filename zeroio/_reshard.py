@@ -22,8 +22,8 @@ import torch
 from . import _constants as C
 from ._atomic import AtomicDir
 from ._fileio import pwrite_all
+from ._formats.optimizer import OptimizerLayout, moment_source, optimizer_layout
 from ._metadata import require, require_dict
-from ._optim import OptimizerLayout, moment_source, optimizer_layout
 from ._partition import zero3_partition_numel
 from ._types import ProgressCallback, StrPath
 from ._unpickle import TensorRef, load_pickle
@@ -306,7 +306,7 @@ def _ref_chunks(ref: TensorRef, buffers: _Buffers) -> Chunks:
 
 def _slices_chunks(reads: list[tuple[Any, int, int, int]], dtype: torch.dtype, buffers: _Buffers) -> Chunks:
     """``(source, start, count, padding)`` rows: ``count`` elements of a consolidated tensor, then zeros."""
-    from ._zero import read_plan_into
+    from ._formats.plans import read_plan_into
 
     def run() -> Iterator[torch.Tensor]:
         buf = buffers.get(dtype)
@@ -522,8 +522,8 @@ def reshard(
     out = AtomicDir(Path(dst), overwrite=overwrite)
     out.check()
 
-    from ._loader import open as zeroio_open
-    from ._zero import ZeroCheckpoint
+    from ._formats import open as zeroio_open
+    from ._formats.zero import ZeroCheckpoint
 
     with zeroio_open(src, tag) as ckpt:
         # 2. The source: ZeRO-3 with optimizer state (fails here, before anything is written).

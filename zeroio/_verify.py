@@ -188,7 +188,7 @@ def verify(
         >>> report.ok  # doctest: +SKIP
         True
     """
-    from ._loader import open as zeroio_open
+    from ._formats import open as zeroio_open
 
     target = parse_dtype(dtype)
     if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:

@@ -24,7 +24,7 @@ def _human_bytes(n: int) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's tensors and metadata without reading tensor bytes."""
-    from .._loader import open as zeroio_open
+    from .._formats import open as zeroio_open
 
     with zeroio_open(args.path, tag=args.tag) as ckpt:
         summary = ckpt.describe()

@@ -1,0 +1,371 @@
+"""Reading DeepSpeed's partitioned optimizer state (Adam moments, step, hyper-parameters) with the weights' plans."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .._checkpoint import Checkpoint
+from .._metadata import CheckpointMetadata, TensorInfo
+from .._text import listing
+from .._unpickle import TensorRef
+from ..errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoundError, UnsupportedCheckpointError
+from .plans import FlatPlan, ReadPlan, read_plan_into
+
+__all__ = [
+    "OptimizerLayout",
+    "PartitionedCheckpoint",
+    "moment_source",
+    "optimizer_layout",
+    "optimizer_state",
+    "param_group_of",
+    "plain_value",
+    "require_partitioned",
+    "step_of",
+    "trainable_source",
+]
+
+
+@runtime_checkable
+class PartitionedCheckpoint(Protocol):
+    """What optimizer state reading needs of a checkpoint: read plans over rank files and each rank's state.
+
+    DeepSpeed ZeRO checkpoints (``ZeroCheckpoint``) provide it; consolidated files do not.
+    """
+
+    @property
+    def metadata(self) -> CheckpointMetadata: ...
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]: ...
+
+    @property
+    def tied(self) -> dict[str, str]: ...
+
+    @property
+    def plans(self) -> dict[str, ReadPlan]: ...
+
+    @property
+    def optimizer_states(self) -> tuple[Any, ...]: ...
+
+    def info(self, name: str) -> TensorInfo: ...
+
+    def source_name(self, name: str) -> str: ...
+
+    def read_plan(self, name: str) -> ReadPlan: ...
+
+    def ensure_open(self, name: str | None = None) -> None: ...
+
+    def __contains__(self, name: object) -> bool: ...
+
+
+def _names(names: Sequence[str]) -> str:
+    return listing(names)
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerLayout:
+    """Where each rank's base optimizer state lies, per fp32 flat group (metadata only, nothing read).
+
+    DeepSpeed's base optimizer (torch Adam/AdamW) owns one flat fp32 tensor per ZeRO-3 sub-group (per param
+    group at ZeRO-1/2); its per-element state (``exp_avg``, ``exp_avg_sq``) has the flat group's layout, so a
+    parameter's moments sit at the very offsets of its fp32 master elements.
+    """
+
+    files: tuple[Path, ...]
+    """Each rank's optimizer file."""
+    entries: tuple[Any, ...]
+    """Base-optimizer state key of each flat group (its position in the param groups' ``params`` lists)."""
+    param_group: tuple[int, ...]
+    """Param group index of each flat group."""
+    moments: dict[str, tuple[tuple[TensorRef | None, ...], ...]]
+    """Per-element state (``exp_avg``, ``exp_avg_sq``, ...): ``moments[key][rank][flat group]``."""
+    scalars: tuple[dict[str, Any], ...]
+    """Rank 0's other state values (``step``) per flat group."""
+    param_groups: tuple[dict[str, Any], ...]
+    """Rank 0's param groups without ``params``: the hyper-parameters (lr, betas, eps, weight_decay, ...)."""
+
+
+def plain_value(value: Any) -> Any:
+    """Hyper-parameter and step values as plain objects (0-d tensors read, containers rebuilt)."""
+    if isinstance(value, TensorRef):
+        return value.materialize()
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return type(value)(plain_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain_value(v) for k, v in value.items()}
+    return value
+
+
+def require_partitioned(ckpt: Checkpoint | PartitionedCheckpoint, what: str) -> PartitionedCheckpoint:
+    meta = ckpt.metadata
+    if not isinstance(ckpt, PartitionedCheckpoint):
+        raise UnsupportedCheckpointError(
+            f"'{meta.path}' is a consolidated {meta.format} checkpoint without optimizer state; {what} needs a "
+            "DeepSpeed ZeRO checkpoint folder (the one engine.save_checkpoint() wrote).",
+            path=meta.path,
+        )
+    if meta.zero_stage not in (1, 2, 3) or not ckpt.optimizer_states:
+        raise UnsupportedCheckpointError(
+            f"'{meta.path}' is a ZeRO stage {meta.zero_stage} checkpoint: DeepSpeed keeps its optimizer state "
+            f"unnamed in model_states['optimizer'], which zeroio does not read yet; {what} needs ZeRO stage 1-3. "
+            "The weights can still be read with zeroio.open().",
+            path=meta.path,
+        )
+    return ckpt
+
+
+def optimizer_layout(ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "optimizer state") -> OptimizerLayout:
+    """Check every rank's base optimizer state against the fp32 flat groups; no tensor byte is read.
+
+    Raises:
+        UnsupportedCheckpointError: not a ZeRO-1/2/3 checkpoint, or an elastic (list-form) optimizer state.
+        CheckpointFormatError: the optimizer state is missing or empty (stripped, or saved before any step).
+        PartitionMismatchError: the state does not fit the flat groups.
+    """
+    zckpt = require_partitioned(ckpt, what)
+    files = tuple(zckpt.metadata.path / name for name in zckpt.metadata.extra.get("optim_files", ()))
+    flat = _trainable_flat_groups(zckpt)
+    no_state = _NO_STATE.replace("{what}", what)
+    moments: dict[str, list[tuple[TensorRef | None, ...]]] = {}
+    entries: tuple[Any, ...] = ()
+    param_group: tuple[int, ...] = ()
+    scalars: list[dict[str, Any]] = []
+    param_groups: tuple[dict[str, Any], ...] = ()
+    for rank, (base, groups) in enumerate(zip(zckpt.optimizer_states, flat)):
+        path = files[rank] if rank < len(files) else zckpt.metadata.path
+        state, pgroups = _torch_state_dict(base, path, rank, no_state)
+        ids = _flat_group_ids(pgroups, groups, path, rank)
+        if rank == 0:
+            entries = tuple(pid for pid, _ in ids)
+            param_group = tuple(g for _, g in ids)
+            param_groups = tuple({k: plain_value(v) for k, v in group.items() if k != "params"} for group in pgroups)
+            moments = {key: [] for key in _moment_keys(state, path, no_state)}
+        rank_moments, rank_scalars = _rank_moments(state, ids, groups, list(moments), path, rank, no_state)
+        for key, refs in rank_moments.items():
+            moments[key].append(refs)
+        if rank == 0:
+            scalars = rank_scalars
+    return OptimizerLayout(
+        files=files,
+        entries=entries,
+        param_group=param_group,
+        moments={k: tuple(v) for k, v in moments.items()},
+        scalars=tuple(scalars),
+        param_groups=param_groups,
+    )
+
+
+_NO_STATE = (
+    "{path} holds no optimizer moments ({why}): it was stripped, or saved before the optimizer's first step, "
+    "so {what} cannot proceed. The weights can still be read (zeroio.open, zeroio.convert without "
+    "include_optimizer)."
+)
+
+
+def _trainable_flat_groups(zckpt: PartitionedCheckpoint) -> tuple[tuple[TensorRef, ...], ...]:
+    """Every rank's fp32 flat groups, as the trainable parameters' read plans point at them."""
+    flat = next(
+        (
+            s.groups
+            for n, s in zckpt.plans.items()
+            if isinstance(s, FlatPlan) and zckpt.info(n).kind == "trainable"
+        ),
+        None,
+    )
+    if flat is None:
+        raise CheckpointFormatError(
+            f"'{zckpt.metadata.path}' has no trainable parameters, so no optimizer state to read.",
+            path=zckpt.metadata.path,
+        )
+    return flat
+
+
+def _torch_state_dict(base: Any, path: Path, rank: int, no_state: str) -> tuple[dict[Any, Any], list[Any]]:
+    """``state`` and ``param_groups`` of one rank's base optimizer state_dict, checked to be there and non-empty."""
+    if base is None:
+        raise CheckpointFormatError(
+            no_state.format(path=f"'{path}'", why="its base optimizer state is missing"), path=path, rank=rank
+        )
+    if isinstance(base, list):
+        raise UnsupportedCheckpointError(
+            f"'{path}' holds an elastic (per-group list) optimizer state, which zeroio does not read yet. "
+            "Save with zero_optimization.elastic_checkpoint=false.",
+            path=path,
+        )
+    state, pgroups = base.get("state") if isinstance(base, dict) else None, None
+    if isinstance(base, dict):
+        pgroups = base.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(pgroups, list):
+        raise CheckpointFormatError(
+            f"'{path}': the base optimizer state should be a torch optimizer state_dict with 'state' and "
+            f"'param_groups', found {type(base).__name__}. The file is corrupted.",
+            path=path,
+            rank=rank,
+        )
+    if not state:
+        raise CheckpointFormatError(
+            no_state.format(path=f"'{path}'", why="its base optimizer state is empty"), path=path, rank=rank
+        )
+    return state, pgroups
+
+
+def _flat_group_ids(
+    pgroups: list[Any], groups: tuple[TensorRef, ...], path: Path, rank: int
+) -> list[tuple[Any, int]]:
+    """``(state key, param group)`` of each flat group, in order: one base-optimizer parameter per flat group."""
+    ids = [(pid, g) for g, group in enumerate(pgroups) for pid in (group.get("params") or [])]
+    if len(ids) != len(groups):
+        raise PartitionMismatchError(
+            f"'{path}': the base optimizer's param groups list {len(ids)} parameters, the file holds "
+            f"{len(groups)} fp32 flat groups. The file is corrupted or was written by another optimizer layout.",
+            path=path,
+            rank=rank,
+            expected=len(groups),
+            found=len(ids),
+        )
+    return ids
+
+
+def _moment_keys(state: dict[Any, Any], path: Path, no_state: str) -> list[str]:
+    """The per-element state keys (1-D tensors: ``exp_avg``, ``exp_avg_sq``, ...) of rank 0's first entry."""
+    first = next((e for e in state.values() if isinstance(e, dict) and e), {})
+    keys = [key for key, value in first.items() if isinstance(value, TensorRef) and len(value.shape) == 1]
+    if not keys:
+        raise CheckpointFormatError(
+            no_state.format(path=f"'{path}'", why="its state has no per-element tensors"), path=path, rank=0
+        )
+    return keys
+
+
+def _rank_moments(
+    state: dict[Any, Any],
+    ids: list[tuple[Any, int]],
+    groups: tuple[TensorRef, ...],
+    keys: list[str],
+    path: Path,
+    rank: int,
+    no_state: str,
+) -> tuple[dict[str, tuple[TensorRef | None, ...]], list[dict[str, Any]]]:
+    """One rank's moment tensors per key and flat group (None for an empty group), and its other state values."""
+    moments: dict[str, list[TensorRef | None]] = {key: [] for key in keys}
+    scalars: list[dict[str, Any]] = []
+    for j, ((pid, _), group) in enumerate(zip(ids, groups)):
+        entry = state.get(pid)
+        if group.numel == 0 and not entry:
+            for refs in moments.values():
+                refs.append(None)
+            scalars.append({})
+            continue
+        if not isinstance(entry, dict) or not entry:
+            raise CheckpointFormatError(
+                no_state.format(path=f"'{path}'", why=f"no state for flat group {j}"), path=path, rank=rank
+            )
+        for key, refs in moments.items():
+            ref = entry.get(key)
+            if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.numel < group.numel:
+                found = (
+                    "nothing"
+                    if ref is None
+                    else (f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__)
+                )
+                raise PartitionMismatchError(
+                    f"'{path}': optimizer state '{key}' of flat group {j} should be a 1-D tensor of at least "
+                    f"{group.numel} elements (the fp32 partition), found {found}. The file is corrupted.",
+                    path=path,
+                    rank=rank,
+                    expected=group.numel,
+                    found=None if not isinstance(ref, TensorRef) else ref.numel,
+                )
+            refs.append(ref)
+        scalars.append({k: v for k, v in entry.items() if k not in moments})
+    return {key: tuple(refs) for key, refs in moments.items()}, scalars
+
+
+def trainable_source(ckpt: PartitionedCheckpoint, name: str) -> tuple[str, FlatPlan]:
+    """The flat source of a trainable parameter (aliases resolved), or TensorNotFoundError saying why not."""
+    info = ckpt.info(name)  # TensorNotFoundError for unknown names
+    source_name = ckpt.source_name(name)
+    source = ckpt.read_plan(source_name) if source_name in ckpt else None
+    if info.kind != "trainable" or not isinstance(source, FlatPlan):
+        what = {"frozen": "a frozen parameter", "buffer": "a buffer"}.get(
+            info.kind, "not a parameter the optimizer owns"
+        )
+        trainable = [n for n, i in ckpt.infos.items() if i.kind == "trainable" and n not in ckpt.tied]
+        raise TensorNotFoundError(
+            f"No optimizer state for '{name}' in '{ckpt.metadata.path}': it is {what}, which the optimizer does not "
+            f"own. Parameters with optimizer state: {_names(trainable)}.",
+            path=ckpt.metadata.path,
+            name=name,
+        )
+    return source_name, source
+
+
+def moment_source(layout: OptimizerLayout, source: FlatPlan, key: str) -> FlatPlan:
+    """The read plan of a parameter's ``key`` state: its fp32 master pieces, pointed at the moment tensors."""
+    refs = layout.moments[key]
+    return FlatPlan(source.pieces, refs)  # type: ignore[arg-type]  # None only where no piece reads
+
+
+def param_group_of(layout: OptimizerLayout, source: FlatPlan) -> int:
+    return layout.param_group[source.pieces[0].group] if source.pieces else 0
+
+
+def step_of(layout: OptimizerLayout, source: FlatPlan) -> Any:
+    """The parameter's ``step``: its state entry's (torch Adam), else its param group's (DeepSpeed FusedAdam)."""
+    g = source.pieces[0].group if source.pieces else 0
+    scalars = layout.scalars[g] if g < len(layout.scalars) else {}
+    if "step" in scalars:
+        return plain_value(scalars["step"])
+    return layout.param_groups[param_group_of(layout, source)].get("step")
+
+
+def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict[str, Any]:
+    """The consolidated optimizer state of one trainable parameter, reading only its bytes.
+
+    The moments of every rank are gathered with the same piece plan as the parameter's fp32 master weight
+    (DeepSpeed partitions them identically), so ``exp_avg`` and ``exp_avg_sq`` come back with the parameter's
+    full shape, in their stored dtype (fp32).
+
+    Args:
+        ckpt: an open DeepSpeed ZeRO-1/2/3 checkpoint.
+        name: a trainable parameter (a tied alias gives its source's state).
+
+    Returns:
+        ``{"exp_avg": Tensor, "exp_avg_sq": Tensor, ..., "step": ..., "lr": ..., "betas": ..., "eps": ...,
+        "weight_decay": ..., ...}``: every per-element state tensor, the step as stored (a 0-d fp32 tensor for
+        torch Adam/AdamW) and the hyper-parameters of the parameter's param group.
+
+    Raises:
+        TensorNotFoundError: no such tensor, or a frozen parameter or buffer (the optimizer holds no state).
+        CheckpointFormatError: the checkpoint holds no optimizer moments (stripped or saved before a step).
+        UnsupportedCheckpointError: a consolidated file or a ZeRO stage 0 checkpoint.
+
+    Example:
+        >>> with zeroio.open("fixtures/z3_ws2_fp32") as ckpt:  # doctest: +SKIP
+        ...     state = ckpt.optimizer_state("emb.weight")
+        >>> state["exp_avg"].shape, float(state["step"]), state["lr"]  # doctest: +SKIP
+        (torch.Size([13, 7]), 2.0, 0.05)
+    """
+    zckpt = require_partitioned(ckpt, "optimizer_state()")
+    zckpt.ensure_open(name)
+    _, source = trainable_source(zckpt, name)
+    layout = optimizer_layout(zckpt, what="optimizer_state()")
+
+    info = zckpt.info(name)
+    result: dict[str, Any] = {}
+    for key, refs in layout.moments.items():
+        dtype = next((r.dtype for rank in refs for r in rank if r is not None), torch.float32)
+        out = torch.empty(info.numel, dtype=dtype)
+        if info.numel:
+            read_plan_into(moment_source(layout, source, key), 0, out)
+        result[key] = out.view(info.shape)
+    result["step"] = step_of(layout, source)
+    for key, value in layout.param_groups[param_group_of(layout, source)].items():
+        result.setdefault(key, value)
+    return result
+

@@ -1,0 +1,163 @@
+"""Read plans: where a stored tensor's elements lie in the rank files, executed by reading only those bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import torch
+
+from .._metadata import CheckpointMetadata, TensorInfo, require
+from .._partition import Piece
+from .._storage import ByteRange
+from .._unpickle import TensorRef
+from .validate import tensor_ref
+
+__all__ = [
+    "FlatPlan",
+    "ReadPlan",
+    "TensorPlans",
+    "WholePlan",
+    "ZeroContents",
+    "buffer_plans",
+    "casts_to",
+    "plan_byte_ranges",
+    "read_plan_into",
+    "same_bits",
+    "sample_ranges",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class FlatPlan:
+    """Elements gathered from the ranks' flat groups (trainable params, ZeRO-3 frozen fragments)."""
+
+    pieces: tuple[Piece, ...]
+    groups: tuple[tuple[TensorRef, ...], ...]  # groups[rank][group]
+
+
+@dataclass(frozen=True, slots=True)
+class WholePlan:
+    """A tensor stored whole in one file (buffers, ZeRO-1/2 frozen params)."""
+
+    ref: TensorRef
+
+
+ReadPlan: TypeAlias = FlatPlan | WholePlan
+"""How to read one stored tensor."""
+
+
+def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor) -> None:
+    """Fill ``out`` with a tensor's flattened elements ``[start, start + out.numel())``; reads only those bytes."""
+    end = start + out.numel()
+    if isinstance(source, WholePlan):
+        source.ref.read(start, out.numel(), out)
+        return
+    for piece in source.pieces:
+        lo = max(start, piece.dest)
+        hi = min(end, piece.dest + piece.length)
+        if lo >= hi:
+            continue
+        ref = source.groups[piece.rank][piece.group]
+        ref.read(piece.start + (lo - piece.dest), hi - lo, out[lo - start : hi - start])
+
+
+def plan_byte_ranges(source: FlatPlan | WholePlan) -> list[ByteRange] | None:
+    """File byte ranges whose concatenation is the planned tensor's bytes, or None when a piece is not plain bytes."""
+    if isinstance(source, WholePlan):
+        whole = source.ref.byte_range(0, source.ref.numel)
+        return None if whole is None else [whole]
+    ranges = []
+    expected_dest = 0
+    for piece in sorted(source.pieces, key=lambda p: p.dest):
+        if piece.dest != expected_dest:
+            return None
+        found = source.groups[piece.rank][piece.group].byte_range(piece.start, piece.length)
+        if found is None:
+            return None
+        ranges.append(found)
+        expected_dest += piece.length
+    return ranges
+
+
+@dataclass(slots=True)
+class TensorPlans:
+    """Tensors found by one planning step: their infos and read plans, in the order found."""
+
+    infos: dict[str, TensorInfo] = field(default_factory=dict)
+    plans: dict[str, ReadPlan] = field(default_factory=dict)
+
+    def add(self, info: TensorInfo, plan: ReadPlan) -> None:
+        """Record one stored tensor."""
+        self.infos[info.name] = info
+        self.plans[info.name] = plan
+
+    def update(self, other: TensorPlans) -> None:
+        """Take every tensor of ``other`` (a name already here keeps its position, takes the new value)."""
+        self.infos.update(other.infos)
+        self.plans.update(other.plans)
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroContents:
+    """What planning a DeepSpeed checkpoint found: everything a ZeroCheckpoint serves, no tensor bytes read."""
+
+    metadata: CheckpointMetadata
+    infos: dict[str, TensorInfo]
+    """Every key, in key order (tied aliases included)."""
+    tied: dict[str, str]
+    plans: dict[str, ReadPlan]
+    """Read plans of the stored names."""
+    optimizer_states: tuple[Any, ...] = ()
+    """Each rank's base optimizer state (moments as TensorRefs), partitioned like the fp32 flat groups."""
+
+
+def buffer_plans(module: dict[Any, Any], buffer_names: list[str], path: Path) -> TensorPlans:
+    """Buffers: whole tensors in rank 0's module. DeepSpeed's consolidation returns floating buffers as fp32."""
+    found = TensorPlans()
+    for name in buffer_names:
+        ref = tensor_ref(require(module, name, path, "model state with this buffer"), f"buffer '{name}'", path)
+        dtype = torch.float32 if ref.dtype.is_floating_point else ref.dtype
+        found.add(
+            TensorInfo(name, ref.shape, dtype, "buffer", (path,), ref.dtype if ref.dtype != dtype else None),
+            WholePlan(ref),
+        )
+    return found
+
+
+# --------------------------------------------------------------------------- value matching
+
+_SAMPLE = 2048  # elements compared at each end of a tensor; tensors up to 2 * _SAMPLE are compared whole
+
+
+def sample_ranges(numel: int) -> list[tuple[int, int]]:
+    """``(start, count)`` element ranges compared when matching two tensors' values."""
+    if numel <= 2 * _SAMPLE:
+        return [(0, numel)]
+    return [(0, _SAMPLE), (numel - _SAMPLE, _SAMPLE)]
+
+
+def casts_to(master: FlatPlan | WholePlan, low: TensorRef, numel: int, master_dtype: torch.dtype) -> bool:
+    """True when the fp32 ``master`` rounds to ``low``'s stored bits (compared at both ends).
+
+    DeepSpeed 0.19.8's 16-bit wrappers copy the fp32 master into the 16-bit parameter after every step
+    (``fp16_param.data.copy_(fp32_param.data)``), so a parameter's stored value is exactly its master cast.
+    """
+    for start, count in sample_ranges(numel):
+        hp = torch.empty(count, dtype=master_dtype)
+        read_plan_into(master, start, hp)
+        lp = low.read(start, count)
+        if not torch.equal(hp.to(lp.dtype).view(torch.uint8), lp.view(torch.uint8)):
+            return False
+    return True
+
+
+def same_bits(a: TensorRef, b: TensorRef) -> bool:
+    """True when two tensors of one shape and dtype hold the same bits (compared at both ends)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return all(
+        torch.equal(a.read(start, count).view(torch.uint8), b.read(start, count).view(torch.uint8))
+        for start, count in sample_ranges(a.numel)
+    )

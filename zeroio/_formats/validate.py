@@ -1,0 +1,217 @@
+"""Raw rank-file values checked into typed ones (shapes, tensor references, counts), failing with the file named."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import _constants as C
+from .._layout import ZeroLayout
+from .._metadata import require, require_dict
+from .._unpickle import TensorRef
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, WorldSizeMismatchError
+
+__all__ = [
+    "ModelStates",
+    "OptimizerPartitions",
+    "ParamShapes",
+    "config_stage",
+    "model_states",
+    "numel_of",
+    "optimizer_partitions",
+    "param_shapes",
+    "partition_count",
+    "ref_list",
+    "shape_of",
+    "tensor_ref",
+]
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    """Elements of a tensor of ``shape``."""
+    return math.prod(int(s) for s in shape)
+
+
+def shape_of(value: Any, name: str, path: Path) -> tuple[int, ...]:
+    """A recorded shape as a tuple of non-negative ints, or CheckpointFormatError naming the file."""
+    try:
+        shape = tuple(int(s) for s in value)
+    except (TypeError, ValueError):
+        raise CheckpointFormatError(
+            f"'{path}': the shape recorded for '{name}' is {value!r:.60}, not a sequence of ints. The file is "
+            "corrupted.",
+            path=path,
+            name=name,
+        ) from None
+    if any(s < 0 for s in shape):
+        raise CheckpointFormatError(f"'{path}': negative shape {shape} recorded for '{name}'.", path=path, name=name)
+    return shape
+
+
+def tensor_ref(value: Any, what: str, path: Path) -> TensorRef:
+    """``value`` when it is a tensor reference, else CheckpointFormatError saying ``what`` should have been one."""
+    if not isinstance(value, TensorRef):
+        raise CheckpointFormatError(
+            f"'{path}': {what} should be a tensor, found {type(value).__name__}. The file is corrupted or not a "
+            "DeepSpeed checkpoint.",
+            path=path,
+        )
+    return value
+
+
+def ref_list(value: Any, key: str, path: Path) -> tuple[TensorRef, ...]:
+    """A recorded list of tensors (``key`` names it in errors) as a tuple of references."""
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointFormatError(
+            f"'{path}': '{key}' should be a list of tensors, found {type(value).__name__}.", path=path
+        )
+    return tuple(tensor_ref(v, f"'{key}[{i}]'", path) for i, v in enumerate(value))
+
+
+def partition_count(osd: dict[str, Any], path: Path) -> int:
+    """The data-parallel world size an optimizer state was partitioned for."""
+    count = require(osd, C.PARTITION_COUNT, path, "DeepSpeed ZeRO optimizer state")
+    # ZeRO-1/2 record one count per param group (expert groups may differ); DeepSpeed uses the max.
+    if isinstance(count, (list, tuple)):
+        count = max(int(c) for c in count) if count else 0
+    return int(count)
+
+
+def config_stage(ds_config: Any, *, default: int) -> int:
+    """``ds_config['zero_optimization']['stage']``, or ``default`` when the config does not say."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return int(stage) if isinstance(stage, int) else default
+
+
+# --------------------------------------------------------------------------- rank files as typed records
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStates:
+    """Rank 0's model states file, checked: its tree, the module's tensors and the buffer names."""
+
+    path: Path
+    tree: dict[Any, Any]
+    module: dict[Any, Any]
+    """``model.state_dict()`` as saved: every parameter and buffer, in key order."""
+    buffer_names: list[str]
+
+    @property
+    def param_shapes(self) -> Any:
+        """The raw ``param_shapes`` record (None at ZeRO stage 0)."""
+        return self.tree.get(C.PARAM_SHAPES)
+
+
+def model_states(tree: Any, path: Path) -> ModelStates:
+    """Check rank 0's model states tree: a dict with ``module`` (a dict) and ``buffer_names``."""
+    module = require_dict(require(tree, C.MODULE, path), C.MODULE, path)
+    buffer_names = [str(b) for b in (require(tree, C.BUFFER_NAMES, path) or [])]
+    return ModelStates(path, tree, module, buffer_names)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamShapes:
+    """What rank 0's model states record about parameters (ZeRO-1/2/3)."""
+
+    groups: list[list[tuple[str, tuple[int, ...]]]]
+    """``(name, shape)`` of the trainable parameters, per param group, in partition order."""
+    shared: dict[str, str]
+    """Tied aliases, ``{alias: source}`` (DeepSpeed's ``shared_params``)."""
+    frozen: dict[str, tuple[int, ...]]
+    """Shapes of the frozen parameters (empty when not recorded)."""
+
+    @property
+    def trainable(self) -> list[str]:
+        """Names of the trainable parameters, in partition order."""
+        return [name for group in self.groups for name, _ in group]
+
+
+def param_shapes(states: ModelStates) -> ParamShapes:
+    """Check and read ``param_shapes``, ``shared_params`` and ``frozen_param_shapes``."""
+    path, tree = states.path, states.tree
+    raw = states.param_shapes
+    if not isinstance(raw, list):
+        raise CheckpointFormatError(
+            f"'{path}' has no parameter shapes ('{C.PARAM_SHAPES}' is {type(raw).__name__}); "
+            "it was saved without ZeRO optimizer state. Save with engine.save_checkpoint() under ZeRO 1-3.",
+            path=path,
+        )
+    groups: list[list[tuple[str, tuple[int, ...]]]] = []
+    for g, group in enumerate(raw):
+        group = require_dict(group, f"{C.PARAM_SHAPES}[{g}]", path)
+        groups.append([(str(n), shape_of(s, str(n), path)) for n, s in group.items()])
+    shared = {str(k): str(v) for k, v in (tree.get(C.SHARED_PARAMS) or {}).items()}
+    frozen = {str(n): shape_of(s, str(n), path) for n, s in (tree.get(C.FROZEN_PARAM_SHAPES) or {}).items()}
+    return ParamShapes(groups, shared, frozen)
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerPartitions:
+    """Every rank's optimizer state file, checked: one ZeRO stage, one world size, the fp32 flat partitions."""
+
+    stage: int
+    files: tuple[Path, ...]
+    flat_groups: list[tuple[TensorRef, ...]]
+    """``flat_groups[rank][group]``: the fp32 master partitions (as references)."""
+    base_states: list[Any]
+    """Each rank's base optimizer state (Adam moments), partitioned like ``flat_groups``."""
+    first_state: dict[Any, Any]
+    """Rank 0's ``optimizer_state_dict`` (paddings, partition counts)."""
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks the checkpoint was partitioned for."""
+        return len(self.files)
+
+
+def optimizer_partitions(
+    layout: ZeroLayout, trees: Sequence[Any], ds_config: Any, tag_dir: Path
+) -> OptimizerPartitions:
+    """Check every rank's optimizer state (``trees``, in rank order) against the others and the model files."""
+    stages, flat_groups, base_states = [], [], []
+    for rank, (opath, tree) in enumerate(zip(layout.optim_files, trees)):
+        osd = require_dict(require(tree, C.OPTIMIZER_STATE_DICT, opath), C.OPTIMIZER_STATE_DICT, opath)
+        if C.ZERO_STAGE not in osd and C.SINGLE_PARTITION_OF_FP32_GROUPS in osd:
+            # DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 gradient accumulation) records no stage and
+            # partitions exactly like ZeRO-1; zero_to_fp32 0.19.8 rejects these files ("is not a zero checkpoint").
+            osd = {**osd, C.ZERO_STAGE: config_stage(ds_config, default=1)}
+        stage = int(require(osd, C.ZERO_STAGE, opath, "DeepSpeed ZeRO optimizer state"))
+        count = partition_count(osd, opath)
+        if count != len(layout.optim_files):
+            raise WorldSizeMismatchError(
+                f"Expected {count} optimizer shards matching '*_optim_states.pt' in '{tag_dir}' "
+                f"(partition_count={count} in {opath.name}), found {len(layout.optim_files)}. A rank may have failed "
+                "to save, or an older checkpoint was partly overwritten.",
+                path=opath,
+                rank=rank,
+                expected=count,
+                found=len(layout.optim_files),
+            )
+        key = C.FP32_FLAT_GROUPS if stage == 3 else C.SINGLE_PARTITION_OF_FP32_GROUPS
+        if stage not in (1, 2, 3):
+            raise UnsupportedCheckpointError(
+                f"'{opath}' records ZeRO stage {stage}; zeroio reads stages 1, 2 and 3.", path=opath, found=stage
+            )
+        stages.append(stage)
+        flat_groups.append(ref_list(require(osd, key, opath, f"ZeRO-{stage} optimizer state"), key, opath))
+        base_states.append(osd.get(C.OPTIMIZER_STATE_DICT if stage == 3 else "base_optimizer_state"))
+    stage = stages[0]
+    if any(s != stage for s in stages):
+        raise CheckpointFormatError(
+            f"Rank files in '{tag_dir}' disagree on the ZeRO stage ({sorted(set(stages))}); the folder mixes "
+            "checkpoints. Copy the whole tag folder again.",
+            path=tag_dir,
+        )
+    if (stage == 3) != layout.partitioned_model_files:
+        raise CheckpointFormatError(
+            f"'{tag_dir}' has ZeRO-{stage} optimizer files but "
+            f"{'per-rank' if layout.partitioned_model_files else 'a single'} model states file(s); the folder mixes "
+            "checkpoints.",
+            path=tag_dir,
+        )
+    first_state = trees[0][C.OPTIMIZER_STATE_DICT]
+    return OptimizerPartitions(stage, tuple(layout.optim_files), flat_groups, base_states, first_state)

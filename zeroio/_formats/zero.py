@@ -1,0 +1,253 @@
+"""DeepSpeed ZeRO checkpoints: open a tag folder in numbered steps and serve its tensors from the read plans."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _constants as C
+from .._checkpoint import Checkpoint
+from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
+from .._metadata import CheckpointMetadata, TensorInfo
+from .._storage import ByteRange
+from .._unpickle import RankFile, TensorRef, load_pickle
+from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
+from .moe import Experts, insert_experts, parse_experts
+from .optimizer import optimizer_state
+from .plans import (
+    ReadPlan,
+    WholePlan,
+    ZeroContents,
+    buffer_plans,
+    plan_byte_ranges,
+    read_plan_into,
+)
+from .stage0 import open_stage0
+from .validate import ModelStates, OptimizerPartitions, ParamShapes, model_states, optimizer_partitions, param_shapes
+from .zero3 import zero3_frozen, zero3_trainable
+from .zero12 import zero12_frozen, zero12_trainable
+
+__all__ = ["ZeroCheckpoint", "open_zero"]
+
+logger = logging.getLogger(__name__)
+
+
+class ZeroCheckpoint(Checkpoint):
+    """A DeepSpeed ZeRO-0/1/2/3 checkpoint, consolidated lazily; build it with :func:`zeroio.open`."""
+
+    def __init__(
+        self,
+        metadata: CheckpointMetadata,
+        infos: dict[str, TensorInfo],
+        tied: dict[str, str],
+        sources: dict[str, ReadPlan],
+        files: list[RankFile],
+        optimizer_states: Sequence[Any] = (),
+        trees: dict[Path, Any] | None = None,
+    ) -> None:
+        super().__init__(metadata, infos, tied)
+        self._sources = sources
+        self._files = files
+        # Each rank's base optimizer state (Adam moments as TensorRefs), partitioned like the fp32 flat groups.
+        self._optimizer_states = tuple(optimizer_states)
+        self._trees: dict[Path, Any] = {} if trees is None else trees
+
+    def file_tree(self, path: Path) -> Any:
+        """The parsed object tree of one rank file read at open (tensors as references), without re-parsing it.
+
+        Raises KeyError for a file that was not read (e.g. a later rank's model states at ZeRO-1/2).
+        """
+        self.ensure_open()
+        return self._trees[Path(path)]
+
+    @property
+    def parsed_files(self) -> tuple[Path, ...]:
+        """The rank files parsed at open, in the order they were read."""
+        return tuple(self._trees)
+
+    def read_plan(self, name: str) -> ReadPlan:
+        """Where the stored tensor ``name`` (a stored name, see :meth:`source_name`) lives in the rank files."""
+        return self._sources[name]
+
+    @property
+    def plans(self) -> dict[str, ReadPlan]:
+        """``{stored name: read plan}`` for every stored tensor, in key order."""
+        return dict(self._sources)
+
+    @property
+    def optimizer_states(self) -> tuple[Any, ...]:
+        """Each rank's base optimizer state (moments as TensorRefs), partitioned like the fp32 flat groups."""
+        return self._optimizer_states
+
+    def _release(self) -> None:
+        for file in self._files:
+            file.close()
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        read_plan_into(self._sources[name], start, out)
+
+    def byte_ranges(self, name: str) -> list[ByteRange] | None:
+        return plan_byte_ranges(self._sources[name])
+
+    def pieces(self, name: str) -> list[tuple[Path, int, int, int]]:
+        """Where a tensor's elements live: ``(file, element offset in that file's tensor, length, dest)`` rows."""
+        source = self._sources[self.source_name(self.info(name).name)]
+        if isinstance(source, WholePlan):
+            return [(source.ref.file.path, 0, source.ref.numel, 0)]
+        return [(source.groups[p.rank][p.group].file.path, p.start, p.length, p.dest) for p in source.pieces]
+
+    def optimizer_state(self, name: str) -> dict[str, Any]:
+        """The consolidated optimizer state of one trainable parameter (see :func:`.optimizer.optimizer_state`)."""
+        return optimizer_state(self, name)
+
+
+class _RankFiles:
+    """The rank files unpickled while opening (restricted, lazy), kept open for the checkpoint's lifetime."""
+
+    def __init__(self, trusted_globals: frozenset[str]) -> None:
+        self.trusted_globals = trusted_globals
+        self.opened: list[RankFile] = []
+        self.trees: dict[Path, Any] = {}
+
+    def parse(self, path: Path) -> Any:
+        tree, file = load_pickle(path, trusted_globals=self.trusted_globals)
+        self.opened.append(file)
+        self.trees[path] = tree
+        return tree
+
+
+def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[str] = frozenset()) -> ZeroCheckpoint:
+    """Parse a DeepSpeed checkpoint's metadata (no tensor bytes) into a :class:`ZeroCheckpoint`."""
+    # 1. Discover: locate the tag folder and classify its files (names only).
+    tag_dir, tag_name = find_tag_dir(path, tag)
+    layout = scan_tag_dir(tag_dir)
+    rank_files = _RankFiles(trusted_globals)
+
+    # 2. Rank 0's model states: names, shapes, buffers, ties; fail before touching optimizer files.
+    states = model_states(rank_files.parse(layout.model_files[0]), layout.model_files[0])
+    if not layout.optim_files:
+        if states.param_shapes is not None:
+            raise CheckpointNotFoundError(
+                f"'{tag_dir}' is a ZeRO stage 1-3 checkpoint ('{states.path.name}' records param_shapes) but has no "
+                "'*_optim_states.pt' files, where the fp32 master weights live. Copy the whole tag folder again.",
+                path=tag_dir,
+            )
+        contents = open_stage0(tag_dir, tag_name, states)
+    else:
+        contents = _open_partitioned(tag_dir, tag_name, layout, states, rank_files)
+    return ZeroCheckpoint(
+        contents.metadata,
+        contents.infos,
+        contents.tied,
+        contents.plans,
+        rank_files.opened,
+        contents.optimizer_states,
+        rank_files.trees,
+    )
+
+
+def _open_partitioned(
+    tag_dir: Path, tag_name: str | None, layout: ZeroLayout, states: ModelStates, rank_files: _RankFiles
+) -> ZeroContents:
+    """ZeRO-1/2/3: validate every rank file, then plan each tensor from the optimizer's fp32 partitions."""
+    # 3. Validate: parameter shapes, then every rank's optimizer state (stage, world size, fp32 partitions).
+    shapes = param_shapes(states)
+    optim_trees = [rank_files.parse(p) for p in layout.optim_files]
+    optim = optimizer_partitions(layout, optim_trees, states.tree.get(C.DS_CONFIG), tag_dir)
+    model_trees = [states.tree] + [rank_files.parse(p) for p in layout.model_files[1:]]
+
+    # 4. Buffers (whole tensors in rank 0's module) and MoE expert files.
+    found = buffer_plans(states.module, states.buffer_names, states.path)
+    if states.tree.get("ds_autoep_layers"):
+        raise UnsupportedCheckpointError(
+            f"'{states.path}' records AutoEP MoE layers ('ds_autoep_layers'); zeroio reads deepspeed.moe.layer.MoE "
+            "checkpoints only. Use DeepSpeed's ds_to_universal.py for this one.",
+            path=states.path,
+        )
+    experts = (
+        parse_experts(layout.expert_files, rank_files.parse, states.tree, states.path) if layout.expert_files else None
+    )
+
+    # 5-6. Dispatch to the stage: frozen parameters (training dtype), then trainable ones (fp32 masters).
+    if optim.stage == 3:
+        frozen = zero3_frozen(shapes.frozen, optim.world_size, layout.model_files, model_trees)
+        trainable = zero3_trainable(shapes.groups, optim, states.path)
+    else:
+        frozen = zero12_frozen(states, shapes, experts)
+        trainable = zero12_trainable(shapes.groups, optim, experts, states.path, tag_dir)
+    found.update(frozen)
+    found.update(trainable)
+
+    # 6b. MoE expert tensors not trained (frozen experts) come from the expert files, in the training dtype.
+    if experts is not None:
+        for name, ref in experts.refs.items():
+            if name not in found.infos:
+                found.add(TensorInfo(name, ref.shape, ref.dtype, "frozen", (experts.files[name],)), WholePlan(ref))
+
+    # 7-8. Ties and key order, then the checkpoint-level facts.
+    infos, tied = _tie_and_order(found.infos, shapes.shared, states.module, experts)
+    metadata = _metadata(tag_dir, tag_name, layout, states, shapes, optim, list(frozen.infos))
+    logger.debug("opened %s: ZeRO-%d, world size %d, %d tensors", tag_dir, optim.stage, optim.world_size, len(infos))
+    return ZeroContents(metadata, infos, tied, found.plans, tuple(optim.base_states))
+
+
+def _tie_and_order(
+    infos: dict[str, TensorInfo], shared: dict[str, str], module: dict[Any, Any], experts: Experts | None
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Add tied aliases and put the keys in ``model.state_dict()`` order."""
+    # 7. Tied aliases (DeepSpeed's shared_params: alias -> source), only where the source exists.
+    tied = {alias: src for alias, src in shared.items() if src in infos and alias not in infos}
+    for alias, src in tied.items():
+        base = infos[src]
+        infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, src)
+
+    # 8. Key order: model.state_dict() order as recorded in `module`, then anything module does not list.
+    ordered = {name: infos[name] for name in module if name in infos}
+    ordered.update((name, info) for name, info in infos.items() if name not in ordered)
+    if experts is not None:
+        ordered = {name: ordered[name] for name in insert_experts(list(ordered), experts)}
+    return ordered, tied
+
+
+def _train_dtype(layout: ZeroLayout, module: dict[str, Any], param_names: list[str]) -> torch.dtype:
+    if layout.optim_files and layout.optim_files[0].name.startswith("bf16_"):
+        return torch.bfloat16
+    for name in param_names:
+        value = module.get(name)
+        if isinstance(value, TensorRef) and value.dtype.is_floating_point:
+            return value.dtype
+    return torch.float32
+
+
+def _metadata(
+    tag_dir: Path,
+    tag_name: str | None,
+    layout: ZeroLayout,
+    states: ModelStates,
+    shapes: ParamShapes,
+    optim: OptimizerPartitions,
+    frozen_names: list[str],
+) -> CheckpointMetadata:
+    model0 = states.tree
+    return CheckpointMetadata(
+        format="zero",
+        path=tag_dir,
+        tag=tag_name,
+        zero_stage=optim.stage,
+        world_size=optim.world_size,
+        train_dtype=_train_dtype(layout, states.module, shapes.trainable + frozen_names),
+        ds_version=str(model0.get(C.DS_VERSION)) if model0.get(C.DS_VERSION) is not None else None,
+        global_step=int(model0[C.GLOBAL_STEPS]) if isinstance(model0.get(C.GLOBAL_STEPS), int) else None,
+        has_fp32_master=True,
+        extra={
+            "ds_config": model0.get(C.DS_CONFIG),
+            "optim_files": [p.name for p in layout.optim_files],
+            "model_files": [p.name for p in layout.model_files],
+            "num_param_groups": len(shapes.groups),
+            "expert_files": [p.name for p in layout.expert_files],
+        },
+    )
