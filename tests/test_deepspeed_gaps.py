@@ -260,7 +260,7 @@ def test_stage0_master_that_matches_no_weight_is_not_guessed(tmp_path, caplog):
 
     _rewrite_model_states(root, tamper)
     expected = _engine("z0_ws2_bf16")
-    with caplog.at_level("WARNING", logger="zeroio._zero"), zeroio.open(root) as ckpt:
+    with caplog.at_level("WARNING", logger="zeroio._formats.stage0"), zeroio.open(root) as ckpt:
         infos = ckpt.infos
         sd = ckpt.state_dict()
         assert ckpt.metadata.has_fp32_master is False
