@@ -15,8 +15,8 @@ import torch
 from . import _constants as C
 from ._checkpoint import Checkpoint
 from ._metadata import CheckpointMetadata, TensorInfo
+from ._pickles import RankFile, TensorRef, load_pickle
 from ._storage import LocalFile
-from ._unpickle import RankFile, TensorRef, load_pickle
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 
 __all__ = ["SafetensorsCheckpoint", "TorchCheckpoint", "open_consolidated"]

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._fileio import create_new, preallocate, pwrite_all, write_new_file
+from ._pickles import TensorRef
 from ._safetensors_writer import SafetensorsLayout, plan_file, write_chunks
 from ._sharding import ShardPlan, index_json, plan_shards
 from ._text import listing
-from ._unpickle import TensorRef
 from .errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoundError, UnsupportedCheckpointError
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from ._checkpoint import Checkpoint
 from ._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from ._metadata import CheckpointMetadata, TensorInfo, TensorKind, require, require_dict
 from ._partition import Piece, zero3_offsets, zero3_partition_numel, zero3_plan, zero12_offsets, zero12_plan
+from ._pickles import RankFile, TensorRef, load_pickle
 from ._storage import ByteRange
-from ._unpickle import RankFile, TensorRef, load_pickle
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
