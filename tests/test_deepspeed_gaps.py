@@ -21,7 +21,7 @@ from fixture_data import FIXTURES, assert_state_dicts_equal, manifest, reference
 
 import zeroio
 from zeroio import errors
-from zeroio._unpickle import load_pickle
+from zeroio._pickles import load_pickle
 from zeroio.cli import main
 
 FROZEN = ["frozen.bias", "frozen.weight"]

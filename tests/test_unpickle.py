@@ -12,7 +12,7 @@ import torch
 
 import zeroio
 from fixture_data import FIXTURES, ROOT
-from zeroio._unpickle import load_pickle
+from zeroio._pickles import load_pickle
 from zeroio.errors import UnsafePickleError, UnsupportedCheckpointError
 
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import enum
 import logging
 import os
 import pathlib
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +16,8 @@ import torch
 
 from ._atomic import clean_stale, fsync_dir, temp_name
 from ._checkpoint import Checkpoint
+from ._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
 from ._types import DTypeLike, StrPath
-from ._unpickle import TensorRef, _Inert, _InertDict, load_pickle
 from .errors import OutputError, UnsupportedCheckpointError, ZeroIOError
 
 __all__ = ["DEEPSPEED_STATE_KEYS", "LIGHTNING_PREFIX", "LightningCheckpointResult", "write_lightning_ckpt"]
@@ -107,59 +105,58 @@ def _client_state_file(ckpt: Checkpoint) -> Path | None:
     return None
 
 
-def _plain(value: Any, where: str, path: Path) -> Any:
-    """A copy of unpickled client state as real objects: tensors read, inert stand-ins turned back into data."""
-    if isinstance(value, TensorRef):
-        return value.materialize()
-    if isinstance(value, enum.IntEnum):  # DeepSpeed's ZeroStageEnum stand-in
-        return int(value)
-    if isinstance(value, _InertDict):  # Lightning's AttributeDict: a plain dict loads everywhere
-        return {k: _plain(v, f"{where}.{k}", path) for k, v in value.items()}
-    if isinstance(value, OrderedDict):
-        return OrderedDict((k, _plain(v, f"{where}.{k}", path)) for k, v in value.items())
-    if isinstance(value, dict):
-        return {k: _plain(v, f"{where}.{k}", path) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v, f"{where}[{i}]", path) for i, v in enumerate(value)]
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        items = [_plain(v, f"{where}[{i}]", path) for i, v in enumerate(value)]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, (set, frozenset)):
-        return type(value)(_plain(v, where, path) for v in value)
-    if isinstance(value, _Inert):
-        qualified = value._zeroio_global
-        state = dict(value.__dict__)
-        args, kwargs = state.pop("_args", ()), state.pop("_kwargs", {})
-        if qualified == "argparse.Namespace" and not args and not kwargs:
-            return argparse.Namespace(**{k: _plain(v, f"{where}.{k}", path) for k, v in state.items()})
-        if qualified in _REBUILD and not state and not kwargs:
-            try:
-                return _REBUILD[qualified](*args)
-            except (TypeError, ValueError):
-                pass
-        raise UnsupportedCheckpointError(
-            f"Cannot write the client state '{where}' of '{path}' into a Lightning checkpoint: it holds a "
-            f"'{qualified}' object, which zeroio read as inert data and cannot rebuild. Remove it from what "
-            "on_save_checkpoint() stores, or write fmt='safetensors' (weights only).",
-            path=path,
-            name=where,
-            found=qualified,
-        )
-    return value
+def _rebuild_standin(obj: Any, where: Where, walk: Walk, *, path: Path) -> Any:
+    """A stand-in as the real object Lightning saved: Namespace, path or date; anything else is refused."""
+    if isinstance(obj, ZeroStageEnum):  # DeepSpeed's enum: an int loads everywhere
+        return int(obj)
+    if not is_inert(obj):
+        return obj
+    parts = inert_parts(obj)
+    if parts.name == "argparse.Namespace" and not parts.args and not parts.kwargs:
+        return argparse.Namespace(**{k: walk(v, (*where, k)) for k, v in parts.state.items()})
+    if parts.name in _REBUILD and not parts.state and not parts.kwargs:
+        try:
+            return _REBUILD[parts.name](*parts.args)
+        except (TypeError, ValueError):
+            pass
+    raise UnsupportedCheckpointError(
+        f"Cannot write the client state '{where_text(where)}' of '{path}' into a Lightning checkpoint: it holds a "
+        f"'{parts.name}' object, which zeroio read as inert data and cannot rebuild. Remove it from what "
+        "on_save_checkpoint() stores, or write fmt='safetensors' (weights only).",
+        path=path,
+        name=where_text(where),
+        found=parts.name,
+    )
 
 
-def _read_client_state(path: Path, trusted_globals: frozenset[str]) -> dict[str, Any]:
-    tree, file = load_pickle(path, trusted_globals=trusted_globals)
+def _read_client_state(ckpt: Checkpoint, path: Path, trusted_globals: frozenset[str]) -> dict[str, Any]:
+    """Client state as real objects: tensors read to CPU, Lightning's AttributeDict a dict, stand-ins rebuilt.
+
+    A ZeRO checkpoint's rank-0 model states were parsed by ``zeroio.open`` (with its ``trusted_globals``): that
+    tree is used as is. A Lightning ``.ckpt`` file is parsed here.
+    """
+    from ._formats.zero import ZeroCheckpoint
+
+    file = None
     try:
+        if isinstance(ckpt, ZeroCheckpoint):  # open() always parses rank 0's model states
+            tree = ckpt.file_tree(path)
+        else:
+            tree, file = load_pickle(path, trusted_globals=trusted_globals)
         if not isinstance(tree, dict):
             return {}
+
+        def standin(obj: Any, where: Where, walk: Walk) -> Any:
+            return _rebuild_standin(obj, where, walk, path=path)
+
         return {
-            str(key): _plain(value, str(key), path)
+            str(key): to_plain(value, (str(key),), standin=standin)
             for key, value in tree.items()
             if key not in DEEPSPEED_STATE_KEYS and key != "state_dict"
         }
     finally:
-        file.close()
+        if file is not None:
+            file.close()
 
 
 def _state_dict_key(name: str) -> str:
@@ -216,7 +213,8 @@ def write_lightning_ckpt(
         dst_file: the ``.ckpt`` file to write (atomically: a temporary sibling renamed into place).
         dtype: cast floating tensors (``"bf16"``, ``torch.float16``, ...); default: as stored (fp32 masters).
         overwrite: replace an existing file.
-        trusted_globals: pickle globals to accept in the client state, as given to ``zeroio.open``.
+        trusted_globals: pickle globals to accept in the client state of a Lightning ``.ckpt`` file, as given to
+            ``zeroio.open``; a ZeRO checkpoint's client state is the tree ``zeroio.open`` parsed (with its own).
 
     Returns:
         A :class:`LightningCheckpointResult` (path, tensor count and bytes, ties, client-state keys).
@@ -253,7 +251,7 @@ def write_lightning_ckpt(
 
     # 2. Client state from the source (metadata-sized; tensors in it are small, e.g. callback scores).
     source = _client_state_file(ckpt)
-    client = _read_client_state(source, frozenset(trusted_globals)) if source is not None else {}
+    client = _read_client_state(ckpt, source, frozenset(trusted_globals)) if source is not None else {}
 
     # 3. The consolidated state dict: tied names share one tensor; Lightning < 2.1's wrapper prefix dropped.
     state_dict: dict[str, torch.Tensor] = {}

@@ -12,7 +12,7 @@ import torch
 
 from .._metadata import require_dict
 from .._partition import Piece
-from .._unpickle import TensorRef
+from .._pickles import TensorRef
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .plans import FlatPlan, casts_to
 from .validate import tensor_ref

@@ -11,8 +11,8 @@ import torch
 
 from .._checkpoint import Checkpoint
 from .._metadata import CheckpointMetadata, TensorInfo
+from .._pickles import TensorRef, to_plain
 from .._text import listing
-from .._unpickle import TensorRef
 from ..errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoundError, UnsupportedCheckpointError
 from .plans import FlatPlan, ReadPlan, read_plan_into
 
@@ -23,7 +23,6 @@ __all__ = [
     "optimizer_layout",
     "optimizer_state",
     "param_group_of",
-    "plain_value",
     "require_partitioned",
     "step_of",
     "trainable_source",
@@ -90,17 +89,6 @@ class OptimizerLayout:
     """Rank 0's param groups without ``params``: the hyper-parameters (lr, betas, eps, weight_decay, ...)."""
 
 
-def plain_value(value: Any) -> Any:
-    """Hyper-parameter and step values as plain objects (0-d tensors read, containers rebuilt)."""
-    if isinstance(value, TensorRef):
-        return value.materialize()
-    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        return type(value)(plain_value(v) for v in value)
-    if isinstance(value, dict):
-        return {k: plain_value(v) for k, v in value.items()}
-    return value
-
-
 def require_partitioned(ckpt: Checkpoint | PartitionedCheckpoint, what: str) -> PartitionedCheckpoint:
     meta = ckpt.metadata
     if not isinstance(ckpt, PartitionedCheckpoint):
@@ -143,7 +131,7 @@ def optimizer_layout(ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "o
         if rank == 0:
             entries = tuple(pid for pid, _ in ids)
             param_group = tuple(g for _, g in ids)
-            param_groups = tuple({k: plain_value(v) for k, v in group.items() if k != "params"} for group in pgroups)
+            param_groups = tuple({k: to_plain(v) for k, v in group.items() if k != "params"} for group in pgroups)
             moments = {key: [] for key in _moment_keys(state, path, no_state)}
         rank_moments, rank_scalars = _rank_moments(state, ids, groups, list(moments), path, rank, no_state)
         for key, refs in rank_moments.items():
@@ -320,7 +308,7 @@ def step_of(layout: OptimizerLayout, source: FlatPlan) -> Any:
     g = source.pieces[0].group if source.pieces else 0
     scalars = layout.scalars[g] if g < len(layout.scalars) else {}
     if "step" in scalars:
-        return plain_value(scalars["step"])
+        return to_plain(scalars["step"])
     return layout.param_groups[param_group_of(layout, source)].get("step")
 
 

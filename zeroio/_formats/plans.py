@@ -10,8 +10,8 @@ import torch
 
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._partition import Piece
+from .._pickles import TensorRef
 from .._storage import ByteRange
-from .._unpickle import TensorRef
 from .validate import tensor_ref
 
 __all__ = [

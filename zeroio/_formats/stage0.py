@@ -12,7 +12,7 @@ import torch
 from .. import _constants as C
 from .._metadata import CheckpointMetadata, TensorInfo, TensorKind
 from .._partition import Piece
-from .._unpickle import TensorRef
+from .._pickles import TensorRef
 from ..errors import CheckpointFormatError
 from .plans import FlatPlan, ReadPlan, WholePlan, ZeroContents, buffer_plans, casts_to, same_bits
 from .validate import ModelStates, ref_list, tensor_ref

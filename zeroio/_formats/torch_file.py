@@ -10,7 +10,7 @@ import torch
 
 from .._checkpoint import Checkpoint
 from .._metadata import CheckpointMetadata, TensorInfo
-from .._unpickle import RankFile, TensorRef, load_pickle
+from .._pickles import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointFormatError
 from .index import read_index, shard_paths
 

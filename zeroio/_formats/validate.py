@@ -11,7 +11,7 @@ from typing import Any
 from .. import _constants as C
 from .._layout import ZeroLayout
 from .._metadata import require, require_dict
-from .._unpickle import TensorRef
+from .._pickles import TensorRef
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, WorldSizeMismatchError
 
 __all__ = [

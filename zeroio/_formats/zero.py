@@ -13,8 +13,8 @@ from .. import _constants as C
 from .._checkpoint import Checkpoint
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
+from .._pickles import RankFile, TensorRef, load_pickle
 from .._storage import ByteRange
-from .._unpickle import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .moe import Experts, insert_experts, parse_experts
 from .optimizer import optimizer_state

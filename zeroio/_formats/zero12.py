@@ -8,7 +8,7 @@ from pathlib import Path
 from .. import _constants as C
 from .._metadata import TensorInfo, require_dict
 from .._partition import Piece, zero12_offsets, zero12_plan
-from .._unpickle import TensorRef
+from .._pickles import TensorRef
 from ..errors import PartitionMismatchError, UnsupportedCheckpointError
 from .moe import Experts, Placement, PlannedParam, expert_group_layouts, is_expert_param, plan_matches_experts
 from .plans import FlatPlan, TensorPlans, WholePlan

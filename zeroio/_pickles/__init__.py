@@ -1,0 +1,51 @@
+"""The restricted pickle world: reading ``.pt`` files without running code, walking their trees, writing them back.
+
+Modules, lowest first: ``standins`` (inert stand-ins for the classes a pickle names), ``archive`` (the torch zip
+archive, :class:`RankFile` and lazy :class:`TensorRef`), ``read`` (the allowlisted unpickler, :func:`load_pickle`),
+``plain`` (one walk from a parsed tree to plain objects), ``write`` (DeepSpeed-class records and rank files
+written chunk by chunk).
+"""
+
+from __future__ import annotations
+
+from .archive import RankFile, TensorRef
+from .plain import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
+from .read import load_pickle
+from .standins import (
+    ZERO_STAGE_ENUM,
+    Inert,
+    InertDict,
+    InertParts,
+    ZeroStageEnum,
+    global_name,
+    inert_parts,
+    is_inert,
+)
+from .write import Chunks, RankFileBuilder, ds_value, writable
+
+__all__ = [
+    "ZERO_STAGE_ENUM",
+    "Chunks",
+    "Index",
+    "Inert",
+    "InertDict",
+    "InertParts",
+    "RankFile",
+    "RankFileBuilder",
+    "StandinRule",
+    "TensorRef",
+    "TensorRule",
+    "Walk",
+    "Where",
+    "ZeroStageEnum",
+    "ds_value",
+    "global_name",
+    "inert_parts",
+    "is_inert",
+    "keep_standin",
+    "load_pickle",
+    "read_tensor",
+    "to_plain",
+    "where_text",
+    "writable",
+]

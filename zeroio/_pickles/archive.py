@@ -1,0 +1,247 @@
+"""A torch zip archive on disk: its storage records, read lazily, and where each tensor's bytes lie.
+
+``torch.save`` writes a zip archive: ``<root>/data.pkl`` (the object tree, a pickle) plus one uncompressed record
+``<root>/data/<key>`` per storage. Storage locations (``cuda:0`` in GPU-written files) are ignored: bytes are bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .._storage import ByteRange, LocalFile
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
+
+__all__ = ["Archive", "RankFile", "Storage", "TensorRef", "itemsize", "read_archive"]
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_HEADER_MAGIC = 0x04034B50
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """One storage record of the archive (``data/<key>``), not yet read."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+    location: str
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Where a tensor's bytes live in a rank file; reading them is :meth:`RankFile.read`.
+
+    The tensor is ``as_strided(size, stride, storage_offset)`` of its storage,
+    exactly as torch rebuilds it.
+    """
+
+    file: RankFile
+    storage: Storage
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the tensor."""
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the tensor."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True when the tensor's elements are one contiguous run of its storage."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def read(self, start: int = 0, count: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, start+count)`` of the flattened tensor into ``out`` (or a new 1-D tensor)."""
+        if count is None:
+            count = self.numel - start if out is None else out.numel()
+        if start < 0 or start + count > self.numel:
+            raise CheckpointFormatError(
+                f"Read [{start}, {start + count}) is outside a tensor of {self.numel} elements in '{self.file.path}'. "
+                "The checkpoint's metadata disagrees with its data; the file is corrupted.",
+                path=self.file.path,
+            )
+        if self.is_contiguous:
+            return self.file.read_storage(self.storage, self.storage_offset + start, count, out)
+        part = self.materialize().reshape(-1)[start : start + count]
+        if out is None:
+            return part.clone()
+        return out.copy_(part)
+
+    def byte_range(self, start: int, count: int) -> ByteRange | None:
+        """``(source, offset, nbytes)`` of flattened elements ``[start, start+count)``, or None if not contiguous."""
+        if not self.is_contiguous or start < 0 or start + count > self.numel:
+            return None
+        each = itemsize(self.dtype)
+        offset = self.file.data_offset(self.storage.key) + (self.storage_offset + start) * each
+        return self.file.source, offset, count * each
+
+    def materialize(self) -> torch.Tensor:
+        """The whole tensor, owned and with its shape."""
+        if self.is_contiguous:
+            return self.read().view(self.shape)
+        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if self.numel else 0
+        flat = self.file.read_storage(self.storage, self.storage_offset, extent)
+        return flat.as_strided(self.shape, self.stride).contiguous()
+
+
+@dataclass(eq=False)
+class RankFile:
+    """One ``.pt`` archive: its parsed object tree and lazy access to its storages' bytes.
+
+    The file descriptor is opened on first read and released by :meth:`close`.
+    """
+
+    path: Path
+    _records: dict[str, zipfile.ZipInfo] = field(default_factory=dict, repr=False)
+    _data_offsets: dict[str, int] = field(default_factory=dict, repr=False)
+    size: int = 0
+    source: LocalFile = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.source = LocalFile(self.path, self.size or None)
+
+    def close(self) -> None:
+        """Release the file descriptor; idempotent."""
+        self.source.close()
+
+    @property
+    def read_offsets(self) -> dict[str, int]:
+        """Storage records whose data offset has been looked up (i.e. that were read), by key."""
+        return dict(self._data_offsets)
+
+    def data_offset(self, key: str) -> int:
+        """Byte offset in the file of storage record ``key``'s data."""
+        offset = self._data_offsets.get(key)
+        if offset is not None:
+            return offset
+        info = self._records.get(key)
+        if info is None:
+            raise CheckpointFormatError(
+                f"'{self.path}' has no record for storage '{key}': the file is truncated or corrupted. "
+                "Copy the rank file again from where it was saved.",
+                path=self.path,
+            )
+        header = self.source.read_bytes(info.header_offset, _LOCAL_HEADER.size)
+        if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
+            raise CheckpointFormatError(
+                f"Corrupted zip entry for storage '{key}' in '{self.path}'. Copy the rank file again.",
+                path=self.path,
+            )
+        fields = _LOCAL_HEADER.unpack(header)
+        offset = int(info.header_offset) + _LOCAL_HEADER.size + int(fields[9]) + int(fields[10])
+        self._data_offsets[key] = offset
+        return offset
+
+    def read_storage(self, storage: Storage, start: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, start+count)`` of a storage, read with ``preadv`` straight into ``out``.
+
+        ``out`` (1-D, contiguous, ``storage.dtype``, ``count`` elements) is allocated when not given.
+        """
+        if out is None:
+            out = torch.empty(count, dtype=storage.dtype)
+        if count <= 0:
+            return out
+        if start < 0 or start + count > storage.numel:
+            raise CheckpointFormatError(
+                f"Tensor view [{start}, {start + count}) lies outside its storage of {storage.numel} elements in "
+                f"'{self.path}'. The file is corrupted; copy it again.",
+                path=self.path,
+            )
+        offset = self.data_offset(storage.key) + start * out.element_size()
+        self.source.read_into(offset, out, f"storage '{storage.key}'")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Archive:
+    """A torch zip archive's pickle and storage records (no tensor bytes read)."""
+
+    path: Path
+    """The file."""
+    size: int
+    """Its size in bytes."""
+    pickle: bytes
+    """The ``data.pkl`` record: the object tree."""
+    records: dict[str, zipfile.ZipInfo]
+    """Storage records by key (``data/<key>``), all stored uncompressed."""
+
+
+def read_archive(path: Path) -> Archive:
+    """Read the zip directory and the pickle of a ``torch.save`` file.
+
+    Raises a :mod:`zeroio.errors` exception for anything that is not a well-formed torch zip archive.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+            if magic[:2] != b"PK":
+                if magic[:1] == b"\x80":
+                    raise UnsupportedCheckpointError(
+                        f"'{path}' uses torch's legacy (pre-1.6) serialization, which zeroio does not read. "
+                        "Re-save it with torch.save (zip format).",
+                        path=path,
+                    )
+                raise CheckpointFormatError(
+                    f"'{path}' is not a torch checkpoint (no zip signature; {size} bytes). "
+                    "Point zeroio at a DeepSpeed checkpoint folder or a file written by torch.save.",
+                    path=path,
+                )
+            fh.seek(0)
+            archive = zipfile.ZipFile(fh)
+            infos = archive.infolist()
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pickles) != 1:
+                raise CheckpointFormatError(
+                    f"'{path}' is a zip file but not a torch checkpoint (found {len(pickles)} data.pkl records). "
+                    "Point zeroio at files written by torch.save.",
+                    path=path,
+                )
+            root = pickles[0].filename[: -len("data.pkl")]
+            records: dict[str, zipfile.ZipInfo] = {}
+            for info in infos:
+                if info.filename.startswith(root + "data/"):
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise UnsupportedCheckpointError(
+                            f"'{path}' stores tensor data compressed ({info.filename}); torch.save never does. "
+                            "Re-save the file with torch.save.",
+                            path=path,
+                        )
+                    records[info.filename[len(root) + len("data/") :]] = info
+            data = archive.read(pickles[0])
+    except ZeroIOError:
+        raise
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"'{path}' does not exist.", path=path) from exc
+    except Exception as exc:  # zipfile raises many types on damaged archives; all mean the same to a user
+        raise CheckpointFormatError(
+            f"'{path}' is truncated or corrupted ({type(exc).__name__}: {exc}). Copy the file again from where it "
+            "was saved.",
+            path=path,
+        ) from exc
+
+    return Archive(path, size, data, records)

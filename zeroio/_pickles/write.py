@@ -1,0 +1,255 @@
+"""Writing the pickle world back: DeepSpeed-class records by name, and torch zip archives filled chunk by chunk."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import struct
+import types
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._fileio import pwrite_all, tensor_bytes
+from ..errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError
+from .archive import TensorRef
+from .plain import TensorRule, Walk, Where, to_plain
+from .read import load_pickle
+from .standins import ZERO_STAGE_ENUM, Inert, ZeroStageEnum, global_name, inert_parts
+
+__all__ = ["Chunks", "RankFileBuilder", "ds_class", "ds_object", "ds_value", "writable"]
+
+logger = logging.getLogger(__name__)
+
+Chunks = Callable[[], Iterator[torch.Tensor]]
+"""Produces a tensor's bytes in order, as bounded 1-D chunks (each valid until the next is asked for)."""
+
+
+# --------------------------------------------------------------------------- pickling DeepSpeed's classes
+
+
+_DS_CLASSES: dict[str, type] = {}
+
+
+def ds_class(qualified: str) -> type:
+    """A local class that pickles as the global ``qualified`` (e.g. DeepSpeed's ``LossScaler``).
+
+    zeroio never imports DeepSpeed: the pickle names the class and DeepSpeed's unpickler resolves it.
+    """
+    cls = _DS_CLASSES.get(qualified)
+    if cls is None:
+        cls = _DS_CLASSES[qualified] = type(qualified.rsplit(".", 1)[1], (), {"_zeroio_writes_as": qualified})
+    return cls
+
+
+class _Call:
+    """Pickles as ``cls(*args)`` (how ``ZeroStageEnum.weights`` pickles: ``ZeroStageEnum(3)``)."""
+
+    def __init__(self, cls: type, args: tuple[Any, ...]) -> None:
+        self.cls = cls
+        self.args = args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.cls, self.args)
+
+
+def ds_object(qualified: str, state: dict[str, Any]) -> Any:
+    """An object that pickles like an instance of ``qualified`` with ``__dict__`` ``state`` (NEWOBJ + BUILD)."""
+    obj: Any = object.__new__(ds_class(qualified))
+    obj.__dict__.update(state)
+    return obj
+
+
+def ds_value(obj: Any, where: Where, walk: Walk, *, source: Path) -> Any:
+    """A parsed stand-in as an object that pickles as the class it stood for (a :data:`StandinRule`).
+
+    Raises:
+        UnsupportedCheckpointError: the object was built from constructor arguments (or an opaque state),
+            which cannot be written back as attributes.
+    """
+    if isinstance(obj, ZeroStageEnum):
+        return _Call(ds_class(ZERO_STAGE_ENUM), (int(obj),))
+    if not isinstance(obj, Inert) or global_name(obj) == "object":
+        return obj
+    parts = inert_parts(obj)
+    if parts.args or parts.kwargs or parts.opaque_state:
+        raise UnsupportedCheckpointError(
+            f"'{source}': '{'.'.join(map(str, where))}' holds a {parts.name} built from constructor arguments, "
+            "which zeroio cannot write back yet. Remove it from the client state before resharding.",
+            path=source,
+        )
+    return ds_object(parts.name, {k: walk(v, (*where, k)) for k, v in parts.state.items()})
+
+
+def writable(value: Any, where: Where, *, tensor: TensorRule, source: Path) -> Any:
+    """A value parsed by zeroio's unpickler, made picklable again for a DeepSpeed rank file.
+
+    Tensors become what ``tensor`` returns; DeepSpeed objects pickle under their own class names; dict subclasses
+    (Lightning's ``AttributeDict``) are written as plain dicts, with a warning.
+    """
+
+    def retyped(node: dict[Any, Any], path: Where) -> None:
+        logger.warning(
+            "%s: '%s' (a %s) is written as a plain dict", source, ".".join(map(str, path)), type(node).__name__
+        )
+
+    def standin(obj: Any, path: Where, walk: Walk) -> Any:
+        return ds_value(obj, path, walk, source=source)
+
+    return to_plain(value, where, tensor=tensor, standin=standin, retyped=retyped)
+
+
+_PythonPickler: Any = pickle._Pickler  # the pure-Python pickler: unlike the C one, its save_global can be overridden
+
+
+class _Pickler(_PythonPickler):  # type: ignore[misc]
+    """Writes each :func:`ds_class` as the global it stands for, without importing it."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        qualified = obj.__dict__.get("_zeroio_writes_as") if isinstance(obj, type) else None
+        if qualified is None:
+            super().save_global(obj, name)
+            return
+        module, _, qualname = qualified.rpartition(".")
+        if self.proto >= 4:
+            self.save(module)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qualname.encode("utf-8") + b"\n")
+        self.memoize(obj)
+
+
+_PICKLE_MODULE = types.ModuleType("zeroio._reshard_pickle")
+_PICKLE_MODULE.Pickler = _Pickler  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- rank files: tree, then bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Fill:
+    """One tensor of a file being written: where it sits in the object tree and how to produce its bytes."""
+
+    path: Where
+    numel: int
+    dtype: torch.dtype
+    chunks: Chunks
+
+
+class RankFileBuilder:
+    """One rank file: an object tree with data-less (fake) tensors, then :meth:`save` streams their bytes."""
+
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self._mode = FakeTensorMode()
+        self._fills: list[_Fill] = []
+
+    def tensor(self, path: Where, shape: Sequence[int], dtype: torch.dtype, chunks: Chunks) -> torch.Tensor:
+        """A tensor to place at ``path`` of the tree, whose bytes ``chunks`` produces when the file is saved."""
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        with self._mode:
+            fake = torch.empty(tuple(shape), dtype=dtype)
+        self._fills.append(_Fill(path, numel, dtype, chunks))
+        return fake
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data the file will hold."""
+        return sum(f.numel * f.dtype.itemsize for f in self._fills)
+
+    def save(self, tree: Any, path: Path, on_bytes: Callable[[int], None]) -> None:
+        """``torch.save`` the tree without tensor bytes, then stream each tensor's bytes into its record.
+
+        ``torch.serialization.skip_data`` writes the archive with every storage record reserved but not filled;
+        each record is then written with ``pwrite`` from bounded chunks, and its CRC-32 set in the data
+        descriptor and the central directory, so the result is the archive ``torch.save`` would have written.
+        """
+        # 1. The archive, storage bytes left empty (no tensor is ever materialised).
+        with open(path, "xb") as fh, torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(tree, fh, pickle_module=_PICKLE_MODULE)
+        # 2. Which record holds which tensor: read back with zeroio's own parser.
+        parsed, rank_file = load_pickle(path)
+        rank_file.close()
+        keys = []
+        for fill in self._fills:
+            ref = _walk(parsed, fill.path)
+            if not isinstance(ref, TensorRef) or ref.numel != fill.numel or ref.storage_offset != 0:
+                raise CheckpointFormatError(f"'{path}': tensor at {fill.path} was not written as planned.", path=path)
+            keys.append(ref.storage.key)
+        with zipfile.ZipFile(path) as archive:
+            records = {info.filename: info for info in archive.infolist()}
+            start_dir = archive.start_dir
+        root = next(name[: -len("data.pkl")] for name in records if name.endswith("data.pkl"))
+        # 3. The bytes, then the CRCs.
+        fd = os.open(path, os.O_RDWR)
+        try:
+            central = _central_directory(fd, start_dir, os.fstat(fd).st_size)
+            for fill, key in zip(self._fills, keys):
+                _fill_record(fd, path, key, records[f"{root}data/{key}"], central, fill, on_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fill_record(
+    fd: int,
+    path: Path,
+    key: str,
+    info: zipfile.ZipInfo,
+    central: dict[str, int],
+    fill: _Fill,
+    on_bytes: Callable[[int], None],
+) -> None:
+    """Write one storage record's bytes and set its CRC-32 where the zip format keeps it."""
+    header = os.pread(fd, 30, info.header_offset)
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    begin = info.header_offset + 30 + name_len + extra_len
+    offset, crc = begin, 0
+    for chunk in fill.chunks():
+        view = tensor_bytes(chunk)
+        pwrite_all(fd, view, offset)
+        crc = zlib.crc32(view, crc)
+        offset += len(view)
+        on_bytes(len(view))
+    if offset - begin != info.file_size:
+        raise PartitionMismatchError(
+            f"'{path}': record data/{key} holds {info.file_size} bytes, {offset - begin} were produced.",
+            path=path,
+        )
+    packed = struct.pack("<I", crc)
+    if info.flag_bits & 0x08:  # data descriptor after the data (torch's writer uses one)
+        signature = os.pread(fd, 4, offset)
+        pwrite_all(fd, packed, offset + 4 if signature == b"PK\x07\x08" else offset)
+    else:
+        pwrite_all(fd, packed, info.header_offset + 14)
+    pwrite_all(fd, packed, central[info.filename] + 16)
+
+
+def _walk(tree: Any, path: Where) -> Any:
+    node = tree
+    for key in path:
+        node = node[key] if isinstance(node, (dict, list, tuple)) else node.__dict__[key]
+    return node
+
+
+def _central_directory(fd: int, start: int, size: int) -> dict[str, int]:
+    """``{record name: offset of its central directory header}``."""
+    data = os.pread(fd, size - start, start)
+    offsets: dict[str, int] = {}
+    pos = 0
+    while pos + 46 <= len(data) and struct.unpack_from("<I", data, pos)[0] == 0x02014B50:
+        n, m, k = struct.unpack_from("<HHH", data, pos + 28)
+        offsets[data[pos + 46 : pos + 46 + n].decode("utf-8")] = start + pos
+        pos += 46 + n + m + k
+    return offsets
