@@ -19,7 +19,7 @@ from ._progress import ByteProgress, Progress
 from ._safetensors_writer import TensorSlot, write_chunks
 from ._storage import kernel_copy_enabled
 
-__all__ = ["write_shards"]
+__all__ = ["copy_in_kernel", "write_shards"]
 
 
 def write_shards(
@@ -63,7 +63,7 @@ def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]]
         raise
 
 
-def _copy_in_kernel(
+def copy_in_kernel(
     ckpt: Checkpoint,
     name: str,
     target: torch.dtype | None,
@@ -129,7 +129,7 @@ def _write_safetensors(
 
             def run() -> None:
                 with naming(final):
-                    if _copy_in_kernel(ckpt, name, plan.target, fd, slot, chunk_bytes, meter.update, stop):
+                    if copy_in_kernel(ckpt, name, plan.target, fd, slot, chunk_bytes, meter.update, stop):
                         return
                     chunks = ckpt.chunks(name, plan.target, chunk_bytes, buffers.get)
                     write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
