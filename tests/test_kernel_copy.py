@@ -12,7 +12,7 @@ import torch
 from fixture_data import FIXTURES, ROOT
 
 import zeroio
-from zeroio._convert import _copy_in_kernel
+from zeroio._write_files import copy_in_kernel as _copy_in_kernel
 from zeroio._safetensors_writer import plan_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="needs os.copy_file_range (Linux)")

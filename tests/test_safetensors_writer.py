@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_save
 
 import zeroio
-from zeroio._convert import _output_dtype
+from zeroio._metadata import output_dtype as _output_dtype
 from zeroio._fileio import ChunkBuffers as _Buffers
 from zeroio._fileio import preallocate, pwrite_all
 from zeroio._metadata import parse_dtype

@@ -188,11 +188,11 @@ class AtomicDir:
         except OSError as exc:
             # Name the folder we could not write in, not the random temporary name.
             where = OSError(exc.errno, exc.strerror, str(self.dst.parent))
-            raise self._error(where) from exc
+            raise self.error(where) from exc
         except BaseException as exc:  # KeyboardInterrupt right after mkdir: __exit__ will not run
             _remove(tmp)
             self.tmp = tmp
-            raise self._error(exc) from exc
+            raise self.error(exc) from exc
         self.tmp = tmp
         return tmp
 
@@ -213,9 +213,10 @@ class AtomicDir:
         if isinstance(exc, ZeroIOError):
             # OutputError already names dst; any other ZeroIOError is about the source and says what to do.
             raise exc
-        raise self._error(exc) from exc
+        raise self.error(exc) from exc
 
-    def _error(self, exc: BaseException) -> OutputError:
+    def error(self, exc: BaseException) -> OutputError:
+        """The OutputError naming ``dst`` for a failure ``exc`` (says whether the partial output was removed)."""
         partial = " Removed the partial output." if self.tmp is not None else ""
         return OutputError(f"Cannot write '{self.dst}': {_cause(exc)}.{partial} {_fix(exc)}", path=self.dst)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Callable, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +14,9 @@ from torch import nn
 
 from ._checkpoint import Checkpoint
 from ._metadata import CheckpointMetadata, parse_dtype
+from ._progress import ByteProgress, Progress, check_progress
 from ._text import SHOWN, listing
-from ._types import DTypeLike, InitHook, ProgressCallback, StrPath
+from ._types import DTypeLike, InitHook, StrPath
 from .errors import InitHookError, StateDictMismatchError
 
 __all__ = ["KeyMap", "LoadReport", "load"]
@@ -269,7 +271,7 @@ def load(
     device: str | torch.device | None = None,
     tag: str | None = None,
     key_map: KeyMap | None = None,
-    progress: ProgressCallback | None = None,
+    progress: Progress | None = False,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -295,7 +297,8 @@ def load(
         tag: the DeepSpeed tag folder to read (default: the one named in ``latest``).
         key_map: renames checkpoint keys (a dict, or a callable); ``None`` drops a key. Applied before the
             automatic ``module.`` / ``_forward_module.`` / ``model.`` prefix normalisation.
-        progress: called as ``progress(done_bytes, total_bytes)`` after each tensor.
+        progress: ``True`` draws a tqdm bar in bytes on a terminal, ``False`` (or None) is silent, or pass
+            ``callable(done, total)``: called with bytes loaded and total bytes after each tensor.
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -320,6 +323,9 @@ def load(
         raise TypeError(f"init_hook must be a callable taking the model, got {type(init_hook).__name__}.")
     if key_map is not None and not (isinstance(key_map, Mapping) or callable(key_map)):
         raise TypeError(f"key_map must be a dict or a callable, got {type(key_map).__name__}.")
+    if progress is None:  # the default before progress=True/False existed
+        progress = False
+    check_progress(progress)
     target_dtype = parse_dtype(dtype)
     target_device = _target_device(device)
     owned = not isinstance(path, Checkpoint)
@@ -344,7 +350,7 @@ def _load(
     target_dtype: torch.dtype | None,
     target_device: torch.device | None,
     key_map: KeyMap | None,
-    progress: ProgressCallback | None,
+    progress: Progress,
 ) -> LoadReport:
     where = str(ckpt.metadata.path)
 
@@ -399,8 +405,9 @@ def _load(
     #    In place (copy_) when dtype and device already fit, so Parameter objects, ties and optimizer references
     #    survive; otherwise (meta, new dtype or device) a new tensor at its final place, registered at every name.
     total = sum(infos[key].nbytes for _, key in plan.values())
-    done = 0
-    with torch.no_grad(), torch.device("cpu"):  # a caller's default-device context must not redirect our reads
+    meter = ByteProgress(progress, total, "Loading")
+    # A caller's default-device context must not redirect our reads.
+    with closing(meter), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
             want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
@@ -411,9 +418,7 @@ def _load(
                 fresh = torch.empty(old.shape, dtype=want_dtype, device=want_device)
                 _fill(ckpt, key, fresh)
                 _install(slot, fresh)
-            done += infos[key].nbytes
-            if progress is not None:
-                progress(done, total)
+            meter.update(infos[key].nbytes)
 
     # 5. Report.
     loaded_keys = [k for k, slot in by_key.items() if id(slot) in plan]

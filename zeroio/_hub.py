@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._progress import check_progress
 from ._text import listing
 from .errors import HubError
 
 if TYPE_CHECKING:
     import torch
 
-    from ._types import ProgressCallback, StrPath
+    from ._progress import Progress
+    from ._types import StrPath
 
 __all__ = ["PushResult", "push_to_hub"]
 
@@ -65,7 +67,7 @@ def push_to_hub(
     tag: str | None = None,
     endpoint: str | None = None,
     model_card: bool = True,
-    progress: bool | ProgressCallback = True,
+    progress: Progress = True,
 ) -> PushResult:
     """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
 
@@ -99,8 +101,8 @@ def push_to_hub(
         tag: the DeepSpeed tag to convert (default: the one in ``latest``).
         endpoint: the Hub URL (default: ``HF_ENDPOINT`` or https://huggingface.co).
         model_card: write a ``README.md`` model card when the upload has none.
-        progress: ``True`` shows conversion and upload progress, ``False`` is silent, or pass
-            ``callable(done, total)`` to receive conversion progress in bytes (uploads then stay silent).
+        progress: ``True`` shows conversion (tqdm, bytes) and upload progress on a terminal, ``False`` is silent,
+            or pass ``callable(done, total)`` to receive conversion progress in bytes (uploads then stay silent).
 
     Returns:
         A :class:`PushResult`: repo, ref, commit URL and hash, pull request URL, and the files pushed.
@@ -124,6 +126,7 @@ def push_to_hub(
             f"revision={revision!r}. Drop revision to open a pull request, or pass revision='refs/pr/N' without "
             "create_pr to add a commit to an open pull request."
         )
+    check_progress(progress)
     src_path = Path(src)
     if not src_path.exists():
         from .errors import CheckpointNotFoundError

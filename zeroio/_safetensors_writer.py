@@ -18,21 +18,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ._fileio import preallocate, pwrite_all, tensor_bytes
+from ._fileio import pwrite_all, tensor_bytes
 
 __all__ = [
     "MAX_HEADER_SIZE",
+    "SAFETENSORS_DTYPES",
     "SafetensorsLayout",
     "TensorSlot",
     "plan_file",
-    "preallocate",
-    "pwrite_all",
     "safetensors_dtype",
     "write_chunks",
 ]
 
 MAX_HEADER_SIZE = 100_000_000
-"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate)."""
+"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate): the one limit for writing
+and reading."""
 
 # safetensors' Dtype enum, in declaration order (its files sort tensors by this rank, descending, then by name).
 _DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = (
@@ -55,7 +55,9 @@ _DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = (
     ("I64", torch.int64),
     ("U64", getattr(torch, "uint64", None)),
 )
-_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPE_ORDER if dt is not None}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in _DTYPE_ORDER if dt is not None}
+"""safetensors' dtype names and the torch dtype each holds (those this torch has), in safetensors' enum order."""
+_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
 _RANK: dict[torch.dtype, int] = {dt: i for i, (_, dt) in enumerate(_DTYPE_ORDER) if dt is not None}
 
 
@@ -123,7 +125,7 @@ def plan_file(
 
     Raises:
         ValueError: a name repeats or is ``__metadata__``, a dtype has no safetensors encoding, or the header
-            would exceed safetensors' 100 MB limit. TypeError: metadata is not ``str -> str``.
+            would exceed safetensors' limit (:data:`MAX_HEADER_SIZE`). TypeError: metadata is not ``str -> str``.
 
     Example:
         >>> layout = plan_file([("w", torch.float32, (2, 2))], metadata={"format": "pt"})

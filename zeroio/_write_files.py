@@ -1,0 +1,181 @@
+"""Execute a WritePlan's shards: stream tensors into safetensors files (kernel copy where possible) or torch.save."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ._checkpoint import Checkpoint
+from ._fileio import ChunkBuffers, create_new, naming, preallocate, pwrite_all
+from ._metadata import output_dtype
+from ._plan import WritePlan
+from ._progress import ByteProgress, Progress
+from ._safetensors_writer import TensorSlot, write_chunks
+from ._storage import kernel_copy_enabled
+
+__all__ = ["copy_in_kernel", "write_shards"]
+
+
+def write_shards(
+    ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, chunk_bytes: int, progress: Progress
+) -> None:
+    """Write every shard of ``plan`` into the folder ``tmp``, fsynced (not the index: the commit writes it last).
+
+    Errors name the files by their final path in ``dst``.
+    """
+    if plan.fmt == "safetensors":
+        _write_safetensors(ckpt, plan, tmp, dst, workers=workers, chunk_bytes=chunk_bytes, progress=progress)
+    else:
+        _write_torch(ckpt, plan, tmp, dst, workers=workers, progress=progress)
+
+
+@contextmanager
+def _pool(workers: int) -> Iterator[cf.ThreadPoolExecutor | None]:
+    if workers == 1:
+        yield None
+        return
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zeroio-io") as pool:
+        yield pool
+
+
+def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]], stop: threading.Event) -> None:
+    """Run tasks (in order when single-threaded); on the first failure or an interrupt, stop the rest and raise."""
+    if pool is None:
+        for task in tasks:
+            task()
+        return
+    futures = [pool.submit(task) for task in tasks]
+    try:
+        cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        for future in futures:  # the earliest failure in submission order, for a deterministic error
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+    except BaseException:
+        stop.set()
+        for future in futures:
+            future.cancel()
+        raise
+
+
+def copy_in_kernel(
+    ckpt: Checkpoint,
+    name: str,
+    target: torch.dtype | None,
+    fd: int,
+    slot: TensorSlot,
+    chunk_bytes: int,
+    on_bytes: Callable[[int], None],
+    stop: threading.Event,
+) -> bool:
+    """Copy a tensor that needs no cast file to file with ``copy_file_range``; False to fall back to streaming.
+
+    The bytes never enter user space: measured 1.8 s instead of 5.8 s for the 468M benchmark checkpoint's
+    fp32 pieces (docs/benchmarks.md). Falling back after a partial copy is safe: streaming rewrites the slot.
+    """
+    info = ckpt.info(name)
+    if not kernel_copy_enabled() or output_dtype(info, target) != ckpt.stored_dtype(name):
+        return False
+    ranges = ckpt.byte_ranges(ckpt.source_name(name))
+    if ranges is None or sum(n for _, _, n in ranges) != slot.nbytes:
+        return False
+    offset = slot.begin
+    for source, src_offset, nbytes in ranges:
+        done = 0
+        while done < nbytes:
+            if stop.is_set():
+                return True
+            got = source.copy_to(fd, src_offset + done, min(chunk_bytes, nbytes - done), offset + done)
+            if got is None:  # no fast path between this source and the destination
+                return False
+            if got <= 0:  # the source ended early: let the streaming reader raise its precise error
+                return False
+            done += got
+            on_bytes(got)
+        offset += nbytes
+    return True
+
+
+def _write_safetensors(
+    ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, chunk_bytes: int, progress: Progress
+) -> None:
+    # 1. Create and preallocate every file (a full disk fails here, before reading), write the headers.
+    meter = ByteProgress(progress, plan.shards.total_size, "Converting")
+    fds: list[int] = []
+    stop = threading.Event()
+    try:
+        slot_of = {}
+        for filename, layout in plan.layouts:
+            with naming(dst / filename):
+                fd = create_new(tmp / filename)
+                fds.append(fd)
+                preallocate(fd, layout.size)
+                pwrite_all(fd, layout.header, 0)
+            for slot in layout.slots:
+                slot_of[slot.name] = (fd, slot, dst / filename)
+        meter.start()
+
+        # 2. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
+        #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes.
+        buffers = ChunkBuffers()
+
+        def task(name: str) -> Callable[[], None]:
+            fd, slot, final = slot_of[name]
+
+            def run() -> None:
+                with naming(final):
+                    if copy_in_kernel(ckpt, name, plan.target, fd, slot, chunk_bytes, meter.update, stop):
+                        return
+                    chunks = ckpt.chunks(name, plan.target, chunk_bytes, buffers.get)
+                    write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
+
+            return run
+
+        order = [name for name in ckpt.infos if name in slot_of]
+        with _pool(workers) as pool:
+            _run_all(pool, [task(n) for n in order], stop)
+        # 3. Durable before the index names them.
+        for fd, (filename, _) in zip(fds, plan.layouts):
+            with naming(dst / filename):
+                os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        meter.close()
+
+
+def _write_torch(ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, progress: Progress) -> None:
+    meter = ByteProgress(progress, plan.shards.total_size, "Converting")
+    meter.start()
+    stop = threading.Event()
+    ties = plan.ties
+
+    def loader(name: str, into: dict[str, torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            if not stop.is_set():
+                tensor = ckpt.get_tensor(name, dtype=plan.target)
+                into[name] = tensor
+                meter.update(tensor.numel() * tensor.element_size())
+
+        return run
+
+    try:
+        with _pool(workers) as pool:
+            for filename, shard_names in plan.shards.shards:
+                # One shard in memory at a time: torch.save needs whole tensors. The planner keeps each tied
+                # alias in its source's shard, so the alias can share the source's tensor.
+                loaded: dict[str, torch.Tensor] = {}
+                _run_all(pool, [loader(n, loaded) for n in shard_names if n not in ties], stop)
+                shard = {n: loaded[ties.get(n, n)] for n in shard_names}
+                with naming(dst / filename), open(tmp / filename, "xb") as fh:
+                    torch.save(shard, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                del shard, loaded
+    finally:
+        meter.close()
