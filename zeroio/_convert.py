@@ -549,7 +549,7 @@ def convert(
                 from ._optim import write_optimizer_files
 
                 write_optimizer_files(ckpt, optim, tmp, chunk_bytes=chunk_bytes)
-            copied = copy_side_files(Path(src), tmp)  # HF Trainer checkpoint-N: config and tokenizer files
+            copied = copy_side_files(Path(src), tmp, dtype=target)  # HF Trainer checkpoint-N: config and tokenizer files
         num_params = sum(infos[n].numel for n in names if n not in ties)
         facts = _card_facts(ckpt, fmt, target, [dtypes[n] for n in names], excluded, num_params)
 

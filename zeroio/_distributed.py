@@ -477,7 +477,7 @@ def _run(
                     index_name = C.SAFETENSORS_INDEX if fmt == "safetensors" else C.TORCH_INDEX
                     with naming(out.dst / index_name):
                         write_new_file(tmp / index_name, plan.index)
-                copied = list(copy_side_files(Path(src), tmp))
+                copied = list(copy_side_files(Path(src), tmp, dtype=target))
             except BaseException as exc:  # noqa: BLE001
                 error = exc
             if error is None:
