@@ -79,7 +79,9 @@ def test_sharded_over_single_file_deletes_the_old_weights(
     files = sorted(hub_server.list_files("tester/relayout"))
     assert files == [".gitattributes", "README.md", *SHARDS, "model.safetensors.index.json"]
     snapshot = Path(
-        snapshot_download("tester/relayout", endpoint=hub_server.endpoint, token=DEFAULT_TOKEN, cache_dir=tmp_path / "c")
+        snapshot_download(
+            "tester/relayout", endpoint=hub_server.endpoint, token=DEFAULT_TOKEN, cache_dir=tmp_path / "c"
+        )
     )
     assert not (snapshot / "model.safetensors").exists()
     for name in SHARDS:
