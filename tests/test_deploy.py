@@ -628,9 +628,20 @@ class _PlainLit(nn.Module):
             self.model = build()
 
 
+@functools.cache
+def _lit_with_hook() -> type[nn.Module]:
+    """_PlainLit as a LightningModule: implicit hooks run only for LightningModules (issue 15, as Lightning does)."""
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class LitHook(_PlainLit, pl.LightningModule):
+        pass
+
+    return LitHook
+
+
 def test_configure_model_runs_by_default():
-    """With init_hook=None, a model's own configure_model runs exactly once before loading."""
-    module = _PlainLit()
+    """With init_hook=None, a LightningModule's own configure_model runs exactly once before loading."""
+    module = _lit_with_hook()()
     report = load(FIXTURES / "z3_ws4_fp32", module)
     assert module.configured == 1
     assert report.hooks_called == ("configure_model",)
@@ -649,7 +660,7 @@ def test_explicit_hook_replaces_configure_model():
 def test_raising_configure_model():
     """A raising configure_model is reported with the class and hook name."""
 
-    class Broken(_PlainLit):
+    class Broken(_lit_with_hook()):  # type: ignore[misc]
         def configure_model(self) -> None:
             raise ValueError("no config")
 

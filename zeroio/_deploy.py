@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Callable, Mapping
-from contextlib import closing
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,8 +106,20 @@ def _slots(model: nn.Module) -> tuple[dict[str, _Slot], list[_Slot]]:
 # --------------------------------------------------------------------------- hooks
 
 
+def _is_lightning_module(model: nn.Module) -> bool:
+    """Whether ``model`` is a Lightning ``LightningModule``, checked by class name so Lightning is never imported."""
+    return any(
+        cls.__name__ == "LightningModule" and cls.__module__.split(".")[0] in _FRAMEWORK_MODULES
+        for cls in type(model).__mro__
+    )
+
+
 def _default_hooks(model: nn.Module) -> list[str]:
-    """Lightning's sharded-init hooks that the model's class overrides (the framework's base ones are no-ops)."""
+    """Lightning's sharded-init hooks that a LightningModule's class overrides (the framework's base ones are
+    no-ops). Like Lightning's own ``load_from_checkpoint`` (``is_overridden`` on a LightningModule), a plain
+    ``nn.Module`` gets none: a method it happens to call ``configure_model`` is the user's, not a contract."""
+    if not _is_lightning_module(model):
+        return []
     names = []
     for name in _HOOK_NAMES:
         fn = getattr(type(model), name, None)
@@ -120,6 +132,12 @@ def _default_hooks(model: nn.Module) -> list[str]:
     return names
 
 
+def _on_meta(model: nn.Module) -> bool:
+    """Whether the model has parameters and all of them are on ``meta`` (built under ``torch.device("meta")``)."""
+    params = list(model.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
 def _run_hooks(model: nn.Module, init_hook: InitHook | None, where: str) -> tuple[str, ...]:
     if init_hook is not None:
         calls: list[tuple[str, Callable[[], Any]]] = [
@@ -127,10 +145,14 @@ def _run_hooks(model: nn.Module, init_hook: InitHook | None, where: str) -> tupl
         ]
     else:
         calls = [(name, getattr(model, name)) for name in _default_hooks(model)]
+    # A model built on meta gets its hook-built layers on meta too (as Lightning's empty-init context does):
+    # otherwise every new layer would be allocated and randomly initialised on the CPU only to be overwritten.
+    on_meta = bool(calls) and _on_meta(model)
     for name, call in calls:
         logger.debug("running init hook %s", name)
         try:
-            call()
+            with torch.device("meta") if on_meta else nullcontext():
+                call()
         except Exception as exc:
             shown = name if init_hook is not None else f"{type(model).__name__}.{name}"
             raise InitHookError(
@@ -284,9 +306,11 @@ def load(
             with :func:`zeroio.open` (left open).
         model: any ``nn.Module``: built normally, on the ``meta`` device, or with layers the hook creates.
         init_hook: called as ``init_hook(model)`` once, before keys are matched, to build lazily created layers.
-            When None, the model's own Lightning hooks run if its class overrides them
-            (``configure_sharded_model``, then ``configure_model``, as Lightning's Trainer does); pass
-            ``init_hook=lambda m: None`` to run nothing.
+            When None and ``model`` is a ``LightningModule``, its own Lightning hooks run if its class overrides
+            them (``configure_sharded_model``, then ``configure_model``, as Lightning's Trainer does); a plain
+            ``nn.Module`` gets no implicit call. Pass ``init_hook=lambda m: None`` to run nothing. When every
+            parameter of ``model`` is on ``meta``, the hook runs under ``torch.device("meta")``, so the layers
+            it builds are never randomly initialised in memory first.
         strict: raise :class:`~zeroio.errors.StateDictMismatchError` on any missing key, unexpected key or shape
             mismatch, before modifying anything. With False, load what matches and report the rest.
         dtype: cast every floating tensor (parameters and buffers, like ``model.to(dtype)``) to this dtype.

@@ -192,7 +192,7 @@ def _run(
                 if plan.index is not None:
                     with naming(out.dst / plan.index_name):
                         write_new_file(tmp / plan.index_name, plan.index)
-                copied = list(copy_side_files(Path(src), tmp))  # HF Trainer checkpoint-N: config, tokenizer
+                copied = list(copy_side_files(Path(src), tmp, dtype=target))  # HF Trainer checkpoint-N: config, tokenizer
             except BaseException as exc:  # noqa: BLE001
                 error = exc
             if error is None:

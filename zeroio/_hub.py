@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ._progress import Progress
     from ._types import StrPath
 
-__all__ = ["PushResult", "push_to_hub"]
+__all__ = ["STALE_WEIGHT_PATTERNS", "TOKEN_ON_COMMAND_LINE_WARNING", "PushResult", "push_to_hub"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,27 @@ CONVERTED_MARKERS = ("model.safetensors", "model.safetensors.index.json")
 """A folder holding either file is taken as already converted and uploaded as is."""
 
 CARD_TAGS = ("deepspeed", "zeroio")
+
+STALE_WEIGHT_PATTERNS = (
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model-*-of-*.bin",
+    "pytorch_model.bin.index.json",
+    "optimizer.safetensors",
+    "optimizer-*-of-*.safetensors",
+    "optimizer.safetensors.index.json",
+    "optimizer.json",
+)
+"""Weight files of any layout (``save_pretrained`` / zeroio names) that a push deletes from the repo unless it
+uploads them again, so a snapshot never holds two layouts (e.g. a stale ``model.safetensors`` beside new shards)."""
+
+TOKEN_ON_COMMAND_LINE_WARNING = (
+    "warning: --token is visible to other users in process listings and shell history; set HF_TOKEN or run "
+    "`hf auth login` instead."
+)
+"""The line the CLI prints on stderr when ``--token`` is used (see docs/hub.md, Authentication)."""
 
 _DEFAULT_BRANCH = "main"
 
@@ -136,6 +157,8 @@ def push_to_hub(
             "checkpoint folder.",
             path=src_path,
         )
+    converted = _is_converted(src_path) and dtype is None
+    _check_source(src_path, converted=converted, dtype=dtype, max_shard_size=max_shard_size, tag=tag)
     try:
         from huggingface_hub import HfApi
     except ImportError as e:  # pragma: no cover - a declared dependency
@@ -166,7 +189,6 @@ def push_to_hub(
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
 
         # 3. The folder to upload: the converted folder itself, or a fresh conversion in a temporary folder.
-        converted = _is_converted(src_path) and dtype is None
         card_facts: dict[str, Any] = {}
         if converted:
             weights_dir = src_path
@@ -190,7 +212,8 @@ def push_to_hub(
             )
         files = tuple(_listing(staging))
 
-        # 5. One upload call: huggingface_hub skips files whose content the Hub already has.
+        # 5. One upload call: huggingface_hub skips files whose content the Hub already has, and deletes the weight
+        #    files of another layout in the same commit (files uploaded again are never deleted).
         logger.debug(
             "pushing %d files from %s to %s at %s (revision=%s, create_pr=%s)",
             len(files),
@@ -207,6 +230,7 @@ def push_to_hub(
                 commit_message=commit_message or _default_message(card_facts, converted=converted),
                 revision=revision,
                 create_pr=create_pr,
+                delete_patterns=list(STALE_WEIGHT_PATTERNS),
             )
 
     pushed_to = (info.pr_revision if info.pr_url else revision) or _DEFAULT_BRANCH
@@ -236,12 +260,36 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def _link_tree(src: Path, dst: Path) -> None:
+    """Mirror ``src``'s files into ``dst`` as links, leaving out any link that resolves outside ``src``."""
+    root = src.resolve()
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
         if rel.parts[0] in (".git", ".cache") or path.name.endswith(".partial") or not path.is_file():
             continue
+        if not path.resolve().is_relative_to(root):
+            # A link to e.g. a token file or /etc/shadow must never be uploaded in its place.
+            logger.warning(
+                "not uploading '%s': it is a link to a file outside '%s'; copy the file into the folder to push it",
+                path,
+                src,
+            )
+            continue
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         _link(path, dst / rel)
+
+
+def _check_source(
+    src: Path, *, converted: bool, dtype: str | torch.dtype | None, max_shard_size: int | str, tag: str | None
+) -> None:
+    """Everything push can check locally, before it creates a repo: conversion arguments and a readable source."""
+    from ._formats import open as open_checkpoint
+    from ._metadata import parse_dtype
+    from ._sharding import parse_size
+
+    parse_dtype(dtype)
+    parse_size(max_shard_size)
+    with open_checkpoint(src, None if converted else tag):  # metadata only: headers, rank-file layout
+        pass
 
 
 def _listing(folder: Path) -> list[str]:

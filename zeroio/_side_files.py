@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["SIDE_FILES", "copy_side_files", "find_side_files"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CONFIG_DTYPE_KEYS", "SIDE_FILES", "config_with_dtype", "copy_side_files", "find_side_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +31,11 @@ SIDE_FILES = (
 
 _ZERO_RANK_SUFFIXES = ("_model_states.pt", "_optim_states.pt")
 
+CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
+"""Keys of ``config.json`` that say the weights' dtype: ``dtype`` (transformers 5.x), ``torch_dtype`` (older)."""
+
+_DTYPE_ENTRY = re.compile(r'("(?:' + "|".join(CONFIG_DTYPE_KEYS) + r')"\s*:\s*)"[^"\\]*"')
+
 
 def find_side_files(src: Path) -> list[Path]:
     """The :data:`SIDE_FILES` next to a checkpoint: in ``src`` and, for a tag folder or a file, in its parent.
@@ -40,23 +51,70 @@ def find_side_files(src: Path) -> list[Path]:
     found: dict[str, Path] = {}
     for folder in folders:
         for name in SIDE_FILES:
-            if name not in found and (folder / name).is_file():
+            if name not in found and (folder / name).is_file() and _stays_inside(folder / name, folder):
                 found[name] = folder / name
     return list(found.values())
 
 
-def copy_side_files(src: Path, dst: Path) -> tuple[str, ...]:
+def _stays_inside(path: Path, folder: Path) -> bool:
+    """False (with a warning) for a link resolving outside ``folder``: it could expose any file (a token,
+    ``/etc/shadow``) in the output and on the Hub. Links within the checkpoint folder are followed."""
+    if path.resolve().is_relative_to(folder.resolve()):
+        return True
+    logger.warning(
+        "not copying '%s': it is a link to a file outside '%s'; copy the file into the checkpoint folder to include it",
+        path,
+        folder,
+    )
+    return False
+
+
+def copy_side_files(src: Path, dst: Path, *, dtype: torch.dtype | None = None) -> tuple[str, ...]:
     """Copy the side files found for ``src`` into the folder ``dst`` (new files, fsynced); return their names.
 
     Used while ``dst`` is still the temporary folder of an atomic output, so the copies appear with the weights.
+    ``dtype`` is the dtype the weights were cast to: ``config.json`` then says it (``dtype`` / ``torch_dtype``,
+    whichever it has), so ``from_pretrained(dtype="auto")`` loads them as written; every other byte is kept.
     """
     copied: list[str] = []
     for path in find_side_files(src):
         with open(path, "rb") as fin, open(dst / path.name, "xb") as fout:
-            shutil.copyfileobj(fin, fout)
+            if path.name == "config.json" and dtype is not None:
+                fout.write(config_with_dtype(fin.read(), dtype))
+            else:
+                shutil.copyfileobj(fin, fout)
             fout.flush()
             os.fsync(fout.fileno())
         copied.append(path.name)
     if copied:
         logger.debug("copied %s from beside %s", ", ".join(copied), src)
     return tuple(copied)
+
+
+def config_with_dtype(raw: bytes, dtype: torch.dtype) -> bytes:
+    """``config.json`` bytes with every :data:`CONFIG_DTYPE_KEYS` entry (sub-configs too) set to ``dtype``.
+
+    Only the values change, in place, so the rest of the file stays byte-identical; a config without such a key,
+    or that is not JSON, is returned unchanged.
+    """
+    name = str(dtype).removeprefix("torch.")
+    try:
+        text = raw.decode("utf-8")
+        before = json.loads(text)
+    except (UnicodeDecodeError, ValueError):
+        logger.warning("config.json is not JSON; copied unchanged (its dtype may not say %s)", name)
+        return raw
+    after = _DTYPE_ENTRY.sub(lambda m: f'{m.group(1)}"{name}"', text)
+    if json.loads(after) != _set_dtype(before, name):  # a key the pattern cannot see safely: rewrite the JSON
+        after = json.dumps(_set_dtype(before, name), indent=2, ensure_ascii=False) + "\n"
+    return after.encode("utf-8")
+
+
+def _set_dtype(value: Any, name: str) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: name if k in CONFIG_DTYPE_KEYS and isinstance(v, str) else _set_dtype(v, name) for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_set_dtype(v, name) for v in value]
+    return value

@@ -141,8 +141,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     """Push a checkpoint (converted on the fly) or a converted folder to the Hugging Face Hub."""
-    from .._hub import push_to_hub
+    from .._hub import TOKEN_ON_COMMAND_LINE_WARNING, push_to_hub
 
+    if args.token is not None:  # issue 15: a token in argv is readable by other users (ps, /proc, history)
+        print(TOKEN_ON_COMMAND_LINE_WARNING, file=sys.stderr)
     result = push_to_hub(
         args.src,
         args.repo_id,
@@ -261,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("push", help="push to the Hugging Face Hub (converting first if needed)")
     p.add_argument("src", help="checkpoint or converted folder")
     p.add_argument("repo_id", help="e.g. my-org/my-model")
-    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--token", help="Hub token; prefer HF_TOKEN or `hf auth login` (argv is visible in ps)")
     p.add_argument("--private", action="store_true", default=None, help="create the repo as private")
     p.add_argument("--revision", help="branch to push to (created if missing)")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
