@@ -496,7 +496,7 @@ def _tiny_model() -> torch.nn.Module:
 @pytest.mark.parametrize("name", ["z1_ws3_bf16", "z0_ws2_bf16", "z1_ws2_bf16_fp32acc"])
 def test_load_strict_gets_every_weight(name):
     """zeroio.load(strict=True) fills every parameter, frozen ones included, with the engine's values."""
-    from zeroio._deploy import load
+    from zeroio import load
 
     model = _tiny_model()
     load(FIXTURES / name, model, strict=True)
@@ -510,7 +510,7 @@ def test_convert_writes_every_weight(name, tmp_path):
     """zeroio.convert writes every tensor the engine held (frozen, stage-0 masters, experts), bit for bit."""
     from safetensors.torch import load_file
 
-    from zeroio._convert import convert
+    from zeroio import convert
 
     result = convert(FIXTURES / name, tmp_path / "out", progress=False)
     written: dict[str, torch.Tensor] = {}

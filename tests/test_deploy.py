@@ -19,7 +19,7 @@ from torch import nn
 
 import zeroio
 from fixture_data import FIXTURES, fixture_names, manifest, reference
-from zeroio._deploy import LoadReport, load
+from zeroio import LoadReport, load
 from zeroio.errors import InitHookError, StateDictMismatchError, ZeroIOError
 
 MODES = ["normal", "meta", "hook"]
@@ -813,7 +813,7 @@ def test_argument_errors():
 
 _PEAK_SCRIPT = """
 import sys, torch
-from zeroio._deploy import load
+from zeroio import load
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -18,7 +18,7 @@ import torch
 from fixture_data import FIXTURES
 
 import zeroio
-from zeroio._convert import convert
+from zeroio import convert
 from zeroio._distributed import TORCHRUN_ENV, assign_shards
 from zeroio.cli import main
 

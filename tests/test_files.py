@@ -227,7 +227,7 @@ def test_ties_recorded_in_sharded_index(tmp_path):
 @pytest.mark.parametrize("max_shard_size", ["5GB", 300], ids=["single", "sharded"])
 def test_converter_output_reads_back(tmp_path, max_shard_size):
     """zeroio.convert's safetensors output reads back equal to the ZeRO checkpoint, ties included."""
-    from zeroio._convert import convert
+    from zeroio import convert
 
     out = tmp_path / "out"
     convert(FIXTURES / "z3_ws2_fp32", out, max_shard_size=max_shard_size, progress=False)

@@ -284,7 +284,7 @@ def test_write_lightning_ckpt_load_from_checkpoint(tmp_path, name):
 def test_zeroio_load_into_lightning_module_runs_configure_model(name):
     """zeroio.load of the ZeRO folder into a fresh module calls configure_model and gives Lightning's outputs."""
     pytest.importorskip("lightning")
-    from zeroio._deploy import load
+    from zeroio import load
 
     folder = FRAMEWORKS / name
     tiny_lit = _generator_module().lightning_module_class()
@@ -303,7 +303,7 @@ def test_zeroio_load_into_lightning_module_runs_configure_model(name):
 def test_zeroio_load_into_transformers_model():
     """zeroio.load of checkpoint-N into AutoModelForCausalLM.from_config keeps the tie and gives the trained logits."""
     transformers = pytest.importorskip("transformers")
-    from zeroio._deploy import load
+    from zeroio import load
 
     expected = torch.load(HF / "expected" / "logits.pt", weights_only=True)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(HF_CKPT)).eval()

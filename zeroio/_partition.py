@@ -17,6 +17,7 @@ __all__ = [
     "zero3_offsets",
     "zero3_partition_numel",
     "zero3_plan",
+    "zero3_sub_groups",
     "zero12_offsets",
     "zero12_plan",
 ]
@@ -135,3 +136,29 @@ def split_pieces(pieces: Sequence[Piece], max_elements: int) -> list[Piece]:
             out.append(Piece(piece.rank, piece.group, piece.start + done, take, piece.dest + done))
             done += take
     return out
+
+
+def zero3_sub_groups(numels: Sequence[int], world_size: int, sub_group_size: int) -> list[list[int]]:
+    """Split one param group into ZeRO-3 sub-groups as DeepSpeed 0.19.8 does (``_create_fp16_sub_groups``).
+
+    Each sub-group gets one fp32 flat tensor and one base-optimizer state entry. Parameters are taken in order
+    and a sub-group is closed once its partition sizes (``ceil(numel / world_size)`` each) reach
+    ``sub_group_size``; a group whose partitions fit is one sub-group (an empty group too).
+
+    Example:
+        >>> zero3_sub_groups([91, 35, 35], 2, 50)
+        [[0, 1], [2]]
+    """
+    parts = [zero3_partition_numel(n, world_size) for n in numels]
+    if sub_group_size >= sum(parts):
+        return [list(range(len(numels)))]
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, part in enumerate(parts):
+        current.append(i)
+        size += part
+        if size >= sub_group_size or i == len(parts) - 1:
+            groups.append(current)
+            current, size = [], 0
+    return groups

@@ -24,12 +24,12 @@ from ._atomic import AtomicDir
 from ._fileio import pwrite_all
 from ._metadata import require, require_dict
 from ._optim import OptimizerLayout, moment_source, optimizer_layout
-from ._partition import zero3_partition_numel
+from ._partition import zero3_partition_numel, zero3_sub_groups
 from ._types import ProgressCallback, StrPath
 from ._unpickle import TensorRef, load_pickle
 from .errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard", "zero3_sub_groups"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,35 +58,6 @@ class ReshardResult:
     """Bytes of tensor data written."""
     source_world_size: int
     """Data-parallel ranks of the source checkpoint."""
-
-
-# --------------------------------------------------------------------------- pure arithmetic
-
-
-def zero3_sub_groups(numels: Sequence[int], world_size: int, sub_group_size: int) -> list[list[int]]:
-    """Split one param group into ZeRO-3 sub-groups as DeepSpeed 0.19.8 does (``_create_fp16_sub_groups``).
-
-    Each sub-group gets one fp32 flat tensor and one base-optimizer state entry. Parameters are taken in order
-    and a sub-group is closed once its partition sizes (``ceil(numel / world_size)`` each) reach
-    ``sub_group_size``; a group whose partitions fit is one sub-group (an empty group too).
-
-    Example:
-        >>> zero3_sub_groups([91, 35, 35], 2, 50)
-        [[0, 1], [2]]
-    """
-    parts = [zero3_partition_numel(n, world_size) for n in numels]
-    if sub_group_size >= sum(parts):
-        return [list(range(len(numels)))]
-    groups: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i, part in enumerate(parts):
-        current.append(i)
-        size += part
-        if size >= sub_group_size or i == len(parts) - 1:
-            groups.append(current)
-            current, size = [], 0
-    return groups
 
 
 # --------------------------------------------------------------------------- pickling DeepSpeed's classes
