@@ -35,12 +35,12 @@ from ._convert import (
 )
 from ._fileio import naming, write_new_file
 from ._metadata import output_dtype as _output_dtype
-from ._sharding import ShardPlan
+from ._sharding import ShardPlan, assign_shards
 from ._side_files import copy_side_files
 from ._types import ProgressCallback, StrPath
 from .errors import OutputError, ZeroIOError
 
-__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "assign_shards", "convert_distributed", "torchrun_env"]
+__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,34 +77,6 @@ def _timeout() -> timedelta:
 
 
 # --------------------------------------------------------------------------- the plan (pure)
-
-
-def assign_shards(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """The process (rank) that writes each shard, balancing bytes: largest shard first, to the least-loaded rank.
-
-    Deterministic (ties go to the lower shard index, then the lower rank), so every process computes the same
-    assignment from the same plan without exchanging it.
-
-    Args:
-        sizes: bytes of each shard, in shard order.
-        world_size: number of processes.
-
-    Returns:
-        The owner rank of each shard, in shard order.
-
-    Example:
-        >>> assign_shards([5, 5, 3, 2], 2)
-        (0, 1, 0, 1)
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}.")
-    loads = [0] * world_size
-    owners = [0] * len(sizes)
-    for shard in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[shard] = rank
-        loads[rank] += sizes[shard]
-    return tuple(owners)
 
 
 def _fingerprint(fmt: str, plan: _Plan) -> str:
