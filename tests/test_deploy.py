@@ -319,7 +319,7 @@ def test_meta_model_leftovers_are_reported(caplog):
     """Non-persistent buffers are in no checkpoint: on a meta model they stay meta, reported and logged."""
     with torch.device("meta"):
         model = build()
-    with caplog.at_level(logging.WARNING, logger="zeroio._deploy"):
+    with caplog.at_level(logging.WARNING, logger="zeroio"):
         report = load(FIXTURES / "z3_ws2_fp32", model)
     assert report.meta_keys == ("scratch",)
     assert model.scratch.is_meta
