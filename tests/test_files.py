@@ -8,10 +8,10 @@ import struct
 
 import pytest
 import torch
+from fixture_data import FIXTURES, fixture_names, reference
 from safetensors.torch import save_file
 
 import zeroio
-from fixture_data import FIXTURES, fixture_names, reference
 from zeroio.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,

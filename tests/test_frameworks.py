@@ -22,7 +22,6 @@ from zeroio import convert
 from zeroio.errors import OutputError, UnsafePickleError, UnsupportedCheckpointError
 
 
-
 def _generator_module() -> Any:
     """fixtures/generate_frameworks.py, which defines the fixtures' LightningModule and inputs."""
     spec = importlib.util.spec_from_file_location("generate_frameworks", FIXTURES / "generate_frameworks.py")

@@ -16,8 +16,7 @@ from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 from safetensors.torch import load_file, save_file
 
-from zeroio import convert
-from zeroio import PushResult, push_to_hub
+from zeroio import PushResult, convert, push_to_hub
 from zeroio.errors import HubError
 
 pytest_plugins = ["hub_fixtures"]

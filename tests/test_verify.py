@@ -11,8 +11,7 @@ from fixture_data import FIXTURES, reference
 from safetensors.torch import save_file
 
 import zeroio
-from zeroio import convert
-from zeroio import Mismatch, VerifyReport, verify
+from zeroio import Mismatch, VerifyReport, convert, verify
 
 SRC = FIXTURES / "z3_ws2_fp32"
 

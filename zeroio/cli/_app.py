@@ -57,8 +57,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out.write("\n")
     out.write(f"{'name':<{name_w}}  {'shape':<{shape_w}}  {'dtype':<5}  {'size':>10}  {'kind':<9}  source\n")
     for r in rows:
-        source = f"tied to {r['tied_to']}" if r["tied_to"] else ", ".join(r["files"][:2]) + (
-            f" +{len(r['files']) - 2}" if len(r["files"]) > 2 else ""
+        source = (
+            f"tied to {r['tied_to']}"
+            if r["tied_to"]
+            else ", ".join(r["files"][:2]) + (f" +{len(r['files']) - 2}" if len(r["files"]) > 2 else "")
         )
         dtype = r["dtype"] if r["dtype"] == r["stored_dtype"] else f"{r['dtype']}*"
         out.write(
@@ -285,5 +287,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_reshard)
     return parser
-
-
