@@ -227,7 +227,9 @@ def test_chunks_of_different_lengths_are_realigned(tmp_path):
     assert cuts_a == [4_194_304, 805_699] and cuts_b == [n]  # the streams really are cut differently
     report = verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", dtype="bf16")
     assert report.mismatches == (
-        Mismatch("x", "values", f"2 of {n} elements differ; first at [4194304]: 4194304.0 (A) vs -1.0 (B)", 2, (4194304,)),
+        Mismatch(
+            "x", "values", f"2 of {n} elements differ; first at [4194304]: 4194304.0 (A) vs -1.0 (B)", 2, (4194304,)
+        ),
     )
 
 
