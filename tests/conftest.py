@@ -11,9 +11,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.pop("HF_TOKEN", None)
 
-import pytest  # noqa: E402
-
-from fixture_data import FIXTURES  # noqa: E402
+import pytest
+from fixture_data import FIXTURES
 
 
 @pytest.fixture

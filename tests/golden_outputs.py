@@ -96,7 +96,7 @@ def compute() -> dict[str, dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    import zeroio.errors  # noqa: F401
+    import zeroio.errors
 
     data = compute()
     if "--write" in sys.argv:

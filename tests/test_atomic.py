@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -15,8 +16,7 @@ import pytest
 from fixture_data import FIXTURES, ROOT, reference
 from safetensors.torch import load_file
 
-from zeroio._atomic import AtomicDir, clean_stale
-from zeroio._convert import convert
+from zeroio import convert
 from zeroio.errors import OutputError
 
 SRC = FIXTURES / "z3_ws2_fp32"
@@ -169,7 +169,7 @@ def test_file_size_limit_in_a_subprocess(tmp_path):
     script = textwrap.dedent(
         f"""
         import resource
-        from zeroio._convert import convert
+        from zeroio import convert
         from zeroio.errors import OutputError
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
         try:
@@ -222,7 +222,7 @@ def test_sigkill_leaves_no_output_and_the_next_run_cleans_up(tmp_path):
     script = textwrap.dedent(
         f"""
         import pathlib, time
-        from zeroio._convert import convert
+        from zeroio import convert
 
         def stall(done, total):
             if done > 0:
@@ -266,10 +266,9 @@ def test_clean_stale_spares_live_processes_and_foreign_names(tmp_path):
     (tmp_path / f".b.zeroio-tmp-{os.getpid()}-0123abcd").mkdir()
     (tmp_path / f".c.zeroio-tmp-{dead}-not-hex").mkdir()
     (tmp_path / "d.zeroio-tmp-1-0123abcd").mkdir()
-    removed = clean_stale(tmp_path)
-    assert removed == [tmp_path / f".a.zeroio-tmp-{dead}-0123abcd"]
+    convert(SRC, tmp_path / "out", progress=False)  # a conversion cleans its destination's parent first
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f".b.zeroio-tmp-{os.getpid()}-0123abcd", f".c.zeroio-tmp-{dead}-not-hex", "d.zeroio-tmp-1-0123abcd"]
+        [f".b.zeroio-tmp-{os.getpid()}-0123abcd", f".c.zeroio-tmp-{dead}-not-hex", "d.zeroio-tmp-1-0123abcd", "out"]
     )
 
 
@@ -278,22 +277,35 @@ def test_interrupted_overwrite_is_rolled_back(tmp_path):
     old = tmp_path / f".out.zeroio-old-{_dead_pid()}-0123abcd"
     old.mkdir()
     (old / "model.safetensors").write_text("previous output")
-    clean_stale(tmp_path)
+    convert(SRC, tmp_path / "other", progress=False)  # the next conversion in the same folder restores it
     assert (tmp_path / "out" / "model.safetensors").read_text() == "previous output"
     assert _leftovers(tmp_path) == []
+    _assert_valid_output(tmp_path / "other")
 
 
-def test_atomic_dir_commits_only_on_success(tmp_path):
-    """AtomicDir renames its folder into place on success and leaves nothing on failure."""
-    with AtomicDir(tmp_path / "ok") as tmp:
-        assert tmp.parent == tmp_path and tmp.name.startswith(f".ok.zeroio-tmp-{os.getpid()}-")
-        (tmp / "f").write_text("done")
-    assert (tmp_path / "ok" / "f").read_text() == "done"
-    with pytest.raises(OutputError) as excinfo, AtomicDir(tmp_path / "bad") as tmp:
-        (tmp / "f").write_text("half")
-        raise OSError(28, "No space left on device", str(tmp_path / "bad" / "f"))
+def test_atomic_dir_commits_only_on_success(tmp_path, monkeypatch):
+    """The output is written in a temporary folder beside it, renamed into place on success, removed on failure."""
+    seen: list[list[str]] = []
+
+    def watch(done, total):
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+
+    convert(SRC, tmp_path / "ok", progress=watch)
+    (during,) = {tuple(names) for names in seen if names}
+    (tmp,) = during
+    assert tmp.startswith(f".ok.zeroio-tmp-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+    _assert_valid_output(tmp_path / "ok")
+
+    def disk_full(fd, data, offset):  # the file system, not zeroio, fails: ENOSPC as a full disk reports it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", disk_full)
+    with pytest.raises(OutputError) as excinfo:
+        convert(SRC, tmp_path / "bad", progress=False)
     assert str(excinfo.value) == (
-        f"Cannot write '{tmp_path / 'bad'}': No space left on device ('{tmp_path / 'bad' / 'f'}'). Removed the "
-        "partial output. Free disk space or choose another destination."
+        f"Cannot write '{tmp_path / 'bad'}': No space left on device ('{tmp_path / 'bad' / 'model.safetensors'}'). "
+        "Removed the partial output. Free disk space or choose another destination."
     )
+    assert excinfo.value.__cause__.errno == errno.ENOSPC
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]

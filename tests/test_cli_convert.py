@@ -75,7 +75,7 @@ def test_convert_refuses_existing_destination(tmp_path, capsys):
     assert capsys.readouterr() == (
         "",
         (
-            f"Output error: Output folder '{dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
+            f"Output error: Output folder '{dst}' already exists. Pass --overwrite to replace it, "
             f"or choose another destination.\n{HINT}"
         ),
     )
@@ -97,8 +97,8 @@ def test_convert_bad_shard_size_is_a_usage_error(tmp_path, capsys):
     assert excinfo.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (
-        "zeroio convert: error: argument --max-shard-size: Cannot parse max_shard_size '5XB': use a number with a "
-        "unit TB, GB, MB or KB (decimal, e.g. '5GB', '500MB') or a byte count."
+        "zeroio convert: error: argument --max-shard-size: cannot read '5XB' as a size: use a number with a unit, "
+        "e.g. 5GB, 500MB (decimal), 2GiB (binary), 200B, or a byte count"
     )
 
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zeroio
-from zeroio._convert import ConvertResult, convert
+from zeroio import ConvertResult, convert
 
 ALL = fixture_names()
 
@@ -481,7 +481,7 @@ def _sparse_safetensors(path, numel: int) -> None:
 
 _RSS_SCRIPT = """
 import resource, sys
-from zeroio._convert import convert
+from zeroio import convert
 
 def peak_kib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

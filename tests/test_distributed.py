@@ -18,9 +18,12 @@ import torch
 from fixture_data import FIXTURES
 
 import zeroio
-from zeroio._convert import convert
-from zeroio._distributed import TORCHRUN_ENV, assign_shards
+from zeroio import convert
+from zeroio._sharding import assign_shards
 from zeroio.cli import main
+
+# The variables torchrun sets that torch.distributed's env:// rendezvous reads (and zeroio --distributed checks).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("dist_worker.py")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from fixture_data import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zeroio
-from fixture_data import FIXTURES
 from zeroio import errors
 
 

@@ -8,11 +8,10 @@ import struct
 
 import pytest
 import torch
+from fixture_data import FIXTURES, fixture_names, reference
 from safetensors.torch import save_file
 
 import zeroio
-from fixture_data import FIXTURES, fixture_names, reference
-from zeroio._formats.consolidated import open_consolidated
 from zeroio.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -227,7 +226,7 @@ def test_ties_recorded_in_sharded_index(tmp_path):
 @pytest.mark.parametrize("max_shard_size", ["5GB", 300], ids=["single", "sharded"])
 def test_converter_output_reads_back(tmp_path, max_shard_size):
     """zeroio.convert's safetensors output reads back equal to the ZeRO checkpoint, ties included."""
-    from zeroio._convert import convert
+    from zeroio import convert
 
     out = tmp_path / "out"
     convert(FIXTURES / "z3_ws2_fp32", out, max_shard_size=max_shard_size, progress=False)
@@ -440,13 +439,13 @@ def test_legacy_torch_serialization_is_unsupported(tmp_path):
 
 
 def test_folder_without_known_files():
-    """open_consolidated on a folder with none of the Hugging Face names says which names it looked for."""
-    folder = FIXTURES / "z3_ws2_fp32" / "expected"
+    """A folder with none of the Hugging Face names and no DeepSpeed files says what it looked for."""
+    folder = FIXTURES / "z3_ws2_fp32" / "expected"  # holds only zero_to_fp32.pt and engine.pt
     with pytest.raises(CheckpointNotFoundError) as exc:
-        open_consolidated(folder)
+        zeroio.open(folder)
     assert str(exc.value) == (
-        f"'{folder}' holds none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
-        "pytorch_model.bin.index.json. Pass the checkpoint file itself."
+        f"'{folder}' is not a DeepSpeed checkpoint: it has no '*_model_states.pt' files, no 'latest' file and no "
+        "tag folders. Point zeroio at the folder passed to engine.save_checkpoint()."
     )
 
 

@@ -18,9 +18,8 @@ import torch
 from fixture_data import FIXTURES, FRAMEWORKS, HF, HF_CKPT, LIGHTNING, LIGHTNING_CLIENT_KEYS, assert_state_dicts_equal
 
 import zeroio
-from zeroio._lightning import write_lightning_ckpt
+from zeroio import convert
 from zeroio.errors import OutputError, UnsafePickleError, UnsupportedCheckpointError
-
 
 
 def _generator_module() -> Any:
@@ -239,13 +238,11 @@ def test_write_lightning_ckpt_structure(tmp_path, name):
     """The .ckpt holds Lightning's client state as saved plus state_dict equal to Lightning's own conversion."""
     folder = FRAMEWORKS / name
     reference = torch.load(folder / "expected" / "lightning_fp32.ckpt", weights_only=True)
-    with zeroio.open(folder / "model.ckpt") as ckpt:
-        result = write_lightning_ckpt(ckpt, tmp_path / "model.ckpt")
-    assert result.path == tmp_path / "model.ckpt"
-    assert result.client_state_keys == LIGHTNING_CLIENT_KEYS
+    result = convert(folder / "model.ckpt", tmp_path / "model.ckpt", fmt="lightning", progress=False)
+    assert result.files == (tmp_path / "model.ckpt",) and result.index_path is None
     assert result.tied == {"head.weight": "emb.weight"}
-    assert (result.num_tensors, result.total_size, result.stripped_prefix) == (8, 1360, None)
-    written = torch.load(result.path, weights_only=True)
+    assert (result.num_tensors, result.total_size) == (8, 1360)
+    written = torch.load(tmp_path / "model.ckpt", weights_only=True)
     assert list(written) == [*LIGHTNING_CLIENT_KEYS, "state_dict"]
     for key in LIGHTNING_CLIENT_KEYS:
         _assert_same_tree(written[key], reference[key], key)
@@ -265,8 +262,7 @@ def test_write_lightning_ckpt_load_from_checkpoint(tmp_path, name):
     gen = _generator_module()
     tiny_lit = gen.lightning_module_class()
     expected = torch.load(folder / "expected" / "outputs.pt", weights_only=True)
-    with zeroio.open(folder / "model.ckpt") as ckpt:
-        write_lightning_ckpt(ckpt, tmp_path / "model.ckpt")
+    convert(folder / "model.ckpt", tmp_path / "model.ckpt", fmt="lightning", progress=False)
     ours = tiny_lit.load_from_checkpoint(tmp_path / "model.ckpt", map_location="cpu", weights_only=True).eval()
     theirs = tiny_lit.load_from_checkpoint(
         folder / "expected" / "lightning_fp32.ckpt", map_location="cpu", weights_only=True
@@ -284,7 +280,7 @@ def test_write_lightning_ckpt_load_from_checkpoint(tmp_path, name):
 def test_zeroio_load_into_lightning_module_runs_configure_model(name):
     """zeroio.load of the ZeRO folder into a fresh module calls configure_model and gives Lightning's outputs."""
     pytest.importorskip("lightning")
-    from zeroio._deploy import load
+    from zeroio import load
 
     folder = FRAMEWORKS / name
     tiny_lit = _generator_module().lightning_module_class()
@@ -303,7 +299,7 @@ def test_zeroio_load_into_lightning_module_runs_configure_model(name):
 def test_zeroio_load_into_transformers_model():
     """zeroio.load of checkpoint-N into AutoModelForCausalLM.from_config keeps the tie and gives the trained logits."""
     transformers = pytest.importorskip("transformers")
-    from zeroio._deploy import load
+    from zeroio import load
 
     expected = torch.load(HF / "expected" / "logits.pt", weights_only=True)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(HF_CKPT)).eval()
@@ -320,8 +316,7 @@ def test_write_lightning_ckpt_casts_dtype(tmp_path):
     """dtype="bf16" casts every floating tensor and keeps the tie."""
     folder = FRAMEWORKS / "lightning_z3_fp32"
     reference = torch.load(folder / "expected" / "lightning_fp32.ckpt", weights_only=True)["state_dict"]
-    with zeroio.open(folder / "model.ckpt") as ckpt:
-        result = write_lightning_ckpt(ckpt, tmp_path / "bf16.ckpt", dtype="bf16")
+    result = convert(folder / "model.ckpt", tmp_path / "bf16.ckpt", fmt="lightning", dtype="bf16", progress=False)
     assert result.total_size == 1360 // 2
     state = torch.load(tmp_path / "bf16.ckpt", weights_only=True)["state_dict"]
     assert_state_dicts_equal(state, {k: v.to(torch.bfloat16) for k, v in reference.items()})
@@ -332,41 +327,37 @@ def test_write_lightning_ckpt_refuses_existing_file(tmp_path):
     """An existing destination is refused unless overwrite=True, which replaces it."""
     dst = tmp_path / "model.ckpt"
     dst.write_bytes(b"old")
-    with zeroio.open(FRAMEWORKS / "lightning_z3_fp32" / "model.ckpt") as ckpt:
-        with pytest.raises(OutputError) as info:
-            write_lightning_ckpt(ckpt, dst)
-        assert str(info.value) == (
-            f"Output file '{dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
-            "or choose another destination."
-        )
-        assert dst.read_bytes() == b"old"
-        write_lightning_ckpt(ckpt, dst, overwrite=True)
+    src = FRAMEWORKS / "lightning_z3_fp32" / "model.ckpt"
+    with pytest.raises(OutputError) as info:
+        convert(src, dst, fmt="lightning", progress=False)
+    assert str(info.value) == (
+        f"Output file '{dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
+        "or choose another destination."
+    )
+    assert dst.read_bytes() == b"old"
+    convert(src, dst, fmt="lightning", overwrite=True, progress=False)
     assert "state_dict" in torch.load(dst, weights_only=True)
 
 
-def test_write_lightning_ckpt_refuses_folder_and_missing_parent(tmp_path):
-    """A folder destination, or one whose parent folder is missing, is refused before anything is read."""
-    with zeroio.open(FRAMEWORKS / "lightning_z3_fp32" / "model.ckpt") as ckpt:
-        with pytest.raises(OutputError) as info:
-            write_lightning_ckpt(ckpt, tmp_path)
-        assert str(info.value) == (
-            f"Output path '{tmp_path}' is a folder; a Lightning checkpoint is one file. Pass a file path such as "
-            f"'{tmp_path / 'model.ckpt'}'."
-        )
-        missing = tmp_path / "nope" / "model.ckpt"
-        with pytest.raises(OutputError) as info:
-            write_lightning_ckpt(ckpt, missing)
-        assert (
-            str(info.value) == f"Cannot write '{missing}': folder '{missing.parent}' does not exist. Create it first."
-        )
+def test_write_lightning_ckpt_refuses_folder_and_creates_missing_parent(tmp_path):
+    """A folder destination is refused (a Lightning checkpoint is one file); missing parent folders are created."""
+    src = FRAMEWORKS / "lightning_z3_fp32" / "model.ckpt"
+    with pytest.raises(OutputError) as info:
+        convert(src, tmp_path, fmt="lightning", progress=False)
+    assert str(info.value) == (
+        f"Output path '{tmp_path}' is a folder; a Lightning checkpoint is one file. Pass a file path such as "
+        f"'{tmp_path / 'model.ckpt'}'."
+    )
+    assert list(tmp_path.iterdir()) == []
+    missing = tmp_path / "nope" / "model.ckpt"
+    convert(src, missing, fmt="lightning", progress=False)
+    assert sorted(p.name for p in missing.parent.iterdir()) == ["model.ckpt"]
 
 
 def test_write_lightning_ckpt_from_raw_deepspeed_checkpoint(tmp_path):
     """A plain DeepSpeed checkpoint (no Lightning client state) gives a .ckpt holding only state_dict."""
     reference = torch.load(FIXTURES / "z3_ws2_fp32" / "expected" / "zero_to_fp32.pt", weights_only=True)
-    with zeroio.open(FIXTURES / "z3_ws2_fp32") as ckpt:
-        result = write_lightning_ckpt(ckpt, tmp_path / "raw.ckpt")
-    assert result.client_state_keys == ()
+    convert(FIXTURES / "z3_ws2_fp32", tmp_path / "raw.ckpt", fmt="lightning", progress=False)
     written = torch.load(tmp_path / "raw.ckpt", weights_only=True)
     assert list(written) == ["state_dict"]
     assert_state_dicts_equal(written["state_dict"], reference)
@@ -376,12 +367,12 @@ def test_write_lightning_ckpt_rewrites_a_lightning_ckpt_file(tmp_path):
     """A single-file Lightning .ckpt as source keeps its client state (DeepSpeed's bookkeeping keys dropped)."""
     source = FRAMEWORKS / "lightning_z3_fp32" / "expected" / "lightning_fp32.ckpt"
     reference = torch.load(source, weights_only=True)
-    with zeroio.open(source) as ckpt:
-        result = write_lightning_ckpt(ckpt, tmp_path / "again.ckpt")
-    assert result.client_state_keys == ("epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks",
-                                        "lr_schedulers", "hparams_name", "hyper_parameters")  # fmt: skip
+    convert(source, tmp_path / "again.ckpt", fmt="lightning", progress=False)
     written = torch.load(tmp_path / "again.ckpt", weights_only=True)
-    for key in result.client_state_keys:
+    client_state_keys = ("epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks",
+                         "lr_schedulers", "hparams_name", "hyper_parameters")  # fmt: skip
+    assert list(written) == [*client_state_keys, "state_dict"]
+    for key in client_state_keys:
         _assert_same_tree(written[key], reference[key], key)
     assert_state_dicts_equal(written["state_dict"], reference["state_dict"])
 
@@ -425,6 +416,8 @@ def test_write_lightning_ckpt_rebuilds_plain_data_client_state(tmp_path):
     }
     src = _copy_with_client_state(tmp_path, extra)
     trusted = ["argparse.Namespace", "pathlib.PurePosixPath"]  # PosixPath and datetime are on the allowlist
+    from zeroio._lightning import write_lightning_ckpt  # zeroio.convert takes no trusted_globals yet
+
     with zeroio.open(src, trusted_globals=trusted) as ckpt:
         result = write_lightning_ckpt(ckpt, tmp_path / "out.ckpt", trusted_globals=trusted)
     assert result.client_state_keys == (*LIGHTNING_CLIENT_KEYS, "args", "run_dir", "started", "elapsed", "best")
@@ -440,6 +433,8 @@ def test_write_lightning_ckpt_refuses_unrebuildable_client_state(tmp_path):
     src = _copy_with_client_state(tmp_path, {"cfg": _UserConfig()})
     qualified = f"{_UserConfig.__module__}._UserConfig"
     states = src / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    from zeroio._lightning import write_lightning_ckpt  # zeroio.convert takes no trusted_globals yet
+
     with pytest.raises(UnsafePickleError):
         zeroio.open(src)
     with zeroio.open(src, trusted_globals=[qualified]) as ckpt, pytest.raises(UnsupportedCheckpointError) as info:
@@ -460,8 +455,7 @@ def test_write_lightning_ckpt_strips_forward_module_prefix(tmp_path):
     ]
     with zeroio.open(src) as ckpt:
         assert next(iter(ckpt)) == "_forward_module.emb.weight"
-        result = write_lightning_ckpt(ckpt, tmp_path / "out.ckpt")
-    assert result.stripped_prefix == "_forward_module."
+    result = convert(src, tmp_path / "out.ckpt", fmt="lightning", progress=False)
     assert result.tied == {"head.weight": "emb.weight"}
     assert_state_dicts_equal(torch.load(tmp_path / "out.ckpt", weights_only=True)["state_dict"], reference)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fixture_data import FIXTURES, FRAMEWORKS, HF, HF_CKPT, LIGHTNING, LIGHTNING_CLIENT_KEYS, assert_state_dicts_equal
 
-from zeroio._convert import convert
+from zeroio import convert
 from zeroio.cli import main
 from zeroio.errors import OutputError
 
@@ -152,7 +152,7 @@ def test_cli_convert_format_lightning(tmp_path, capsys):
     assert capsys.readouterr() == (
         "",
         (
-            f"Output error: Output file '{dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
+            f"Output error: Output file '{dst}' already exists. Pass --overwrite to replace it, "
             f"or choose another destination.\n{HINT}"
         ),
     )

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import golden_outputs
+import pytest
 
 
 @pytest.fixture(scope="module")

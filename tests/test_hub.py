@@ -16,8 +16,7 @@ from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 from safetensors.torch import load_file, save_file
 
-from zeroio._convert import convert
-from zeroio._hub import PushResult, push_to_hub, render_model_card
+from zeroio import PushResult, convert, push_to_hub
 from zeroio.errors import HubError
 
 pytest_plugins = ["hub_fixtures"]
@@ -325,9 +324,11 @@ def test_create_pr_with_revision_is_refused_before_any_request(hub_server: HubSe
 # --------------------------------------------------------------------------- model card
 
 
-def test_model_card_for_converted_folder_is_generic() -> None:
+def test_model_card_for_converted_folder_is_generic(hub_server: HubServer, tmp_path: Path) -> None:
     """Without conversion facts the card has the front matter, a generic line, the files and a usage snippet."""
-    card = render_model_card("tester/toy", {}, files=["README.md", "model.safetensors"])
+    pushed = _push(_converted_folder(tmp_path), "tester/toy", hub_server)  # a converted folder: no facts
+    assert sorted(pushed.files) == ["README.md", "model.safetensors"]
+    card = hub_server.read_file("tester/toy", "README.md").decode()
     assert card == (
         "---\n"
         "library_name: pytorch\n"

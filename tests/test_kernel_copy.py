@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 import sys
-import threading
 
 import pytest
-import torch
 from fixture_data import FIXTURES, ROOT
 
 import zeroio
-from zeroio._write_files import copy_in_kernel as _copy_in_kernel
-from zeroio._safetensors_writer import plan_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="needs os.copy_file_range (Linux)")
 
@@ -23,7 +21,7 @@ CASES = ["z3_ws3_fp32", "z1_ws3_bf16", "moe_z2_ws2_ep2_bf16"]
 def _convert(src, dst, *, kernel_copy: bool, extra=()):
     env = dict(os.environ, ZEROIO_NO_COPY_FILE_RANGE="0" if kernel_copy else "1")
     cmd = [sys.executable, "-m", "zeroio", "convert", str(src), str(dst), "--quiet", "--max-shard-size", "600", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -38,23 +36,55 @@ def test_kernel_copy_output_is_byte_identical_to_streaming(tmp_path, name):
         assert (tmp_path / "kernel" / filename).read_bytes() == (tmp_path / "stream" / filename).read_bytes()
 
 
-def test_trainable_tensors_take_the_kernel_path(tmp_path):
+def _watch_copy_file_range(monkeypatch) -> list[tuple[str, str, int, int]]:
+    """Wrap os.copy_file_range (the OS call, not zeroio's code): record (source, destination, offset, count)."""
+    calls: list[tuple[str, str, int, int]] = []
+    real = os.copy_file_range
+
+    def recording(src, dst, count, offset_src=None, offset_dst=None):
+        done = real(src, dst, count, offset_src, offset_dst)
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{src}"))
+        calls.append((name, os.readlink(f"/proc/self/fd/{dst}"), offset_dst, done))
+        return done
+
+    monkeypatch.delenv("ZEROIO_NO_COPY_FILE_RANGE", raising=False)
+    monkeypatch.setattr(os, "copy_file_range", recording)
+    return calls
+
+
+def _data_range(path, name: str) -> tuple[int, int]:
+    """Where ``name``'s bytes lie in a safetensors file (absolute offsets)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        begin, end = json.loads(f.read(length))[name]["data_offsets"]
+    return 8 + length + begin, 8 + length + end
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="names file descriptors through /proc")
+def test_trainable_tensors_take_the_kernel_path(tmp_path, monkeypatch):
     """A ZeRO-3 fp32 master needing no cast is copied by copy_file_range, across its ranks' partitions."""
-    with zeroio.open(FIXTURES / "z3_ws4_fp32") as ckpt:
-        info = ckpt.info("emb.weight")
-        layout = plan_file([("emb.weight", info.dtype, info.shape)])
-        out = tmp_path / "one.bin"
-        fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            os.pwrite(fd, layout.header, 0)
-            copied = []
-            assert _copy_in_kernel(ckpt, "emb.weight", None, fd, layout.slots[0], 1 << 20, copied.append,
-                                   threading.Event())
-            # A cast cannot be a byte copy: that tensor falls back to streaming.
-            assert not _copy_in_kernel(ckpt, "emb.weight", torch.bfloat16, fd, layout.slots[0], 1 << 20,
-                                       copied.append, threading.Event())
-        finally:
-            os.close(fd)
-        slot = layout.slots[0]
-        assert sum(copied) == slot.nbytes
-        assert out.read_bytes()[slot.begin : slot.end] == ckpt["emb.weight"].numpy().tobytes()
+    calls = _watch_copy_file_range(monkeypatch)
+    src = FIXTURES / "z3_ws4_fp32"
+    zeroio.convert(src, tmp_path / "out", progress=False)
+    out = tmp_path / "out" / "model.safetensors"
+    begin, end = _data_range(out, "emb.weight")
+    into_emb = sorted(
+        (offset, count, name)
+        for name, dst, offset, count in calls
+        if dst.endswith("/model.safetensors") and begin <= offset < end
+    )
+    # The copies tile emb.weight's bytes exactly, and they come from every rank's optimizer file.
+    covered = begin
+    for offset, count, _ in into_emb:
+        assert offset == covered
+        covered += count
+    assert covered == end
+    assert {name for *_, name in into_emb} == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)}
+    with zeroio.open(src) as ckpt:
+        assert out.read_bytes()[begin:end] == ckpt["emb.weight"].numpy().tobytes()
+
+    # A cast cannot be a byte copy: with dtype="bf16" no floating tensor goes through copy_file_range.
+    calls.clear()
+    zeroio.convert(src, tmp_path / "bf16", dtype="bf16", progress=False)
+    begin, end = _data_range(tmp_path / "bf16" / "model.safetensors", "emb.weight")
+    assert not [c for c in calls if c[1].endswith("model.safetensors") and begin <= c[2] < end]

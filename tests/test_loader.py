@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from fixture_data import FIXTURES, assert_state_dicts_equal, fixture_names, manifest, reference
 
 import zeroio
-from fixture_data import FIXTURES, assert_state_dicts_equal, fixture_names, manifest, reference
 from zeroio.errors import CheckpointClosedError, TensorNotFoundError
 
 ALL = fixture_names()
@@ -131,10 +131,10 @@ def test_selects_tag_from_latest_and_explicitly():
 def test_opens_tag_folder_and_rank_file_directly():
     """A tag folder or any rank file resolves to the same checkpoint as the root."""
     root = FIXTURES / "z3_ws2_fp32"
-    with zeroio.open(root) as a, zeroio.open(root / "global_step2") as b:
-        with zeroio.open(root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt") as c:
-            for key in a:
-                assert torch.equal(a[key], b[key]) and torch.equal(a[key], c[key])
+    rank_file = root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with zeroio.open(root) as a, zeroio.open(root / "global_step2") as b, zeroio.open(rank_file) as c:
+        for key in a:
+            assert torch.equal(a[key], b[key]) and torch.equal(a[key], c[key])
 
 
 def test_keys_follow_model_state_dict_order():
@@ -166,9 +166,8 @@ def test_use_after_close_raises():
         "Cannot read 'emb.weight': the checkpoint has been closed. Read tensors inside the `with zeroio.open(...)` "
         "block, or keep the tensors returned by get_tensor()."
     )
-    with pytest.raises(CheckpointClosedError):
-        with ckpt:
-            pass
+    with pytest.raises(CheckpointClosedError), ckpt:
+        pass
 
 
 def test_no_file_descriptors_left_open():
@@ -197,9 +196,8 @@ def test_no_file_descriptors_left_open():
 
 def test_unknown_tensor_name_suggests_close_matches():
     """A missing key raises TensorNotFoundError (a KeyError) naming close matches."""
-    with zeroio.open(FIXTURES / "z3_ws2_fp32") as ckpt:
-        with pytest.raises(TensorNotFoundError) as excinfo:
-            ckpt["emb.weights"]
+    with zeroio.open(FIXTURES / "z3_ws2_fp32") as ckpt, pytest.raises(TensorNotFoundError) as excinfo:
+        ckpt["emb.weights"]
     assert isinstance(excinfo.value, KeyError)
     assert str(excinfo.value) == (
         f"No tensor named 'emb.weights' in '{FIXTURES / 'z3_ws2_fp32' / 'global_step2'}' (11 tensors). "

@@ -19,8 +19,7 @@ from fixture_data import FIXTURES, fixture_names, manifest
 from safetensors import safe_open
 
 import zeroio
-from zeroio import errors
-from zeroio._convert import convert
+from zeroio import convert, errors
 
 # ZeRO-1/2/3 fixtures DeepSpeed's merge reads (its tool fails on stage 0, BF16_Optimizer and MoE folders).
 MERGEABLE = [n for n in fixture_names() if manifest(n)["stage"] in (1, 2, 3) and not manifest(n)["zero_to_fp32_fails"]]

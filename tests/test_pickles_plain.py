@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixture_data import FIXTURES, FRAMEWORKS
 
 import zeroio
-from fixture_data import FIXTURES, FRAMEWORKS
 from zeroio._pickles import (
     TensorRef,
     ZeroStageEnum,

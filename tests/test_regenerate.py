@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from fixture_data import ROOT, assert_state_dicts_equal
 
 import zeroio
-from fixture_data import ROOT, assert_state_dicts_equal
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def test_fresh_checkpoint_matches_deepspeed(tmp_path, name):
     """A checkpoint DeepSpeed writes now is consolidated bit for bit like DeepSpeed's tool and the live engine."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "fixtures" / "generate.py"), "--out", str(tmp_path), name],
-        capture_output=True, text=True, timeout=600,
+        check=False, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / name

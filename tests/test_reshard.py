@@ -19,10 +19,8 @@ import torch
 from fixture_data import FIXTURES, fixture_names
 
 import zeroio
-from zeroio import errors
-from zeroio._convert import convert
-from zeroio._partition import zero3_partition_numel
-from zeroio._reshard import ReshardResult, reshard, zero3_sub_groups
+from zeroio import ReshardResult, convert, errors, reshard
+from zeroio._partition import zero3_partition_numel, zero3_sub_groups
 from zeroio.cli import main
 
 ZERO3 = fixture_names(stage=3)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from zeroio._deploy import load
+from zeroio import load
 from zeroio.errors import StateDictMismatchError
 
 pl = pytest.importorskip("lightning.pytorch")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from fixture_data import FIXTURES
 
-from zeroio._convert import convert
+from zeroio import convert
 
 TRAINER = FIXTURES / "frameworks" / "hf_trainer_gpt2_z3" / "checkpoint-3"
 

@@ -11,8 +11,7 @@ from fixture_data import FIXTURES, reference
 from safetensors.torch import save_file
 
 import zeroio
-from zeroio._convert import convert
-from zeroio._verify import Mismatch, VerifyReport, _aligned, verify
+from zeroio import Mismatch, VerifyReport, convert, verify
 
 SRC = FIXTURES / "z3_ws2_fp32"
 
@@ -213,17 +212,25 @@ def test_bitwise_semantics(tmp_path):
     )
 
 
-def test_chunks_of_different_lengths_are_realigned():
+def test_chunks_of_different_lengths_are_realigned(tmp_path):
     """Chunk streams cut differently on each side are re-cut into equal pieces covering every element."""
-    a = iter([torch.arange(0, 3), torch.arange(3, 10)])
-    b = iter([torch.arange(0, 5), torch.arange(5, 6), torch.arange(6, 10)])
-    pieces = [(start, x.tolist(), y.tolist()) for start, x, y in _aligned(a, b)]
-    assert pieces == [
-        (0, [0, 1, 2], [0, 1, 2]),
-        (3, [3, 4], [3, 4]),
-        (5, [5], [5]),
-        (6, [6, 7, 8, 9], [6, 7, 8, 9]),
-    ]
+    n = 5_000_003  # over verify's 16 MiB chunks in fp32, under them in bf16: A arrives in 2 chunks, B in 1
+    x = torch.arange(n, dtype=torch.float32)
+    y = x.bfloat16()
+    y[4_194_304] = -1.0  # the first element of A's second chunk
+    y[n - 1] = -2.0  # the last element: nothing past the shorter stream's first chunk is skipped
+    save_file({"x": x}, tmp_path / "a.safetensors")
+    save_file({"x": y}, tmp_path / "b.safetensors")
+    with zeroio.open(tmp_path / "a.safetensors") as a, zeroio.open(tmp_path / "b.safetensors") as b:
+        cuts_a = [t.numel() for t in a.iter_chunks("x", dtype="bf16", chunk_bytes=16 * 1024 * 1024)]
+        cuts_b = [t.numel() for t in b.iter_chunks("x", chunk_bytes=16 * 1024 * 1024)]
+    assert cuts_a == [4_194_304, 805_699] and cuts_b == [n]  # the streams really are cut differently
+    report = verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", dtype="bf16")
+    assert report.mismatches == (
+        Mismatch(
+            "x", "values", f"2 of {n} elements differ; first at [4194304]: 4194304.0 (A) vs -1.0 (B)", 2, (4194304,)
+        ),
+    )
 
 
 def test_report_is_a_frozen_value():

@@ -7,7 +7,7 @@ One process is the degenerate case (:class:`LocalComm`: world size 1, nothing ex
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -23,7 +23,6 @@ __all__ = [
     "CommLost",
     "Job",
     "LocalComm",
-    "assign_shards",
 ]
 
 PLAN = "while planning"
@@ -58,34 +57,6 @@ class LocalComm:
 
     def all_gather(self, payload: Any) -> list[Any]:
         return [payload]
-
-
-def assign_shards(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """The process (rank) that writes each shard, balancing bytes: largest shard first, to the least-loaded rank.
-
-    Deterministic (ties go to the lower shard index, then the lower rank), so every process computes the same
-    assignment from the same plan without exchanging it.
-
-    Args:
-        sizes: bytes of each shard, in shard order.
-        world_size: number of processes.
-
-    Returns:
-        The owner rank of each shard, in shard order.
-
-    Example:
-        >>> assign_shards([5, 5, 3, 2], 2)
-        (0, 1, 0, 1)
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}.")
-    loads = [0] * world_size
-    owners = [0] * len(sizes)
-    for shard in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[shard] = rank
-        loads[rank] += sizes[shard]
-    return tuple(owners)
 
 
 def _nothing() -> None:

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from ._atomic import AtomicDir
-from ._comm import CommLost, Job, assign_shards
+from ._comm import CommLost, Job
 from ._engine import WriteOutcome, write_checkpoint
 from ._plan import WRITE_FORMATS
 from ._progress import Progress
 from ._types import StrPath
 from .errors import OutputError
 
-__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "assign_shards", "convert_distributed", "torchrun_env"]
+__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The one write engine: plan -> execute -> commit, for one process or the N processes of a torch.distributed job.
 
 Every process opens the source and plans the same files from metadata (:mod:`zeroio._plan`); each writes the
-shards :func:`~zeroio._comm.assign_shards` gives it into rank 0's temporary folder (:mod:`zeroio._write_files`);
+shards :func:`~zeroio._sharding.assign_shards` gives it into rank 0's temporary folder (:mod:`zeroio._write_files`);
 rank 0 writes the extra files, the index last, copies the side files and renames the folder into place
 (:class:`~zeroio._atomic.AtomicDir`). After each phase every process learns whether all succeeded
 (:class:`~zeroio._comm.Job`). With one process (:class:`~zeroio._comm.LocalComm`) that exchange is a no-op.
@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 from ._checkpoint import Checkpoint
-from ._comm import COMMIT, PLAN, TEMP, WRITE, Job, assign_shards
+from ._comm import COMMIT, PLAN, TEMP, WRITE, Job
 from ._fileio import naming, write_new_file
 from ._metadata import CheckpointMetadata
 from ._plan import WritePlan, plan_write
 from ._progress import Progress
+from ._sharding import assign_shards
 from ._side_files import copy_side_files
 from ._types import StrPath
 from ._write_files import write_shards

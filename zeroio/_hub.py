@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ._progress import Progress
     from ._types import StrPath
 
-__all__ = ["STALE_WEIGHT_PATTERNS", "TOKEN_ON_COMMAND_LINE_WARNING", "PushResult", "push_to_hub"]
+__all__ = ["STALE_WEIGHT_PATTERNS", "PushResult", "push_to_hub"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,6 @@ STALE_WEIGHT_PATTERNS = (
 )
 """Weight files of any layout (``save_pretrained`` / zeroio names) that a push deletes from the repo unless it
 uploads them again, so a snapshot never holds two layouts (e.g. a stale ``model.safetensors`` beside new shards)."""
-
-TOKEN_ON_COMMAND_LINE_WARNING = (
-    "warning: --token is visible to other users in process listings and shell history; set HF_TOKEN or run "
-    "`hf auth login` instead."
-)
-"""The line the CLI prints on stderr when ``--token`` is used (see docs/hub.md, Authentication)."""
 
 _DEFAULT_BRANCH = "main"
 

@@ -12,14 +12,13 @@ from . import _constants as C
 from ._atomic import AtomicDir
 from ._fileio import write_new_file
 from ._optim import optimizer_layout
-from ._partition import zero3_sub_groups
 from ._progress import ByteProgress, Progress, check_progress
 from ._reshard_plan import ReshardPlan, plan_reshard
 from ._reshard_trees import RankTrees
 from ._types import StrPath
 from .errors import UnsupportedCheckpointError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard", "zero3_sub_groups"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard"]
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ShardPlan", "index_json", "parse_size", "plan_shards"]
+__all__ = ["ShardPlan", "assign_shards", "index_json", "parse_size", "plan_shards"]
 
 # huggingface_hub.serialization._base.SIZE_UNITS: decimal units, as on the Hub and in transformers.
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
@@ -148,3 +148,31 @@ def index_json(plan: ShardPlan, *, extra_metadata: Mapping[str, str] | None = No
     metadata: dict[str, Any] = {"total_size": plan.total_size}
     metadata.update(extra_metadata or {})
     return json.dumps({"metadata": metadata, "weight_map": plan.weight_map}, indent=2)
+
+
+def assign_shards(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """The process (rank) that writes each shard, balancing bytes: largest shard first, to the least-loaded rank.
+
+    Deterministic (ties go to the lower shard index, then the lower rank), so every process computes the same
+    assignment from the same plan without exchanging it.
+
+    Args:
+        sizes: bytes of each shard, in shard order.
+        world_size: number of processes.
+
+    Returns:
+        The owner rank of each shard, in shard order.
+
+    Example:
+        >>> assign_shards([5, 5, 3, 2], 2)
+        (0, 1, 0, 1)
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    loads = [0] * world_size
+    owners = [0] * len(sizes)
+    for shard in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[shard] = rank
+        loads[rank] += sizes[shard]
+    return tuple(owners)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("Interrupted.", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _stdout_closed()
     except Exception as exc:
         line, code = format_error(exc)
         if code < 0 or os.environ.get("ZEROIO_DEBUG") == "1":
@@ -32,3 +35,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line, file=sys.stderr)
         print("(set ZEROIO_DEBUG=1 for the full traceback)", file=sys.stderr)
         return code if code >= 0 else EXIT_FAILURE
+
+
+def _stdout_closed() -> int:
+    """``zeroio inspect ... | head``: the reader left; stop quietly, like Unix tools killed by SIGPIPE.
+
+    Python ignores SIGPIPE, so the write raises instead; restoring SIGPIPE's default would also kill a push whose
+    socket breaks. Point stdout at /dev/null so the interpreter's final flush does not complain either.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a real file (e.g. captured by a test harness)
+        pass
+    return 128 + signal.SIGPIPE

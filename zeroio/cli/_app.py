@@ -7,7 +7,10 @@ import json
 import os
 import sys
 
-from .. import __version__
+import zeroio
+
+from .. import errors
+from . import _args
 
 
 def _human_bytes(n: int) -> str:
@@ -24,9 +27,8 @@ def _human_bytes(n: int) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's tensors and metadata without reading tensor bytes."""
-    from .._formats import open as zeroio_open
-
-    with zeroio_open(args.path, tag=args.tag) as ckpt:
+    _args.refuse_remote(args.path)
+    with zeroio.open(args.path, tag=args.tag) as ckpt:
         summary = ckpt.describe()
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
@@ -55,8 +57,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out.write("\n")
     out.write(f"{'name':<{name_w}}  {'shape':<{shape_w}}  {'dtype':<5}  {'size':>10}  {'kind':<9}  source\n")
     for r in rows:
-        source = f"tied to {r['tied_to']}" if r["tied_to"] else ", ".join(r["files"][:2]) + (
-            f" +{len(r['files']) - 2}" if len(r["files"]) > 2 else ""
+        source = (
+            f"tied to {r['tied_to']}"
+            if r["tied_to"]
+            else ", ".join(r["files"][:2]) + (f" +{len(r['files']) - 2}" if len(r["files"]) > 2 else "")
         )
         dtype = r["dtype"] if r["dtype"] == r["stored_dtype"] else f"{r['dtype']}*"
         out.write(
@@ -77,11 +81,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a checkpoint to safetensors / torch files (streaming, atomic)."""
-    from .._convert import convert
-    from ..errors import OutputError
-
+    _args.refuse_remote(args.src, output=args.dst)
     try:
-        result = convert(
+        result = zeroio.convert(
             args.src,
             args.dst,
             fmt=args.format,
@@ -95,7 +97,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             distributed=args.distributed,
             include_optimizer=args.include_optimizer,
         )
-    except OutputError as exc:
+    except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
             print(f"Output error: {exc}", file=sys.stderr)
             return 130
@@ -108,22 +110,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"to {args.dst}"
         )
     if getattr(args, "push_to_hub", None):
-        from .._hub import push_to_hub
-
-        pushed = push_to_hub(args.dst, args.push_to_hub, progress=not args.quiet)
+        pushed = zeroio.push_to_hub(args.dst, args.push_to_hub, progress=not args.quiet)
         if not args.quiet:
             print(f"Pushed to {pushed.commit_url}")
     return 0
 
 
 def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    problem = _args.folder_destination_problem(args.dst, args.format)
+    if problem is not None:
+        parser.error(problem)
     if not args.distributed:
         return
-    from .._distributed import torchrun_env
-
     if args.format == "lightning":
         parser.error("--distributed writes sharded folders; --format lightning writes one file: drop --distributed")
-    if not torchrun_env():
+    if not _args.running_under_torchrun():
         parser.error(
             "--distributed runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set): "
             "torchrun --nnodes N --nproc-per-node P -m zeroio convert SRC DST --distributed"
@@ -132,20 +133,25 @@ def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Compare every tensor of two checkpoints; exit 1 on any difference."""
-    from .._verify import verify
-
-    report = verify(args.a, args.b, dtype=args.dtype, tag=args.tag, max_report=args.max_report)
+    _args.refuse_remote(args.a, args.b)
+    report = zeroio.verify(args.a, args.b, dtype=args.dtype, tag=args.tag, max_report=args.max_report)
     print(report.summary())
     return 0 if report.ok else 1
 
 
+TOKEN_ON_COMMAND_LINE_WARNING = (
+    "warning: --token is visible to other users in process listings and shell history; set HF_TOKEN or run "
+    "`hf auth login` instead."
+)
+"""Printed on stderr when ``--token`` is used (docs/hub.md, Authentication)."""
+
+
 def cmd_push(args: argparse.Namespace) -> int:
     """Push a checkpoint (converted on the fly) or a converted folder to the Hugging Face Hub."""
-    from .._hub import TOKEN_ON_COMMAND_LINE_WARNING, push_to_hub
-
+    _args.refuse_remote(args.src)
     if args.token is not None:  # issue 15: a token in argv is readable by other users (ps, /proc, history)
         print(TOKEN_ON_COMMAND_LINE_WARNING, file=sys.stderr)
-    result = push_to_hub(
+    result = zeroio.push_to_hub(
         args.src,
         args.repo_id,
         token=args.token,
@@ -166,9 +172,8 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     """Rewrite a ZeRO-3 checkpoint for another data-parallel world size (DeepSpeed resumes from it)."""
-    from .._reshard import reshard
-
-    result = reshard(
+    _args.refuse_remote(args.src, output=args.dst)
+    result = zeroio.reshard(
         args.src,
         args.dst,
         world_size=args.world_size,
@@ -200,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="zeroio",
         description="Read, convert and publish DeepSpeed ZeRO checkpoints without DeepSpeed.",
     )
-    parser.add_argument("--version", action="version", version=f"zeroio {__version__}")
+    parser.add_argument("--version", action="version", version=f"zeroio {zeroio.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("inspect", help="list tensors and metadata (reads no tensor bytes)")
@@ -208,14 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(func=cmd_inspect)
-
-    def shard_size(text: str) -> int:
-        from .._sharding import parse_size
-
-        try:
-            return parse_size(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
 
     p = sub.add_parser("convert", help="write safetensors (or torch) files, streaming and atomic")
     p.add_argument("src", help="checkpoint to read")
@@ -229,9 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format: safetensors (default), torch (pytorch_model.bin), or lightning (one .ckpt file for "
         "LightningModule.load_from_checkpoint)",
     )
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors")
+    p.add_argument("--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors")
     p.add_argument(
-        "--max-shard-size", default="5GB", type=shard_size, help="largest shard, e.g. 5GB, 500MB (default: 5GB)"
+        "--max-shard-size",
+        default="5GB",
+        type=_args.shard_size,
+        help="largest shard, e.g. 5GB, 500MB, 2GiB, or bytes (default: 5GB)",
     )
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
@@ -255,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="compare every tensor of two checkpoints (exit 1 on any difference)")
     p.add_argument("a", help="first checkpoint")
     p.add_argument("b", help="second checkpoint")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="compare after casting A to this dtype")
+    p.add_argument(
+        "--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="compare after casting A to this dtype"
+    )
     p.add_argument("--tag", help="tag of A, when A is a DeepSpeed checkpoint root")
     p.add_argument("--max-report", type=int, default=10, help="mismatches to print (default: 10)")
     p.set_defaults(func=cmd_verify)
@@ -268,8 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="branch to push to (created if missing)")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
     p.add_argument("--commit-message", help="commit title")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors when converting")
-    p.add_argument("--max-shard-size", default="5GB", help="largest shard when converting (default: 5GB)")
+    p.add_argument(
+        "--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors when converting"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=_args.shard_size,
+        help="largest shard when converting, e.g. 5GB, 2GiB (default: 5GB)",
+    )
     p.add_argument("--tag", help="tag folder to read when converting (default: the one in 'latest')")
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
@@ -287,5 +296,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_reshard)
     return parser
-
-

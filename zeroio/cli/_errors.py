@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from .. import errors
 
 EXIT_OK = 0
@@ -21,10 +23,51 @@ ERROR_TABLE: list[tuple[type[BaseException], str, int]] = [
     (ValueError, "Invalid arguments", EXIT_USAGE),
 ]
 
+# The library's messages name its Python arguments; the CLI user typed flags. Keyword arguments with a value
+# (``fmt='lightning'``) become ``--format lightning``, ``flag=True`` becomes ``--flag``, and a bare argument name
+# becomes its flag.
+_VALUE_FLAGS = {
+    "fmt": "--format",
+    "dtype": "--dtype",
+    "tag": "--tag",
+    "output_tag": "--output-tag",
+    "revision": "--revision",
+    "max_shard_size": "--max-shard-size",
+    "sub_group_size": "--sub-group-size",
+}
+_SWITCH_FLAGS = {
+    "include_optimizer": "--include-optimizer",
+    "exclude_frozen": "--exclude-frozen",
+    "distributed": "--distributed",
+    "overwrite": "--overwrite",
+    "create_pr": "--create-pr",
+    "private": "--private",
+}
+_BARE_NAMES = ("max_shard_size", "exclude_frozen", "include_optimizer", "sub_group_size", "output_tag")
+
+_SWITCH_WITH_FLAG = re.compile(r"\b(" + "|".join(_SWITCH_FLAGS) + r")=True \((--[a-z-]+)\)")
+_SWITCH = re.compile(r"\b(" + "|".join(_SWITCH_FLAGS) + r")=True\b")
+_VALUE = re.compile(r"\b(" + "|".join(_VALUE_FLAGS) + r")=(?:(['\"])(.*?)\2|([\w.]+))?")
+_BARE = re.compile(r"(?<![-\w])(" + "|".join(_BARE_NAMES) + r")\b(?!=)")
+
+
+def cli_spelling(message: str) -> str:
+    """``message`` with the library's argument names (``include_optimizer=True``) written as CLI flags."""
+    message = _SWITCH_WITH_FLAG.sub(lambda m: m.group(2), message)
+    message = _SWITCH.sub(lambda m: _SWITCH_FLAGS[m.group(1)], message)
+
+    def value_flag(m: re.Match[str]) -> str:
+        value = m.group(3) if m.group(2) else m.group(4)
+        flag = _VALUE_FLAGS[m.group(1)]
+        return f"{flag} {value}" if value else flag
+
+    message = _VALUE.sub(value_flag, message)
+    return _BARE.sub(lambda m: _VALUE_FLAGS.get(m.group(1)) or _SWITCH_FLAGS[m.group(1)], message)
+
 
 def format_error(exc: BaseException) -> tuple[str, int]:
     """The one line printed for ``exc`` and the exit code, or ``("", -1)`` when zeroio does not own it."""
     for exc_type, prefix, code in ERROR_TABLE:
         if isinstance(exc, exc_type):
-            return f"{prefix}: {exc}", code
+            return f"{prefix}: {cli_spelling(str(exc))}", code
     return "", -1

@@ -1,0 +1,377 @@
+"""The package's shape, checked from source with ``ast``: imports flow downward without circles, no module reads
+another's private names, modules stay small, and the CLI and tests use the public API only."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "zeroio"
+TESTS = ROOT / "tests"
+
+# --------------------------------------------------------------------------- the rules, as data
+
+# Lowest first. A module may import modules of its own layer or below, never above. Entries are the names
+# directly under zeroio/ (a subpackage such as _formats/ counts as one entry). Every module must be listed:
+# a new one fails test_every_module_has_a_layer until it is placed here.
+LAYERS: list[tuple[str, ...]] = [
+    # 0. vocabulary: no zeroio imports but each other
+    ("errors", "_types", "_constants", "_text"),
+    # 1. storage: byte sources to read from, primitives for files to write
+    ("_storage", "_fileio"),
+    # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
+    ("_pickles",),
+    # 3. metadata, partition arithmetic, layouts, the Checkpoint (reader contract) and its format readers
+    ("_metadata", "_partition", "_layout", "_checkpoint", "_formats"),
+    # 4. the write engine: progress, safetensors layout, shard planning, atomic outputs, side files,
+    #    plan -> execute (write_files) -> commit (engine), process communication
+    ("_progress", "_safetensors_writer", "_sharding", "_atomic", "_side_files", "_plan", "_write_files", "_comm",
+     "_engine"),
+    # 5. the verbs and what only they use
+    ("_convert", "_distributed", "_deploy", "_verify", "_optim", "_lightning", "_reshard", "_reshard_plan",
+     "_reshard_trees", "_hub", "_model_card"),
+    # 6. the public namespace
+    ("__init__",),
+    # 7. the command line
+    ("cli", "__main__"),
+]
+
+# Modules over MAX_LINES, each with the reason it may stay longer. Keep this short.
+MAX_LINES = 500
+LONG_MODULES: dict[str, str] = {}
+
+# Private attributes of other libraries that zeroio must read, with why. Everything else named ``_x`` on an
+# object other than ``self``/``cls`` is another module's private state.
+FOREIGN_PRIVATE_ATTRIBUTES: dict[str, str] = {
+    "_parameters": "torch.nn.Module: a module's own parameters without recursion or hooks (loading in place)",
+    "_buffers": "torch.nn.Module: a module's own buffers, as load_state_dict reads them",
+    "_non_persistent_buffers_set": "torch.nn.Module: buffers that are never saved (not reported as missing)",
+    "_dtype_to_storage_type_map": "torch.storage: the storage class name torch.save writes for a dtype",
+    "_Pickler": "pickle: the pure-Python Pickler, whose dispatch table can be extended (the C one's cannot)",
+    "_replace": "namedtuple's public API (named with an underscore to avoid field clashes)",
+    "_asdict": "namedtuple's public API",
+    "_fields": "namedtuple's public API",
+}
+
+# What the CLI and the tests may import: the public API ...
+PUBLIC_MODULES = {"zeroio", "zeroio.errors"}
+# ... plus, for tests, the command's entry point (``zeroio.cli.main``, the ``zeroio`` script) ...
+TEST_ENTRY_POINTS = {"zeroio.cli"}
+# ... plus pure internals that unit tests exercise directly because no public call shows them whole.
+PURE_INTERNALS: dict[str, str] = {
+    "zeroio._partition": "ZeRO partition arithmetic (plain integers)",
+    "zeroio._sharding": "shard splitting and HF size/index rules, and which process writes which shard",
+    "zeroio._safetensors_writer": "the safetensors writer's planning (header, slots) and chunk writing",
+    "zeroio._fileio": "pwrite/preallocate/fsync helpers and chunk buffers",
+    "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
+}
+
+
+# --------------------------------------------------------------------------- reading the source
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, resolved to a dotted module (or ``module.name``) path."""
+
+    module: str  # the module imported from (``zeroio._convert``), or the module itself for ``import x``
+    name: str | None  # the name imported from it (``convert``), None for ``import x`` / a whole module
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _package_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = _package_modules()
+
+
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _imports(path: Path, tree: ast.Module) -> Iterator[Import]:
+    """Every import in ``tree``, at any depth (inside functions and ``if TYPE_CHECKING:`` too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(alias.name, None, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:
+                    yield Import(f"{base}.{alias.name}", None, node.lineno)
+                else:
+                    yield Import(base, alias.name, node.lineno)
+
+
+def _unit(module: str) -> str | None:
+    """The layer table's entry for a zeroio module: the first name under zeroio/ (``__init__`` for zeroio)."""
+    if module == "zeroio":
+        return "__init__"
+    if not module.startswith("zeroio."):
+        return None
+    return module.split(".")[1]
+
+
+def _layer_of() -> dict[str, int]:
+    return {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def _graph() -> dict[str, set[str]]:
+    """zeroio module -> the zeroio modules it imports (explicit imports only, not implicit parent packages)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        targets = set()
+        for imp in _imports(path, _parse(path)):
+            if imp.module in MODULES and imp.module != module:
+                targets.add(imp.module)
+        graph[module] = targets
+    return graph
+
+
+# --------------------------------------------------------------------------- (a) no import circles
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycles():
+    """No two zeroio modules import each other, directly or through others (imports inside functions count)."""
+    cycles = _cycles(_graph())
+    assert cycles == [], "import circles between zeroio modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_cycles():
+    """The checker itself: a circle through three modules is found, a chain is not."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+# --------------------------------------------------------------------------- (b) layers
+
+
+def test_every_module_has_a_layer():
+    """Each module under zeroio/ is placed in LAYERS, so the table stays complete."""
+    layer = _layer_of()
+    unknown = sorted({_unit(m) for m in MODULES} - set(layer) - {None})
+    assert unknown == [], f"modules missing from LAYERS in {Path(__file__).name}: {unknown}"
+
+
+def test_imports_flow_downward():
+    """A module imports only its own layer or lower ones (see LAYERS)."""
+    layer = _layer_of()
+    offenders = []
+    for module, targets in sorted(_graph().items()):
+        source = _unit(module)
+        if source not in layer:
+            continue  # reported by test_every_module_has_a_layer
+        for target in sorted(targets):
+            unit = _unit(target)
+            if unit in layer and unit != source and layer[unit] > layer[source]:
+                offenders.append(f"{module} (layer {layer[source]}) imports {target} (layer {layer[unit]})")
+    assert offenders == [], "imports from a higher layer:\n" + "\n".join(offenders)
+
+
+# --------------------------------------------------------------------------- (c) no private names across modules
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_private_names(tree: ast.Module) -> set[str]:
+    """Private names a module defines itself: class attributes, functions, ``self._x`` assignments, dict keys.
+
+    Reading one of them on another object of the same module's classes (``type(obj)._x``, ``other._x`` in a
+    comparison) is the module's own business, not a reach into another module.
+    """
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _private(node.value):
+            names.add(node.value)  # type(name, bases, {"_x": ...}) and __slots__ entries
+    return names
+
+
+def _private_accesses(path: Path) -> Iterator[str]:
+    tree = _parse(path)
+    where = path.relative_to(ROOT)
+    own = _own_private_names(tree)
+    for imp in _imports(path, tree):
+        if imp.name is not None and imp.module in MODULES and _private(imp.name):
+            yield f"{where}:{imp.line}: from {imp.module} import {imp.name}"
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _private(node.attr):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        if node.attr in FOREIGN_PRIVATE_ATTRIBUTES or node.attr in own:
+            continue
+        yield f"{where}:{node.lineno}: {ast.unparse(node)}"
+
+
+def test_no_module_reads_another_modules_private_names():
+    """No ``from .x import _name``, ``module._name`` or ``obj._attr`` (obj not self/cls) in zeroio/."""
+    offenders = [line for path in MODULES.values() for line in _private_accesses(path)]
+    assert offenders == [], (
+        f"{len(offenders)} reads of another module's private names (expose a public name instead, or add a "
+        "foreign library's attribute to FOREIGN_PRIVATE_ATTRIBUTES with the reason):\n" + "\n".join(offenders)
+    )
+
+
+def test_private_access_finder_sees_each_form():
+    """The checker itself: each forbidden form is reported; self/cls, super() and dunders are not."""
+    path = PACKAGE / "_architecture_probe.py"  # named inside the package so relative imports resolve
+    source = (
+        "from ._convert import _plan, convert\n"
+        "from . import _constants\n"
+        "def f(ckpt, module):\n"
+        "    ckpt._sources; module._parameters; ckpt.__class__\n"
+        "class A:\n"
+        "    def g(self):\n"
+        "        self._x; super()._y\n"
+    )
+    tree = ast.parse(source)
+    found = []
+    for imp in _imports(path, tree):
+        if imp.name is not None and imp.module in MODULES and _private(imp.name):
+            found.append(f"{imp.module}.{imp.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if node.attr not in FOREIGN_PRIVATE_ATTRIBUTES:
+                found.append(ast.unparse(node))
+    assert found == ["zeroio._convert._plan", "ckpt._sources"]
+
+
+# --------------------------------------------------------------------------- (d) small modules
+
+
+def test_modules_are_small():
+    """No module is over MAX_LINES lines unless LONG_MODULES says why."""
+    offenders = []
+    for module, path in MODULES.items():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_LINES and module not in LONG_MODULES:
+            offenders.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert offenders == [], f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(sorted(offenders))
+
+
+# --------------------------------------------------------------------------- (e) the CLI and tests use the public API
+
+_CODE_IN_STRING = re.compile(r"^\s*(?:from|import)\s+(zeroio(?:\.\w+)*)", re.MULTILINE)
+_DOTTED_PATH_STRING = re.compile(r"^(zeroio\.\w+(?:\.\w+)*)$")
+
+
+def _zeroio_uses(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) for each zeroio module ``path`` imports, including code in strings run as scripts and
+    dotted paths such as ``monkeypatch.setattr("zeroio._x.y", ...)``."""
+    tree = _parse(path)
+    for imp in _imports(path, tree):
+        if imp.module == "zeroio" or imp.module.startswith("zeroio."):
+            yield imp.line, imp.module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "zeroio":
+            if f"zeroio.{node.attr}" in MODULES:
+                yield node.lineno, f"zeroio.{node.attr}"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for match in _CODE_IN_STRING.finditer(node.value):
+                yield node.lineno, match.group(1)
+            dotted = _DOTTED_PATH_STRING.match(node.value)
+            if dotted and dotted.group(1).split(".")[1].startswith("_"):
+                yield node.lineno, dotted.group(1)
+
+
+def _test_may_import(module: str) -> bool:
+    if module in PUBLIC_MODULES or module in TEST_ENTRY_POINTS:
+        return True
+    return any(module == pure or module.startswith(pure + ".") for pure in PURE_INTERNALS)
+
+
+def test_cli_imports_only_the_public_api():
+    """zeroio/cli/ calls the library through ``zeroio`` and ``zeroio.errors`` only (and its own modules)."""
+    offenders = []
+    for path in sorted((PACKAGE / "cli").rglob("*.py")):
+        for line, module in _zeroio_uses(path):
+            if not (module in PUBLIC_MODULES or module == "zeroio.cli" or module.startswith("zeroio.cli.")):
+                offenders.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert offenders == [], "the CLI imports private zeroio modules:\n" + "\n".join(offenders)
+
+
+def test_tests_import_only_the_public_api():
+    """Tests use ``zeroio``, ``zeroio.errors``, ``zeroio.cli.main`` and the PURE_INTERNALS unit-tested directly."""
+    offenders = []
+    for path in sorted(TESTS.glob("*.py")):
+        if path.name == Path(__file__).name:
+            continue  # this file names private modules as data
+        for line, module in _zeroio_uses(path):
+            if not _test_may_import(module):
+                offenders.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert offenders == [], (
+        "tests import private zeroio modules (use the public API, or test a pure internal listed in "
+        "PURE_INTERNALS):\n" + "\n".join(offenders)
+    )

@@ -1,0 +1,111 @@
+"""Argument types and checks of the ``zeroio`` command: turn what the user typed into library arguments."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from .. import errors
+
+# Decimal units are the Hugging Face ones (huggingface_hub's parse_size_to_int: KB/MB/GB/TB = 10**3..10**12, and
+# huggingface_hub.utils.parse_size's one-letter K/M/G/T); the IEC binary units (KiB = 1024, ...) and a plain "B" are
+# accepted too, because users type them (df -h, torch.cuda.mem_get_info) and huggingface_hub has none.
+_SIZE_UNITS = {
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+DTYPE_CHOICES = ("fp32", "fp16", "bf16")
+# torch's spellings of the same dtypes (torch.bfloat16, ...), as users copy them from their training config.
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+# Names a user gives a single file; --format safetensors/torch write a folder of files instead.
+FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+# The variables ``torchrun`` sets that torch.distributed's ``env://`` rendezvous reads.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def shard_size(text: str) -> int:
+    """``--max-shard-size``: ``5GB``, ``500MB``, ``1.5GB``, ``2GiB``, ``200B`` or a byte count, to bytes."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS and unit != "":
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size: use a number with a unit, e.g. 5GB, 500MB (decimal), 2GiB (binary), "
+            "200B, or a byte count"
+        )
+    size = int(float(match.group(1)) * _SIZE_UNITS.get(unit, 1))
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be at least one byte, got {text!r}")
+    return size
+
+
+def dtype(text: str) -> str:
+    """``--dtype``: fp32/fp16/bf16, or torch's names for them (float32, float16, bfloat16, half)."""
+    key = text.strip().lower().removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from fp32, fp16, bf16, or float32, float16, bfloat16)"
+        )
+    return key
+
+
+def running_under_torchrun() -> bool:
+    """True when torchrun (or the user, by hand) set every variable the ``env://`` rendezvous needs."""
+    return all(os.environ.get(name) for name in TORCHRUN_ENV)
+
+
+def refuse_remote(*paths: str | None, output: str | None = None) -> None:
+    """Raise for ``s3://``-style URLs: zeroio reads and writes local (or mounted) paths only, for now.
+
+    Without this, ``pathlib`` folds ``s3://bucket/x`` into ``s3:/bucket/x`` and the user is told that a path they
+    never typed does not exist (or, for an output, a local folder named ``s3:`` appears).
+    """
+    for path in paths:
+        if path is not None and _URL.match(path):
+            raise errors.UnsupportedCheckpointError(
+                f"'{path}' is a URL; remote storage is not supported yet. Download or mount it and pass a local path.",
+                path=path,
+            )
+    if output is not None and _URL.match(output):
+        raise errors.OutputError(
+            f"'{output}' is a URL; writing to remote storage is not supported yet. Write to a local path and "
+            "upload it (zeroio push uploads to the Hugging Face Hub).",
+            path=output,
+        )
+
+
+def folder_destination_problem(dst: str, fmt: str) -> str | None:
+    """Why ``dst`` cannot be the output folder of ``--format fmt``, or None when it can.
+
+    ``--format safetensors/torch`` write a folder (``model.safetensors`` or shards and an index inside it); a
+    destination named like a file would silently become a folder of that name.
+    """
+    if fmt == "lightning" or os.path.isdir(dst):
+        return None
+    name = os.path.basename(os.path.normpath(dst))
+    if name.lower().endswith(FILE_SUFFIXES):
+        stem = name.rsplit(".", 1)[0] or "model"
+        return (
+            f"DST '{dst}' is named like a file, but --format {fmt} writes a folder of files (e.g. "
+            f"'{dst}/model.safetensors'): pass a folder name such as '{os.path.join(os.path.dirname(dst), stem)}'"
+            + (" (or --format lightning for one .ckpt file)" if name.lower().endswith(".ckpt") else "")
+        )
+    return None
