@@ -7,7 +7,7 @@ reports, from inside (``--worker`` mode, which wraps ``zeroio.cli.main``):
 
 * ``start_s``: from process creation to the start of the conversion (interpreter, torch import, rendezvous);
 * ``plan_s``: opening the checkpoint's metadata and planning every file (distributed runs only, from the
-  ``zeroio._distributed`` debug log), ``convert_s``: the whole ``convert`` call;
+  ``zeroio`` debug log), ``convert_s``: the whole ``convert`` call;
 * ``rchar`` / ``wchar``: bytes it read and wrote through syscalls (``/proc/self/io``), ``read_bytes`` /
   ``write_bytes``: what reached the block device;
 * the shards and bytes it was assigned.
@@ -77,7 +77,7 @@ def worker(report: Path, argv: list[str]) -> int:
     from zeroio.cli import main
 
     capture = _Capture()
-    log = logging.getLogger("zeroio._distributed")
+    log = logging.getLogger("zeroio")  # the engine logs each process's share
     log.setLevel(logging.DEBUG)
     log.addHandler(capture)
     start_s = _process_age()

@@ -106,7 +106,7 @@ def drop_caches() -> None:
 def fp32_ranges(checkpoint: Path) -> list[tuple[Path, int, int]]:
     """``(file, byte offset, byte count)`` of every fp32 master-weight record in the optimizer files."""
     sys.path.insert(0, str(REPO))
-    from zeroio._unpickle import load_pickle
+    from zeroio._pickles import load_pickle
 
     tag_dir = _tag_dir(checkpoint)
     ranges = []
