@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import _constants as C
 from ._text import listing
-from .errors import CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
 __all__ = ["ZeroLayout", "find_tag_dir", "is_zero_checkpoint", "scan_tag_dir"]
 
@@ -132,6 +132,21 @@ def _ranked(files: dict[int, Path], kind: str, tag_dir: Path) -> tuple[Path, ...
     return tuple(files[r] for r in range(count))
 
 
+def _check_one_prefix(optim: dict[int, Path], prefixes: dict[int, str]) -> None:
+    """One save names every optimizer file alike: all with DeepSpeed's ``bf16_`` prefix (bf16 optimizer) or none."""
+    if len(set(prefixes.values())) < 2:
+        return
+    common = max(sorted(set(prefixes.values())), key=list(prefixes.values()).count)
+    rank = min(r for r, p in prefixes.items() if p != common)
+    raise CheckpointFormatError(
+        f"'{optim[rank]}' is named {'without a' if not prefixes[rank] else f'with the {prefixes[rank]!r}'} prefix, "
+        f"unlike the other ranks' optimizer files: the folder mixes files from different saves; copy the whole tag "
+        "folder again.",
+        path=optim[rank],
+        rank=rank,
+    )
+
+
 def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
     """Classify the files of ``tag_dir``; refuse layouts zeroio does not read (yet)."""
     names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
@@ -157,12 +172,14 @@ def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
             found=pipeline,
         )
     optim: dict[int, Path] = {}
+    prefixes: dict[int, str] = {}
     zero3_model: dict[int, Path] = {}
     plain_model: list[str] = []
     mp_ranks: set[int] = set()
     for name in names:
         if m := C.ZERO_OPTIM_FILE.match(name):
             optim[int(m["rank"])] = tag_dir / name
+            prefixes[int(m["rank"])] = m["prefix"] or ""
             mp_ranks.add(int(m["mp"]))
         elif m := C.ZERO3_MODEL_FILE.match(name):
             zero3_model[int(m["rank"])] = tag_dir / name
@@ -177,6 +194,7 @@ def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
             path=tag_dir,
             found=sorted(mp_ranks),
         )
+    _check_one_prefix(optim, prefixes)
     if experts and (zero3_model or not plain_model):
         raise UnsupportedCheckpointError(
             f"'{tag_dir}' is a Mixture-of-Experts checkpoint ({_truncate(experts)}) without "
