@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from . import _constants as C
 from ._text import listing
@@ -27,6 +27,16 @@ def _candidate_tags(root: Path) -> list[str]:
         return sorted(p.name for p in root.iterdir() if p.is_dir() and _has_states(p))
     except OSError:
         return []
+
+
+def _inside_root(tag: str) -> bool:
+    """True when ``tag`` is a relative path that stays inside the root: no absolute path, no ``..`` component.
+
+    DeepSpeed joins a tag to the save folder (``os.path.join(save_dir, tag)``), so a nested tag (``run/step``)
+    is legitimate; the check is on the text, so a tag folder that is a symlink still opens.
+    """
+    parts = tag.replace("\\", "/").split("/")
+    return not PurePosixPath(tag).is_absolute() and not PureWindowsPath(tag).drive and ".." not in parts
 
 
 def is_zero_checkpoint(path: Path) -> bool:
@@ -54,6 +64,13 @@ def find_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None]:
             )
         return path.parent, path.parent.name
     if tag is not None:
+        if not _inside_root(tag):
+            raise CheckpointNotFoundError(
+                f"Tag '{tag}' leads outside '{path}': tag= names a folder inside the checkpoint root. To open another "
+                "folder, pass that folder as the path.",
+                path=path,
+                expected=tag,
+            )
         tag_dir = path / tag
         if not tag_dir.is_dir():
             available = _candidate_tags(path)
@@ -71,6 +88,13 @@ def find_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None]:
     latest = path / C.LATEST_FILE
     if latest.is_file():
         name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        if name and not _inside_root(name):
+            raise CheckpointFormatError(
+                f"'{latest}' names '{name}', which is outside the checkpoint folder; zeroio opens only tags inside "
+                f"'{path}'. Fix the 'latest' file, or pass tag= to choose another folder.",
+                path=latest,
+                found=name,
+            )
         tag_dir = path / name
         if not name or not tag_dir.is_dir():
             available = _candidate_tags(path)
