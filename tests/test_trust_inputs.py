@@ -214,8 +214,11 @@ def test_both_genuine_tags_open():
 
 
 @settings(max_examples=25, deadline=10000, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(choice=st.lists(st.tuples(st.sampled_from(["global_step1", "global_step2"]), st.integers(0, 1)), min_size=4,
-                       max_size=4))
+@given(
+    choice=st.lists(
+        st.tuples(st.sampled_from(["global_step1", "global_step2"]), st.integers(0, 1)), min_size=4, max_size=4
+    )
+)
 def test_any_mix_of_two_saves_is_refused(tmp_path_factory, choice):
     """Each of the 4 rank files of z3_ws2_fp32/global_step2 replaced by any rank's file of either tag: any mix
     raises a ZeroIOError, except the one the files cannot tell (docs/format.md): every model-states file from one

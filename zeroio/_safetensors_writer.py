@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._constants import SAFETENSORS_MAX_HEADER_SIZE
 from ._fileio import preallocate, pwrite_all, tensor_bytes
 
 __all__ = [
@@ -31,8 +32,8 @@ __all__ = [
     "write_chunks",
 ]
 
-MAX_HEADER_SIZE = 100_000_000
-"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate)."""
+MAX_HEADER_SIZE = SAFETENSORS_MAX_HEADER_SIZE
+"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate); shared with the reader."""
 
 # safetensors' Dtype enum, in declaration order (its files sort tensors by this rank, descending, then by name).
 _DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = (

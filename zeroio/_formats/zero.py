@@ -18,13 +18,6 @@ from .._unpickle import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .moe import Experts, insert_experts, parse_experts
 from .optimizer import optimizer_state
-from .provenance import (
-    archive_records,
-    check_archive_names,
-    check_distinct_partitions,
-    check_model_states_agree,
-    check_optimizer_steps,
-)
 from .plans import (
     ReadPlan,
     WholePlan,
@@ -32,6 +25,13 @@ from .plans import (
     buffer_plans,
     plan_byte_ranges,
     read_plan_into,
+)
+from .provenance import (
+    archive_records,
+    check_archive_names,
+    check_distinct_partitions,
+    check_model_states_agree,
+    check_optimizer_steps,
 )
 from .stage0 import open_stage0
 from .validate import (
