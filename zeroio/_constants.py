@@ -35,6 +35,12 @@ PARTITION_COUNT = "partition_count"
 FP32_FLAT_GROUPS = "fp32_flat_groups"  # ZeRO-3
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # ZeRO-1/2
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # ZeRO-1/2, newer DeepSpeed
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"  # ZeRO-1/2: {name: fragment_address(start, numel)} per group, per rank
+BASE_OPTIMIZER_STATE = "base_optimizer_state"  # ZeRO-1/2: the torch optimizer's state_dict()
+
+# --- safetensors
+SAFETENSORS_MAX_HEADER_SIZE = 100_000_000
+"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate); reader and writer share it."""
 
 # --- Hugging Face output naming (as transformers / huggingface_hub write it)
 SAFETENSORS_SINGLE = "model.safetensors"

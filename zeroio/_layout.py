@@ -5,11 +5,11 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from . import _constants as C
 from ._text import listing
-from .errors import CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
 __all__ = ["ZeroLayout", "find_tag_dir", "is_zero_checkpoint", "scan_tag_dir"]
 
@@ -27,6 +27,16 @@ def _candidate_tags(root: Path) -> list[str]:
         return sorted(p.name for p in root.iterdir() if p.is_dir() and _has_states(p))
     except OSError:
         return []
+
+
+def _inside_root(tag: str) -> bool:
+    """True when ``tag`` is a relative path that stays inside the root: no absolute path, no ``..`` component.
+
+    DeepSpeed joins a tag to the save folder (``os.path.join(save_dir, tag)``), so a nested tag (``run/step``)
+    is legitimate; the check is on the text, so a tag folder that is a symlink still opens.
+    """
+    parts = tag.replace("\\", "/").split("/")
+    return not PurePosixPath(tag).is_absolute() and not PureWindowsPath(tag).drive and ".." not in parts
 
 
 def is_zero_checkpoint(path: Path) -> bool:
@@ -54,6 +64,13 @@ def find_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None]:
             )
         return path.parent, path.parent.name
     if tag is not None:
+        if not _inside_root(tag):
+            raise CheckpointNotFoundError(
+                f"Tag '{tag}' leads outside '{path}': tag= names a folder inside the checkpoint root. To open another "
+                "folder, pass that folder as the path.",
+                path=path,
+                expected=tag,
+            )
         tag_dir = path / tag
         if not tag_dir.is_dir():
             available = _candidate_tags(path)
@@ -71,6 +88,13 @@ def find_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None]:
     latest = path / C.LATEST_FILE
     if latest.is_file():
         name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        if name and not _inside_root(name):
+            raise CheckpointFormatError(
+                f"'{latest}' names '{name}', which is outside the checkpoint folder; zeroio opens only tags inside "
+                f"'{path}'. Fix the 'latest' file, or pass tag= to choose another folder.",
+                path=latest,
+                found=name,
+            )
         tag_dir = path / name
         if not name or not tag_dir.is_dir():
             available = _candidate_tags(path)
@@ -132,6 +156,21 @@ def _ranked(files: dict[int, Path], kind: str, tag_dir: Path) -> tuple[Path, ...
     return tuple(files[r] for r in range(count))
 
 
+def _check_one_prefix(optim: dict[int, Path], prefixes: dict[int, str]) -> None:
+    """One save names every optimizer file alike: all with DeepSpeed's ``bf16_`` prefix (bf16 optimizer) or none."""
+    if len(set(prefixes.values())) < 2:
+        return
+    common = max(sorted(set(prefixes.values())), key=list(prefixes.values()).count)
+    rank = min(r for r, p in prefixes.items() if p != common)
+    raise CheckpointFormatError(
+        f"'{optim[rank]}' is named {'without a' if not prefixes[rank] else f'with the {prefixes[rank]!r}'} prefix, "
+        f"unlike the other ranks' optimizer files: the folder mixes files from different saves; copy the whole tag "
+        "folder again.",
+        path=optim[rank],
+        rank=rank,
+    )
+
+
 def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
     """Classify the files of ``tag_dir``; refuse layouts zeroio does not read (yet)."""
     names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
@@ -157,12 +196,14 @@ def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
             found=pipeline,
         )
     optim: dict[int, Path] = {}
+    prefixes: dict[int, str] = {}
     zero3_model: dict[int, Path] = {}
     plain_model: list[str] = []
     mp_ranks: set[int] = set()
     for name in names:
         if m := C.ZERO_OPTIM_FILE.match(name):
             optim[int(m["rank"])] = tag_dir / name
+            prefixes[int(m["rank"])] = m["prefix"] or ""
             mp_ranks.add(int(m["mp"]))
         elif m := C.ZERO3_MODEL_FILE.match(name):
             zero3_model[int(m["rank"])] = tag_dir / name
@@ -177,6 +218,7 @@ def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
             path=tag_dir,
             found=sorted(mp_ranks),
         )
+    _check_one_prefix(optim, prefixes)
     if experts and (zero3_model or not plain_model):
         raise UnsupportedCheckpointError(
             f"'{tag_dir}' is a Mixture-of-Experts checkpoint ({_truncate(experts)}) without "

@@ -12,6 +12,8 @@ import torch
 from .errors import CheckpointFormatError
 
 __all__ = [
+    "SAFETENSORS_DTYPES",
+    "SAFETENSORS_DTYPE_ORDER",
     "CheckpointMetadata",
     "TensorInfo",
     "dtype_name",
@@ -35,6 +37,31 @@ _DTYPE_NAMES = {
     "fp64": torch.float64,
     "float64": torch.float64,
 }
+
+
+# safetensors' Dtype enum, in declaration order (its files sort tensors by this rank, descending, then by name).
+SAFETENSORS_DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = (
+    ("BOOL", torch.bool),
+    ("U8", torch.uint8),
+    ("I8", torch.int8),
+    ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
+    ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
+    ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
+    ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+    ("I16", torch.int16),
+    ("U16", getattr(torch, "uint16", None)),
+    ("F16", torch.float16),
+    ("BF16", torch.bfloat16),
+    ("I32", torch.int32),
+    ("U32", getattr(torch, "uint32", None)),
+    ("F32", torch.float32),
+    ("C64", torch.complex64),
+    ("F64", torch.float64),
+    ("I64", torch.int64),
+    ("U64", getattr(torch, "uint64", None)),
+)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in SAFETENSORS_DTYPE_ORDER if dt is not None}
+"""safetensors' dtype names and the torch dtype each holds (those this torch has), in safetensors' enum order."""
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ._constants import SAFETENSORS_MAX_HEADER_SIZE
 from ._fileio import pwrite_all, tensor_bytes
+from ._metadata import SAFETENSORS_DTYPE_ORDER as _DTYPE_ORDER
+from ._metadata import SAFETENSORS_DTYPES
 
 __all__ = [
     "MAX_HEADER_SIZE",
@@ -30,33 +33,9 @@ __all__ = [
     "write_chunks",
 ]
 
-MAX_HEADER_SIZE = 100_000_000
-"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate): the one limit for writing
-and reading."""
+MAX_HEADER_SIZE = SAFETENSORS_MAX_HEADER_SIZE
+"""safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate); shared with the reader."""
 
-# safetensors' Dtype enum, in declaration order (its files sort tensors by this rank, descending, then by name).
-_DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = (
-    ("BOOL", torch.bool),
-    ("U8", torch.uint8),
-    ("I8", torch.int8),
-    ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
-    ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
-    ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
-    ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
-    ("I16", torch.int16),
-    ("U16", getattr(torch, "uint16", None)),
-    ("F16", torch.float16),
-    ("BF16", torch.bfloat16),
-    ("I32", torch.int32),
-    ("U32", getattr(torch, "uint32", None)),
-    ("F32", torch.float32),
-    ("C64", torch.complex64),
-    ("F64", torch.float64),
-    ("I64", torch.int64),
-    ("U64", getattr(torch, "uint64", None)),
-)
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in _DTYPE_ORDER if dt is not None}
-"""safetensors' dtype names and the torch dtype each holds (those this torch has), in safetensors' enum order."""
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
 _RANK: dict[torch.dtype, int] = {dt: i for i, (_, dt) in enumerate(_DTYPE_ORDER) if dt is not None}
 

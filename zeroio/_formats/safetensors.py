@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from .._checkpoint import Checkpoint
-from .._metadata import CheckpointMetadata, TensorInfo
+from .._constants import SAFETENSORS_MAX_HEADER_SIZE
+from .._metadata import SAFETENSORS_DTYPES, CheckpointMetadata, TensorInfo
 from .._storage import LocalFile
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .index import read_index, shard_paths
@@ -21,30 +22,6 @@ from .index import read_index, shard_paths
 __all__ = ["SafetensorsCheckpoint", "open_safetensors"]
 
 logger = logging.getLogger(__name__)
-
-# safetensors' dtype names (safetensors 0.8 ``safetensors.torch._TYPES``), resolved lazily where torch lacks one.
-_SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "C64": "complex64",
-}
-
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit (100 MB)
 
 _RESERVED_METADATA = frozenset({"format", "total_size"})
 """Metadata keys that are never tie records (safetensors' ``format``, an index's ``total_size``)."""
@@ -95,7 +72,9 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
             if len(prefix) < 8:
                 raise _bad(path, f"it holds {size} bytes, fewer than the 8-byte header length")
             (length,) = struct.unpack("<Q", prefix)
-            if length > min(_MAX_HEADER_BYTES, size - 8):
+            if length > SAFETENSORS_MAX_HEADER_SIZE:
+                raise _bad(path, f"its header claims {length} bytes, over the format's limit of {SAFETENSORS_MAX_HEADER_SIZE}")
+            if length > size - 8:
                 raise _bad(path, f"its header claims {length} bytes, the file holds {size}")
             raw = fh.read(length)
     except FileNotFoundError as exc:
@@ -115,16 +94,16 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
         raise _bad(path, "'__metadata__' is not an object")
     metadata = {str(k): str(v) for k, v in metadata_raw.items()}
     entries: dict[str, _Entry] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, spec in header.items():
         if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
             raise _bad(path, f"the entry for '{name}' lacks dtype, shape or data_offsets")
         dtype_name = spec["dtype"]
-        torch_name = _SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-        dtype = getattr(torch, torch_name, None) if torch_name else None
-        if not isinstance(dtype, torch.dtype):
+        dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
             raise UnsupportedCheckpointError(
                 f"'{path}': tensor '{name}' has dtype {dtype_name!r}, which zeroio cannot read with torch "
-                f"{torch.__version__.split('+')[0]} (known: {', '.join(_SAFETENSORS_DTYPES)}).",
+                f"{torch.__version__.split('+')[0]} (known: {', '.join(SAFETENSORS_DTYPES)}).",
                 path=path,
                 name=str(name),
                 found=dtype_name,
@@ -153,9 +132,34 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
                 f"in a data section of {data_size} bytes",
             )
         entries[str(name)] = _Entry(dtype, tuple(shape), data_start + begin)
+        spans.append((begin, end, str(name)))
+    _check_contiguous(path, spans, data_size)
     # Storage order, so iterating the checkpoint reads each file front to back.
     ordered = dict(sorted(entries.items(), key=lambda item: item[1].begin))
     return _SafetensorsFile(path, ordered, metadata)
+
+
+def _check_contiguous(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """safetensors' own rules (``Metadata::validate`` and ``read_metadata`` in its Rust crate): sorted by offsets,
+    the tensors' byte ranges run back to back from 0, so none overlaps another or leaves a gap, and the last one
+    ends exactly at the end of the file. Two names over one range would alias each other's bytes."""
+    expected = 0
+    for begin, end, name in sorted(spans):
+        if begin != expected:
+            problem = f"overlaps the tensor before it (which ends at byte {expected})" if begin < expected else (
+                f"leaves bytes [{expected}, {begin}) that no tensor covers"
+            )
+            raise CheckpointFormatError(
+                f"'{path}' is not a valid safetensors file: tensor '{name}' starts at byte {begin} of the data "
+                f"section and {problem}; tensors must be contiguous from byte 0 without overlapping. Re-save it "
+                "with safetensors.torch.save_file.",
+                path=path,
+                name=name,
+            )
+        expected = end
+    if expected != data_size:
+        raise _bad(path, f"its tensors end at byte {expected} of a data section of {data_size} bytes, leaving "
+                   f"{data_size - expected} bytes that no tensor covers")
 
 
 def _ties_from(metadata: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, str]:

@@ -18,6 +18,7 @@ __all__ = [
     "ModelStates",
     "OptimizerPartitions",
     "ParamShapes",
+    "base_optimizer_state",
     "config_stage",
     "model_states",
     "numel_of",
@@ -85,6 +86,17 @@ def config_stage(ds_config: Any, *, default: int) -> int:
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
     stage = zero.get("stage") if isinstance(zero, dict) else None
     return int(stage) if isinstance(stage, int) else default
+
+
+def base_optimizer_state(optim_tree: Any) -> Any:
+    """The torch optimizer's own ``state_dict()`` inside a rank's optimizer file (Adam moments, ``step``), or None.
+
+    ZeRO-3 nests it as ``optimizer_state_dict.optimizer_state_dict``; ZeRO-1/2 as ``.base_optimizer_state``.
+    """
+    osd = optim_tree.get(C.OPTIMIZER_STATE_DICT) if isinstance(optim_tree, dict) else None
+    if not isinstance(osd, dict):
+        return None
+    return osd.get(C.OPTIMIZER_STATE_DICT, osd.get(C.BASE_OPTIMIZER_STATE))
 
 
 # --------------------------------------------------------------------------- rank files as typed records
@@ -161,6 +173,8 @@ class OptimizerPartitions:
     """Each rank's base optimizer state (Adam moments), partitioned like ``flat_groups``."""
     first_state: dict[Any, Any]
     """Rank 0's ``optimizer_state_dict`` (paddings, partition counts)."""
+    slice_mappings: list[Any]
+    """Each rank's ``param_slice_mappings`` (ZeRO-1/2: which slice of each group it holds), None where absent."""
 
     @property
     def world_size(self) -> int:
@@ -172,7 +186,7 @@ def optimizer_partitions(
     layout: ZeroLayout, trees: Sequence[Any], ds_config: Any, tag_dir: Path
 ) -> OptimizerPartitions:
     """Check every rank's optimizer state (``trees``, in rank order) against the others and the model files."""
-    stages, flat_groups, base_states = [], [], []
+    stages, flat_groups, base_states, slice_mappings = [], [], [], []
     for rank, (opath, tree) in enumerate(zip(layout.optim_files, trees)):
         osd = require_dict(require(tree, C.OPTIMIZER_STATE_DICT, opath), C.OPTIMIZER_STATE_DICT, opath)
         if C.ZERO_STAGE not in osd and C.SINGLE_PARTITION_OF_FP32_GROUPS in osd:
@@ -198,7 +212,8 @@ def optimizer_partitions(
             )
         stages.append(stage)
         flat_groups.append(ref_list(require(osd, key, opath, f"ZeRO-{stage} optimizer state"), key, opath))
-        base_states.append(osd.get(C.OPTIMIZER_STATE_DICT if stage == 3 else "base_optimizer_state"))
+        base_states.append(osd.get(C.OPTIMIZER_STATE_DICT if stage == 3 else C.BASE_OPTIMIZER_STATE))
+        slice_mappings.append(osd.get(C.PARAM_SLICE_MAPPINGS))
     stage = stages[0]
     if any(s != stage for s in stages):
         raise CheckpointFormatError(
@@ -214,4 +229,4 @@ def optimizer_partitions(
             path=tag_dir,
         )
     first_state = trees[0][C.OPTIMIZER_STATE_DICT]
-    return OptimizerPartitions(stage, tuple(layout.optim_files), flat_groups, base_states, first_state)
+    return OptimizerPartitions(stage, tuple(layout.optim_files), flat_groups, base_states, first_state, slice_mappings)

@@ -26,8 +26,23 @@ from .plans import (
     plan_byte_ranges,
     read_plan_into,
 )
+from .provenance import (
+    archive_records,
+    check_archive_names,
+    check_distinct_partitions,
+    check_model_states_agree,
+    check_optimizer_steps,
+)
 from .stage0 import open_stage0
-from .validate import ModelStates, OptimizerPartitions, ParamShapes, model_states, optimizer_partitions, param_shapes
+from .validate import (
+    ModelStates,
+    OptimizerPartitions,
+    ParamShapes,
+    base_optimizer_state,
+    model_states,
+    optimizer_partitions,
+    param_shapes,
+)
 from .zero3 import zero3_frozen, zero3_trainable
 from .zero12 import zero12_frozen, zero12_trainable
 
@@ -154,11 +169,13 @@ def _open_partitioned(
     tag_dir: Path, tag_name: str | None, layout: ZeroLayout, states: ModelStates, rank_files: _RankFiles
 ) -> ZeroContents:
     """ZeRO-1/2/3: validate every rank file, then plan each tensor from the optimizer's fp32 partitions."""
-    # 3. Validate: parameter shapes, then every rank's optimizer state (stage, world size, fp32 partitions).
+    # 3. Validate: parameter shapes, one save's rank files each under its own name, then every rank's optimizer
+    #    state (stage, world size, fp32 partitions).
     shapes = param_shapes(states)
     optim_trees = [rank_files.parse(p) for p in layout.optim_files]
-    optim = optimizer_partitions(layout, optim_trees, states.tree.get(C.DS_CONFIG), tag_dir)
     model_trees = [states.tree] + [rank_files.parse(p) for p in layout.model_files[1:]]
+    _check_one_save(layout, model_trees, optim_trees)
+    optim = optimizer_partitions(layout, optim_trees, states.tree.get(C.DS_CONFIG), tag_dir)
 
     # 4. Buffers (whole tensors in rank 0's module) and MoE expert files.
     found = buffer_plans(states.module, states.buffer_names, states.path)
@@ -171,6 +188,8 @@ def _open_partitioned(
     experts = (
         parse_experts(layout.expert_files, rank_files.parse, states.tree, states.path) if layout.expert_files else None
     )
+    if layout.expert_files:
+        check_archive_names([(None, p) for p in layout.expert_files], {p: archive_records(p) for p in layout.expert_files})
 
     # 5-6. Dispatch to the stage: frozen parameters (training dtype), then trainable ones (fp32 masters).
     if optim.stage == 3:
@@ -193,6 +212,18 @@ def _open_partitioned(
     metadata = _metadata(tag_dir, tag_name, layout, states, shapes, optim, list(frozen.infos))
     logger.debug("opened %s: ZeRO-%d, world size %d, %d tensors", tag_dir, optim.stage, optim.world_size, len(infos))
     return ZeroContents(metadata, infos, tied, found.plans, tuple(optim.base_states))
+
+
+def _check_one_save(layout: ZeroLayout, model_trees: list[Any], optim_trees: list[Any]) -> None:
+    """Refuse a folder whose rank files come from different saves or sit under another rank's name."""
+    records = {p: archive_records(p) for p in (*layout.model_files, *layout.optim_files)}
+    ranked_models = [(r if layout.partitioned_model_files else None, p) for r, p in enumerate(layout.model_files)]
+    check_archive_names([*ranked_models, *enumerate(layout.optim_files)], records)
+    if layout.partitioned_model_files:
+        check_model_states_agree(layout.model_files, model_trees)
+    check_optimizer_steps(layout.optim_files, [base_optimizer_state(t) for t in optim_trees], records)
+    if len(layout.optim_files) > 1:
+        check_distinct_partitions(layout.optim_files, records)
 
 
 def _tie_and_order(

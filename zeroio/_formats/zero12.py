@@ -12,6 +12,7 @@ from .._pickles import TensorRef
 from ..errors import PartitionMismatchError, UnsupportedCheckpointError
 from .moe import Experts, Placement, PlannedParam, expert_group_layouts, is_expert_param, plan_matches_experts
 from .plans import FlatPlan, TensorPlans, WholePlan
+from .provenance import check_slice_mappings
 from .validate import ModelStates, OptimizerPartitions, ParamShapes, numel_of, tensor_ref
 
 __all__ = ["plan_zero12_group", "zero12_frozen", "zero12_trainable"]
@@ -86,6 +87,7 @@ def zero12_trainable(
         count = counts[g] if isinstance(counts, (list, tuple)) and g < len(counts) else world_size
         count = count if isinstance(count, int) else world_size
         if count == world_size:
+            _check_rank_slices(g, group, numels, offsets, optim)
             layouts = [[(list(range(world_size)), [name for name, _ in group])]]
         else:
             # MoE expert group: partitioned over an expert-data-parallel group of `count` ranks, one copy
@@ -99,6 +101,21 @@ def zero12_trainable(
                 FlatPlan(tuple(plan), tuple(flat_groups)),
             )
     return found
+
+
+def _check_rank_slices(
+    g: int, group: list[tuple[str, tuple[int, ...]]], numels: list[int], offsets: list[int], optim: OptimizerPartitions
+) -> None:
+    """Each rank's recorded slice of param group ``g`` must be its own (files swapped or duplicated show here)."""
+    if optim.world_size < 2:
+        return
+    partition_size = max(groups[g].numel for groups in optim.flat_groups)
+    names = [name for name, _ in group]
+    for rank, mappings in enumerate(optim.slice_mappings):
+        if isinstance(mappings, (list, tuple)) and g < len(mappings):
+            check_slice_mappings(
+                optim.files[rank], rank, g, names, offsets, numels, partition_size, mappings[g]
+            )
 
 
 def _place_group(
