@@ -266,7 +266,15 @@ def test_live_conversion_in_another_pid_namespace_is_never_removed(tmp_path):
     )
     if probe.returncode != 0 or probe.stderr:
         pytest.skip(f"cannot create a PID namespace here: {probe.stderr.strip()}")
-    prefix = ["unshare", "-Urpf", "--mount-proc", "sh", "-c", 'echo 3999990 > /proc/sys/kernel/ns_last_pid; "$@"; exit $?', "sh"]
+    prefix = [
+        "unshare",
+        "-Urpf",
+        "--mount-proc",
+        "sh",
+        "-c",
+        'echo 3999990 > /proc/sys/kernel/ns_last_pid; "$@"; exit $?',
+        "sh",
+    ]
     _live_conversion_survives_clean_up(tmp_path, prefix=prefix)
 
 

@@ -302,7 +302,8 @@ class AtomicDir:
             tmp.mkdir()
             self._lock = hold_lock(tmp / LOCK_NAME)  # held until the folder is committed or removed
         except OSError as exc:
-            _remove(tmp)
+            if tmp.is_dir():  # created, but its lock file could not be
+                _remove(tmp)
             # Name the folder we could not write in, not the random temporary name.
             where = OSError(exc.errno, exc.strerror, str(self.dst.parent))
             raise self.error(where) from exc
