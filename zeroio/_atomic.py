@@ -1,9 +1,15 @@
-"""All-or-nothing output folders: build beside the destination, fsync, rename into place; clean up on any failure."""
+"""All-or-nothing output folders: build beside the destination, fsync, rename into place; clean up on any failure.
+
+A temporary folder's writer holds an ``flock`` on a file inside it (:data:`~zeroio._own_files.LOCK_NAME`) for
+the folder's whole life; another conversion removes a leftover temporary folder only when it can take that lock,
+so a live conversion is never removed, even one in another PID namespace (containers sharing a filesystem).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import logging
 import os
 import re
@@ -12,9 +18,16 @@ import shutil
 from pathlib import Path
 from types import TracebackType
 
+from ._own_files import LOCK_NAME, foreign_entries
+from ._text import listing
 from .errors import OutputError
 
-__all__ = ["AtomicDir", "clean_stale", "fsync_dir", "temp_name"]
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the process id in the name decides alone
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["AtomicDir", "clean_stale", "fsync_dir", "hold_lock", "temp_name", "try_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +54,46 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def try_lock(fd: int) -> bool | None:
+    """``flock`` ``fd`` without waiting: True if taken, False if another process holds it, None if unsupported."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        return None  # ENOLCK, EINVAL, EOPNOTSUPP...: a filesystem without locks (e.g. Lustre without -o flock)
+    return True
+
+
+def hold_lock(path: Path) -> int:
+    """Open (creating) ``path`` and ``flock`` it for this process; closing the returned descriptor releases it.
+
+    Where the filesystem has no locks the file is still created; clean-up then falls back to the process id.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try_lock(fd)
+    return fd
+
+
+_BUSY = -1
+
+
+def _lock_if_free(path: Path) -> int | None:
+    """Take ``path``'s lock if free and return its descriptor; :data:`_BUSY` if a live writer holds it; None if
+    there is no lock to ask (no such file: an older zeroio's folder; or a filesystem without locks)."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    taken = try_lock(fd)
+    if taken:
+        return fd
+    os.close(fd)
+    return None if taken is None else _BUSY
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -51,11 +104,47 @@ def _remove(path: Path) -> None:
             pass
 
 
+def _lock_of(entry: Path) -> Path:
+    """Where a temporary output's writer holds its lock: the lock file in a folder, the file itself otherwise."""
+    return entry / LOCK_NAME if entry.is_dir() and not entry.is_symlink() else entry
+
+
+def _writer_gone(parent: Path, entry: Path, match: re.Match[str]) -> tuple[bool, int | None]:
+    """Whether ``entry``'s writer is gone, and the lock descriptor held meanwhile (so nobody else takes it).
+
+    The lock decides; without one (an older zeroio's folder, a filesystem without locks) the process id does.
+    A ``-old-`` folder (the previous output, moved aside during an overwrite) has no lock of its own: its
+    writer's lock is in the new folder, still at its temporary name or already renamed to the target.
+    """
+    if match["kind"] == "old":
+        target = match["target"]
+        locks = [parent / target / LOCK_NAME]
+        locks += [p / LOCK_NAME for p in parent.glob(f".{glob.escape(target)}.zeroio-tmp-{match['pid']}-*")]
+        asked = False
+        for lock in locks:
+            fd = _lock_if_free(lock)
+            if fd == _BUSY:
+                return False, None
+            if fd is not None:
+                os.close(fd)
+                asked = True
+        if asked:
+            return True, None
+    else:
+        fd = _lock_if_free(_lock_of(entry))
+        if fd == _BUSY:
+            return False, None
+        if fd is not None:
+            return True, fd
+    return not _pid_alive(int(match["pid"])), None
+
+
 def clean_stale(parent: Path) -> list[Path]:
     """Remove temporary folders left in ``parent`` by zeroio processes that died (e.g. SIGKILL, power loss).
 
-    Only names zeroio creates (``.<name>.zeroio-tmp-<pid>-<hex>``, ``...-old-...``) whose process no longer
-    exists are removed. Returns what was removed.
+    Only names zeroio creates (``.<name>.zeroio-tmp-<pid>-<hex>``, ``...-old-...``) are candidates, and only
+    when no process holds their lock (:func:`hold_lock`), whatever PID namespace it runs in; one without a lock
+    (written by an older zeroio) is removed when its process id no longer exists. Returns what was removed.
     """
     removed: list[Path] = []
     try:
@@ -64,19 +153,28 @@ def clean_stale(parent: Path) -> list[Path]:
         return removed
     for entry in entries:
         match = _TEMP.match(entry.name)
-        if match is None or _pid_alive(int(match["pid"])):
+        if match is None:
             continue
-        if match["kind"] == "old" and not (parent / match["target"]).exists():
-            # Killed between moving the old output aside and moving the new one in: put the old one back.
-            try:
-                os.rename(entry, parent / match["target"])
-                logger.warning("restored %s from an interrupted overwrite (%s)", parent / match["target"], entry.name)
+        gone, lock = _writer_gone(parent, entry, match)
+        try:
+            if not gone:
                 continue
-            except OSError:
-                pass
-        logger.info("removing stale temporary output %s (process %s is gone)", entry, match["pid"])
-        _remove(entry)
-        removed.append(entry)
+            if match["kind"] == "old" and not (parent / match["target"]).exists():
+                # Killed between moving the old output aside and moving the new one in: put the old one back.
+                try:
+                    os.rename(entry, parent / match["target"])
+                    logger.warning(
+                        "restored %s from an interrupted overwrite (%s)", parent / match["target"], entry.name
+                    )
+                    continue
+                except OSError:
+                    pass
+            logger.info("removing stale temporary output %s (its process %s is gone)", entry, match["pid"])
+            _remove(entry)
+            removed.append(entry)
+        finally:
+            if lock is not None:
+                os.close(lock)
     return removed
 
 
@@ -140,18 +238,20 @@ class AtomicDir:
     and renamed to ``dst``. On any exception, KeyboardInterrupt included, the temporary folder is removed
     and :class:`~zeroio.errors.OutputError` is raised naming ``dst`` and the cause (zeroio's own errors
     about the *source* propagate unchanged). A process killed mid-way leaves only the temporary folder,
-    which the next ``AtomicDir`` in the same parent folder removes.
+    which the next ``AtomicDir`` in the same parent folder removes (only once this process's lock on it is free).
 
     Args:
         dst: the folder to create.
         overwrite: replace an existing ``dst`` (swapped atomically where the OS supports it; otherwise there
-            is a moment between two renames when ``dst`` is absent).
+            is a moment between two renames when ``dst`` is absent): a file, a link, or a folder holding only
+            zeroio's outputs (:func:`~zeroio._own_files.foreign_entries`); any other folder is refused.
     """
 
     def __init__(self, dst: Path, *, overwrite: bool = False) -> None:
         self.dst = Path(os.path.abspath(dst))
         self.overwrite = overwrite
         self.tmp: Path | None = None
+        self._lock: int | None = None
 
     def check(self) -> None:
         """Clean stale temporary folders, then refuse an existing ``dst`` unless ``overwrite``.
@@ -171,13 +271,28 @@ class AtomicDir:
         self._refuse_existing()
 
     def _refuse_existing(self) -> None:
-        if os.path.lexists(self.dst) and not self.overwrite:
+        if not os.path.lexists(self.dst):
+            return
+        is_folder = self.dst.is_dir() and not self.dst.is_symlink()  # a link or a file: only it is replaced
+        if not self.overwrite:
             kind = "folder" if self.dst.is_dir() else "file"
             raise OutputError(
                 f"Output {kind} '{self.dst}' already exists. Pass overwrite=True (--overwrite) to replace it, "
                 "or choose another destination.",
                 path=self.dst,
             )
+        if is_folder:
+            try:
+                foreign = foreign_entries(self.dst)
+            except OSError as exc:
+                raise self.error(exc) from exc
+            if foreign:
+                raise OutputError(
+                    f"Refusing to overwrite '{self.dst}': it holds files zeroio did not write ({listing(foreign)}), "
+                    "and overwrite replaces only a folder of zeroio's outputs. Move them away or choose another "
+                    "destination.",
+                    path=self.dst,
+                )
 
     def __enter__(self) -> Path:
         self.check()
@@ -185,12 +300,16 @@ class AtomicDir:
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
+            self._lock = hold_lock(tmp / LOCK_NAME)  # held until the folder is committed or removed
         except OSError as exc:
+            if tmp.is_dir():  # created, but its lock file could not be
+                _remove(tmp)
             # Name the folder we could not write in, not the random temporary name.
             where = OSError(exc.errno, exc.strerror, str(self.dst.parent))
             raise self.error(where) from exc
         except BaseException as exc:  # KeyboardInterrupt right after mkdir: __exit__ will not run
             _remove(tmp)
+            self.release()
             self.tmp = tmp
             raise self.error(exc) from exc
         self.tmp = tmp
@@ -201,19 +320,28 @@ class AtomicDir:
     ) -> None:
         if self.tmp is None:  # __enter__ failed
             return
-        if exc is None:
-            try:
-                self._commit(self.tmp)
-                return
-            except BaseException as failure:  # noqa: BLE001 - KeyboardInterrupt during commit too
-                exc = failure
-        _remove(self.tmp)
+        try:
+            if exc is None:
+                try:
+                    self._commit(self.tmp)
+                    return
+                except BaseException as failure:  # noqa: BLE001 - KeyboardInterrupt during commit too
+                    exc = failure
+            _remove(self.tmp)
+        finally:
+            self.release()
         from .errors import ZeroIOError
 
         if isinstance(exc, ZeroIOError):
             # OutputError already names dst; any other ZeroIOError is about the source and says what to do.
             raise exc
         raise self.error(exc) from exc
+
+    def release(self) -> None:
+        """Release this process's lock on the temporary folder (after committing or removing it)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def error(self, exc: BaseException) -> OutputError:
         """The OutputError naming ``dst`` for a failure ``exc`` (says whether the partial output was removed)."""
@@ -223,7 +351,7 @@ class AtomicDir:
     def _commit(self, tmp: Path) -> None:
         fsync_dir(tmp)
         if os.path.lexists(self.dst):
-            self._refuse_existing()  # someone created it meanwhile
+            self._refuse_existing()  # someone created it (or put files in it) meanwhile
             if _exchange(tmp, self.dst):
                 # tmp now holds the old output.
                 _remove(tmp)
@@ -240,4 +368,10 @@ class AtomicDir:
             # rename(2) onto a missing name; if another process created dst meanwhile, rename of a folder onto
             # a non-empty folder fails rather than merging.
             os.rename(tmp, self.dst)
+        # The lock travelled with the folder (so a clean-up never takes the folder being renamed); drop its file.
+        try:
+            os.unlink(self.dst / LOCK_NAME)
+        except FileNotFoundError:
+            pass
+        fsync_dir(self.dst)
         fsync_dir(self.dst.parent)

@@ -97,6 +97,7 @@ class Job:
             return
         self.before_cleanup()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self.out.release()
         self.tmp = None
 
     def raise_own(self, error: BaseException) -> NoReturn:

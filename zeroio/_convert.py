@@ -95,7 +95,7 @@ def _convert_lightning(
                     "Check the permissions of the destination's folder or choose another destination.",
                     path=dst,
                 ) from exc
-        written = write_lightning_ckpt(ckpt, dst, dtype=target, overwrite=overwrite)
+        written = write_lightning_ckpt(ckpt, dst, dtype=target, overwrite=overwrite, loadable=True)
         infos = ckpt.infos
         num_params = sum(info.numel for name, info in infos.items() if name not in ckpt.tied)
         facts = card_facts(
@@ -149,7 +149,9 @@ def convert(
 
     ``fmt="lightning"`` writes the single consolidated ``.ckpt`` file PyTorch Lightning users deploy (``dst`` is
     that file): ``state_dict`` plus the client state Lightning saved (``epoch``, ``global_step``,
-    ``hyper_parameters``, ``loops``, ``callbacks``, ...), loadable with ``LightningModule.load_from_checkpoint``.
+    ``hyper_parameters``, ``loops``, ``callbacks``, ...), loadable with ``LightningModule.load_from_checkpoint``
+    (from a checkpoint without Lightning state, e.g. plain DeepSpeed, it holds ``state_dict`` and the
+    ``pytorch-lightning_version`` that loading needs; the module's ``__init__`` arguments are then yours to pass).
     It holds the whole state dict in memory (a torch pickle); ``max_shard_size``, ``workers``, ``chunk_bytes``
     and ``progress`` do not apply.
 
@@ -173,7 +175,9 @@ def convert(
         exclude_frozen: leave out frozen (``requires_grad=False``) parameters of a DeepSpeed checkpoint
             (consolidated files do not say which parameters were frozen). Not with ``fmt="lightning"``:
             ``load_from_checkpoint`` needs every parameter.
-        overwrite: replace an existing ``dst``.
+        overwrite: replace an existing ``dst``: a file, or a folder holding only what zeroio writes (weights,
+            index, optimizer files, copied config/tokenizer files, reshard's ``latest`` and tag folders); a
+            folder holding anything else is refused, naming those files (``docs/converting.md``).
         workers: IO threads (default: up to 4).
         progress: ``True`` draws a tqdm bar in bytes on a terminal, ``False`` is silent, or pass
             ``callable(done, total)`` (bytes; it may be called from IO threads).

@@ -14,19 +14,35 @@ from typing import Any
 
 import torch
 
-from ._atomic import clean_stale, fsync_dir, temp_name
+from ._atomic import clean_stale, fsync_dir, temp_name, try_lock
 from ._checkpoint import Checkpoint
 from ._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
 from ._types import DTypeLike, StrPath
 from .errors import OutputError, UnsupportedCheckpointError, ZeroIOError
 
-__all__ = ["DEEPSPEED_STATE_KEYS", "LIGHTNING_PREFIX", "LightningCheckpointResult", "write_lightning_ckpt"]
+__all__ = [
+    "DEEPSPEED_STATE_KEYS",
+    "LIGHTNING_FORMAT_VERSION",
+    "LIGHTNING_PREFIX",
+    "LIGHTNING_VERSION_KEY",
+    "LightningCheckpointResult",
+    "write_lightning_ckpt",
+]
 
 logger = logging.getLogger(__name__)
 
 LIGHTNING_PREFIX = "_forward_module."
 """Key prefix of Lightning < 2.1 DeepSpeed checkpoints (its ``_LightningModuleWrapperBase``); stripped on write,
 as Lightning's own ``convert_zero_checkpoint_to_fp32_state_dict`` does. Lightning 2.6 writes no prefix."""
+
+LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
+"""The key ``LightningModule.load_from_checkpoint`` reads first (Lightning 2.6.6 ``_pl_migrate_checkpoint``):
+without it loading fails with ``KeyError``."""
+
+LIGHTNING_FORMAT_VERSION = "2.0.0"
+"""The version written into a ``.ckpt`` made from a checkpoint without Lightning state: the first release of
+Lightning 2.x's layout (``state_dict`` at the top, no legacy loop keys). Every Lightning 2.x loads it as is (no
+migration runs: those for < 2.0.0 expect a trainer's ``global_step`` and ``loops``); 1.x warns it is newer."""
 
 DEEPSPEED_STATE_KEYS = frozenset(
     {
@@ -164,13 +180,16 @@ def _state_dict_key(name: str) -> str:
 
 
 def _save_atomic(obj: dict[str, Any], dst: Path) -> None:
+    """torch.save into a temporary file beside ``dst``, locked while written (so no clean-up takes it), then
+    renamed over ``dst``."""
     tmp = temp_name(dst)
     try:
         with open(tmp, "wb") as fh:
+            try_lock(fh.fileno())
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, dst)
+            os.replace(tmp, dst)
         fsync_dir(dst.parent)
     except BaseException as exc:
         try:
@@ -193,6 +212,7 @@ def write_lightning_ckpt(
     dtype: DTypeLike | None = None,
     overwrite: bool = False,
     trusted_globals: Iterable[str] = (),
+    loadable: bool = False,
 ) -> LightningCheckpointResult:
     """Write one consolidated Lightning ``.ckpt``: ``state_dict`` plus the client state Lightning saved.
 
@@ -209,12 +229,14 @@ def write_lightning_ckpt(
     Args:
         ckpt: an open checkpoint, usually ``zeroio.open("<run>/epoch=3-step=100.ckpt")`` (the folder
             DeepSpeedStrategy saves). Other checkpoints work too; without Lightning client state the file
-            holds only ``state_dict``.
+            holds only ``state_dict`` (and the version below with ``loadable``).
         dst_file: the ``.ckpt`` file to write (atomically: a temporary sibling renamed into place).
         dtype: cast floating tensors (``"bf16"``, ``torch.float16``, ...); default: as stored (fp32 masters).
         overwrite: replace an existing file.
         trusted_globals: pickle globals to accept in the client state of a Lightning ``.ckpt`` file, as given to
             ``zeroio.open``; a ZeRO checkpoint's client state is the tree ``zeroio.open`` parsed (with its own).
+        loadable: add ``"pytorch-lightning_version": LIGHTNING_FORMAT_VERSION`` when the client state has no
+            version (a plain DeepSpeed checkpoint), which ``load_from_checkpoint`` needs (``zeroio.convert`` does).
 
     Returns:
         A :class:`LightningCheckpointResult` (path, tensor count and bytes, ties, client-state keys).
@@ -264,6 +286,10 @@ def write_lightning_ckpt(
 
     # 4. Lightning's layout: client state keys in their saved order, then state_dict (as Lightning's converter).
     obj = dict(client)
+    if loadable and LIGHTNING_VERSION_KEY not in obj:
+        logger.info("'%s' holds no Lightning state: writing %s %s", ckpt.metadata.path, LIGHTNING_VERSION_KEY,
+                    LIGHTNING_FORMAT_VERSION)  # fmt: skip
+        obj[LIGHTNING_VERSION_KEY] = LIGHTNING_FORMAT_VERSION
     obj["state_dict"] = state_dict
     _save_atomic(obj, dst)
     distinct = [t for k, t in state_dict.items() if k not in tied]
