@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_metadata", "_partition", "_layout", "_checkpoint", "_formats"),
     # 4. the write engine: progress, safetensors layout, shard planning, atomic outputs, side files,
     #    plan -> execute (write_files) -> commit (engine), process communication
-    ("_progress", "_safetensors_writer", "_sharding", "_atomic", "_side_files", "_plan", "_write_files", "_comm",
+    ("_progress", "_safetensors_writer", "_sharding", "_own_files", "_atomic", "_side_files", "_plan", "_write_files", "_comm",
      "_engine"),
     # 5. the verbs and what only they use
     ("_convert", "_distributed", "_deploy", "_verify", "_optim", "_lightning", "_reshard", "_reshard_plan",

@@ -71,6 +71,7 @@ def test_convert_refuses_existing_destination(tmp_path, capsys):
     """An existing destination is an output error: one line, exit 1; --overwrite replaces it."""
     dst = tmp_path / "out"
     dst.mkdir()
+    (dst / "model.safetensors").write_bytes(b"an earlier output")  # an empty folder is a fine destination
     assert main(["convert", str(SRC), str(dst)]) == 1
     assert capsys.readouterr() == (
         "",

@@ -161,6 +161,7 @@ def test_two_processes_write_the_single_process_bytes_and_fail_together(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     (out / "exists").mkdir()
+    (out / "exists" / "model.safetensors").write_bytes(b"an earlier output")  # an empty folder would be used
     # "ckpt" names a different checkpoint for each process, as on nodes that do not share a filesystem.
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node0.mkdir()

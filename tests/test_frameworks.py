@@ -355,11 +355,12 @@ def test_write_lightning_ckpt_refuses_folder_and_creates_missing_parent(tmp_path
 
 
 def test_write_lightning_ckpt_from_raw_deepspeed_checkpoint(tmp_path):
-    """A plain DeepSpeed checkpoint (no Lightning client state) gives a .ckpt holding only state_dict."""
+    """A plain DeepSpeed checkpoint (no Lightning client state) gives a .ckpt holding state_dict and the version
+    key Lightning's load_from_checkpoint needs (issue 15: without it Lightning raised KeyError)."""
     reference = torch.load(FIXTURES / "z3_ws2_fp32" / "expected" / "zero_to_fp32.pt", weights_only=True)
     convert(FIXTURES / "z3_ws2_fp32", tmp_path / "raw.ckpt", fmt="lightning", progress=False)
     written = torch.load(tmp_path / "raw.ckpt", weights_only=True)
-    assert list(written) == ["state_dict"]
+    assert list(written) == ["pytorch-lightning_version", "state_dict"]
     assert_state_dicts_equal(written["state_dict"], reference)
 
 

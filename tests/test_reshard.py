@@ -304,6 +304,7 @@ def test_checkpoint_without_frozen_parameters_reshards_without_them(tmp_path: Pa
 def test_existing_destination_and_bad_arguments(tmp_path: Path) -> None:
     """An existing dst is refused (overwrite replaces it); world_size must be a positive int."""
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "latest").write_text("global_step1")  # an earlier output (an empty folder would be used)
     with pytest.raises(errors.OutputError) as info:
         reshard(FIXTURES / "z3_ws2_fp32", tmp_path / "out", world_size=3)
     assert str(info.value) == (

@@ -353,12 +353,18 @@ def test_safetensors_gap_and_uncovered_tail_are_refused(tmp_path):
     assert excinfo.value.path == path and "starts at byte 8" in str(excinfo.value)
 
 
-def test_safetensors_header_limit_is_the_writers():
-    from zeroio import _constants, _safetensors_writer
-    from zeroio._formats import safetensors as reader
-
-    assert _safetensors_writer.MAX_HEADER_SIZE == _constants.SAFETENSORS_MAX_HEADER_SIZE == 100_000_000
-    assert not hasattr(reader, "_MAX_HEADER_BYTES")
+def test_safetensors_header_limit_is_the_formats(tmp_path: Path):
+    """The reader refuses a header over safetensors' own limit (100,000,000 bytes, as the writer uses), and only
+    over it: the claim alone decides, nothing that large is read."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")
+    with pytest.raises(errors.CheckpointFormatError) as excinfo:
+        zeroio.open(path)
+    assert excinfo.value.path == path and "over the format's limit of 100000000" in str(excinfo.value)
+    path.write_bytes(struct.pack("<Q", 100_000_000) + b"{}")
+    with pytest.raises(errors.CheckpointFormatError) as excinfo:
+        zeroio.open(path)
+    assert "over the format's limit" not in str(excinfo.value)
 
 
 def test_safetensors_header_over_the_limit_is_refused(tmp_path):

@@ -21,9 +21,8 @@ import torch
 from fixture_data import FIXTURES, HF_CKPT, ROOT, reference
 from safetensors.torch import load_file
 
-from zeroio._atomic import clean_stale
-from zeroio._convert import convert
-from zeroio._reshard import reshard
+import zeroio
+from zeroio import convert, reshard
 from zeroio.cli import main
 from zeroio.errors import OutputError
 
@@ -197,7 +196,7 @@ def _stalled_converter(tmp_path: Path, dst: Path, *, prefix: list[str] | None = 
         f"""
         import os, pathlib, time
         {fake}
-        from zeroio._convert import convert
+        from zeroio import convert
 
         def stall(done, total):
             if done > 0 and not pathlib.Path({str(go)!r}).exists():
@@ -230,8 +229,7 @@ def _live_conversion_survives_clean_up(tmp_path: Path, prefix: list[str] | None 
         recorded = int(live.name.split("-")[-2])
         with pytest.raises(ProcessLookupError):
             os.kill(recorded, 0)  # the recorded id looks dead from here: only the lock tells it is alive
-        assert clean_stale(tmp_path) == []
-        convert(SRC, tmp_path / "other", progress=False)  # another conversion into the same parent folder
+        convert(SRC, tmp_path / "other", progress=False)  # another conversion into the same parent: it cleans up
         assert live.is_dir() and (live / "model-00001-of-00004.safetensors").exists()
         go.touch()
         assert proc.wait(timeout=120) == 0
@@ -309,6 +307,13 @@ def _hold_lock(path: Path) -> subprocess.Popen[str]:
     return proc
 
 
+def _clean_up(parent: Path) -> None:
+    """Run a public conversion into ``parent`` (it cleans up stale temporary outputs there first), then remove it."""
+    probe = parent / "zeroio-probe"
+    zeroio.convert(SRC, probe, progress=False)
+    shutil.rmtree(probe)
+
+
 def _release(proc: subprocess.Popen[str]) -> None:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.close()
@@ -321,10 +326,12 @@ def test_locked_lightning_temp_file_is_never_removed(tmp_path):
     temp = tmp_path / f".model.ckpt.zeroio-tmp-{_dead_pid()}-0123abcd"
     holder = _hold_lock(temp)
     try:
-        assert clean_stale(tmp_path) == [] and temp.exists()
+        _clean_up(tmp_path)
+        assert temp.exists()
     finally:
         _release(holder)
-    assert clean_stale(tmp_path) == [temp] and not temp.exists()
+    _clean_up(tmp_path)
+    assert not temp.exists()
 
 
 def test_folder_moved_aside_by_a_live_overwrite_is_left_alone(tmp_path):
@@ -338,11 +345,11 @@ def test_folder_moved_aside_by_a_live_overwrite_is_left_alone(tmp_path):
     new.mkdir()
     holder = _hold_lock(new / ".zeroio-lock")
     try:
-        assert clean_stale(tmp_path) == []
+        _clean_up(tmp_path)
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([old.name, new.name])
     finally:
         _release(holder)
-    clean_stale(tmp_path)  # the writer died: the old output goes back, the partial new one is removed
+    _clean_up(tmp_path)  # the writer died: the old output goes back, the partial new one is removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert (tmp_path / "out" / "model.safetensors").read_text() == "previous output"
 
@@ -400,3 +407,19 @@ def test_lightning_from_plain_deepspeed_loads_with_load_from_checkpoint(tmp_path
         assert torch.equal(state[name], tensor), name
     assert model.head.weight is model.emb.weight
     assert torch.load(dst, weights_only=True)["pytorch-lightning_version"] == "2.0.0"
+
+
+def test_an_empty_folder_is_a_destination_without_overwrite(tmp_path: Path) -> None:
+    """`mkdir out && zeroio convert ckpt out`: an existing empty folder is used as it is (issue 15, item 6)."""
+    for name, run in [
+        ("convert", lambda dst: zeroio.convert(FIXTURES / "z3_ws2_fp32", dst, progress=False)),
+        ("reshard", lambda dst: zeroio.reshard(FIXTURES / "z3_ws2_fp32", dst, world_size=3)),
+    ]:
+        dst = tmp_path / name
+        dst.mkdir()
+        run(dst)
+        assert dst.is_dir() and any(dst.iterdir()), name
+    cli_dst = tmp_path / "cli"
+    cli_dst.mkdir()
+    assert main(["convert", str(FIXTURES / "z3_ws2_fp32"), str(cli_dst), "--quiet"]) == 0
+    assert sorted(p.name for p in cli_dst.iterdir()) == ["model.safetensors"]

@@ -242,7 +242,7 @@ class AtomicDir:
 
     Args:
         dst: the folder to create.
-        overwrite: replace an existing ``dst`` (swapped atomically where the OS supports it; otherwise there
+        overwrite: replace an existing ``dst`` (an existing *empty* folder is replaced without it) (swapped atomically where the OS supports it; otherwise there
             is a moment between two renames when ``dst`` is absent): a file, a link, or a folder holding only
             zeroio's outputs (:func:`~zeroio._own_files.foreign_entries`); any other folder is refused.
     """
@@ -274,6 +274,11 @@ class AtomicDir:
         if not os.path.lexists(self.dst):
             return
         is_folder = self.dst.is_dir() and not self.dst.is_symlink()  # a link or a file: only it is replaced
+        if is_folder and not self.overwrite and not os.listdir(self.dst):
+            # `mkdir out && zeroio convert ckpt out`: an empty folder holds nothing to lose; it is replaced as an
+            # overwrite would replace it (the folder is checked again just before the swap).
+            self.overwrite = True
+            return
         if not self.overwrite:
             kind = "folder" if self.dst.is_dir() else "file"
             raise OutputError(
