@@ -11,8 +11,8 @@ import torch
 
 from .. import _constants as C
 from .._checkpoint import Checkpoint
-from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._integrity import CheckedFile
+from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
 from .._storage import ByteRange
