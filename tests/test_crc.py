@@ -150,11 +150,10 @@ def test_clean_checkpoint_reads_and_checks_every_record(tmp_path: Path) -> None:
 
 
 def test_padding_corruption_is_caught_when_the_record_is_finished(corrupted_padding: Path) -> None:
-    with zeroio.open(corrupted_padding) as ckpt:
-        with pytest.raises(CheckpointFormatError, match="copy it again"):
-            for name in ckpt:
-                ckpt.get_tensor(name)
-            ckpt.finish_crc_checks()
+    with zeroio.open(corrupted_padding) as ckpt, pytest.raises(CheckpointFormatError, match="copy it again"):
+        for name in ckpt:
+            ckpt.get_tensor(name)
+        ckpt.finish_crc_checks()
 
 
 def test_torch_bin_record_corruption(tmp_path: Path) -> None:
@@ -239,3 +238,18 @@ def test_no_stray_file_descriptors_after_checks(corrupted: Path) -> None:
     with zeroio.open(corrupted) as ckpt, pytest.raises(CheckpointFormatError):
         ckpt[TENSOR]
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_small_read_of_a_big_record_stays_lazy_until_finished(tmp_path: Path) -> None:
+    """Reading 10 elements of an 80 MB record reads 40 bytes: the record is checked only when finished."""
+    path = tmp_path / "big.pt"
+    big = torch.zeros(20_000_000)
+    torch.save({"small": big[:10]}, path)  # torch saves the whole 80 MB storage: one record
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("/data/0"))
+    end = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + info.file_size
+    _flip(path, end - 1)  # the record's last byte, far from the tensor
+    with zeroio.open(path) as ckpt:
+        assert torch.equal(ckpt["small"], torch.zeros(10))  # more than CRC_READ_AHEAD left unread: not read
+        with pytest.raises(CheckpointFormatError, match="fails its CRC-32 check"):
+            ckpt.finish_crc_checks()
