@@ -97,7 +97,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         self._infos = infos
         self._tied = tied
         self._state = _State.OPEN
-        self._verify_crc = True
+        self._verify_crc = False  # zeroio.open switches it on (after parsing) unless told not to
 
     # ----------------------------------------------------------------- backend interface
 
@@ -132,7 +132,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     @property
     def verify_crc(self) -> bool:
-        """Whether reads check each zip record's stored CRC-32 (default True; ``zeroio.open(..., verify_crc=)``).
+        """Whether reads check each zip record's stored CRC-32 (``zeroio.open`` turns it on unless ``verify_crc=False``).
 
         A record (a storage of a torch ``.pt``/``.bin`` file: a whole tensor, or a ZeRO flat group holding many)
         is checked once every one of its bytes has been read: at once when a read covers it, after

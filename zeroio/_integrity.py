@@ -94,13 +94,14 @@ class _Record:
 class CheckedFile(LocalFile):
     """A local zip archive whose record reads are checked against the records' CRC-32 (see the module doc).
 
-    ``verify`` switches the checks off (``zeroio.open(..., verify_crc=False)``); records are registered with
-    :meth:`expect` before they are read.
+    Checks start once ``verify`` is set: ``zeroio.open`` sets it after parsing (``verify_crc=True``), so the few
+    samples a format reader reads while opening are never checked, and ``verify_crc=False`` means no check at all.
+    Records are registered with :meth:`expect` before they are read.
     """
 
     def __init__(self, path: Path, size: int | None = None) -> None:
         super().__init__(path, size)
-        self.verify = True
+        self.verify = False
         self._records: list[_Record] = []
         self._starts: list[int] = []
         self._pending: dict[int, _Record] = {}  # read in part, not yet checked, by start
