@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     # 0. vocabulary: no zeroio imports but each other
     ("errors", "_types", "_constants", "_text"),
     # 1. storage: byte sources to read from, primitives for files to write
-    ("_storage", "_fileio"),
+    ("_crc32", "_storage", "_integrity", "_fileio"),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
     ("_pickles",),
     # 3. metadata, partition arithmetic, layouts, the Checkpoint (reader contract) and its format readers
@@ -67,6 +67,7 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._sharding": "shard splitting and HF size/index rules, and which process writes which shard",
     "zeroio._safetensors_writer": "the safetensors writer's planning (header, slots) and chunk writing",
     "zeroio._fileio": "pwrite/preallocate/fsync helpers and chunk buffers",
+    "zeroio._crc32": "CRC-32 arithmetic (crc32_combine), checked against zlib",
     "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
 }
 

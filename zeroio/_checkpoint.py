@@ -5,23 +5,27 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from typing_extensions import Self
 
+from ._integrity import CheckedFile
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
 from ._storage import ByteRange
 from .errors import CheckpointClosedError, TensorNotFoundError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
+__all__ = ["CRC_READ_AHEAD", "DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest single read when streaming a tensor: memory stays bounded by this, not by tensor size."""
+
+CRC_READ_AHEAD = 64 * 1024 * 1024
+"""After ``get_tensor``, a record read in part is read to its end (to check its CRC) if at most this much is left."""
 
 
 class TensorReader(Protocol):
@@ -64,6 +68,8 @@ class TensorReader(Protocol):
 
     def ensure_open(self, name: str | None = None) -> None: ...
 
+    def finish_crc_checks(self) -> None: ...
+
     def optimizer_state(self, name: str) -> dict[str, Any]: ...
 
 
@@ -91,6 +97,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         self._infos = infos
         self._tied = tied
         self._state = _State.OPEN
+        self._verify_crc = False  # zeroio.open switches it on (after parsing) unless told not to
 
     # ----------------------------------------------------------------- backend interface
 
@@ -116,6 +123,40 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     def _release(self) -> None:
         """Close file handles."""
+
+    def _checked_files(self) -> Sequence[CheckedFile]:
+        """The zip archives read, whose records carry a CRC-32 (none for formats without one, e.g. safetensors)."""
+        return ()
+
+    # ----------------------------------------------------------------- integrity
+
+    @property
+    def verify_crc(self) -> bool:
+        """Whether reads check each zip record's stored CRC-32 (``zeroio.open`` turns it on unless ``verify_crc=False``).
+
+        A record (a storage of a torch ``.pt``/``.bin`` file: a whole tensor, or a ZeRO flat group holding many)
+        is checked once every one of its bytes has been read: at once when a read covers it, after
+        ``get_tensor`` when at most :data:`CRC_READ_AHEAD` bytes of it are left unread (they are then read),
+        otherwise by :meth:`finish_crc_checks`, which convert, load, verify and reshard call before they finish.
+        A mismatch raises :class:`~zeroio.errors.CheckpointFormatError`. Safetensors files carry no checksum.
+        """
+        return self._verify_crc
+
+    @verify_crc.setter
+    def verify_crc(self, on: bool) -> None:
+        self._verify_crc = bool(on)
+        for file in self._checked_files():
+            file.verify = self._verify_crc
+
+    def finish_crc_checks(self) -> None:
+        """Read the unread rest of every record read in part (e.g. a ZeRO flat group's padding) and check its CRC.
+
+        Raises:
+            CheckpointFormatError: a record's bytes disagree with its stored CRC-32: the file is corrupted.
+        """
+        self.ensure_open()
+        for file in self._checked_files():
+            file.finish()
 
     # ----------------------------------------------------------------- lifetime
 
@@ -251,6 +292,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         out = torch.empty(info.numel, dtype=stored)
         if info.numel:
             self.read_into(source, 0, out)
+            for file in self._checked_files():  # check the records it came from, unless that reads too much
+                file.finish(max_read=CRC_READ_AHEAD)
         tensor = out.view(info.shape)
         wanted = output_dtype(info, target)
         return tensor if tensor.dtype == wanted else tensor.to(wanted)

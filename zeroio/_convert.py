@@ -71,7 +71,7 @@ def _workers(workers: int | None) -> int:
 
 
 def _convert_lightning(
-    src: StrPath, dst: Path, *, tag: str | None, target: torch.dtype | None, overwrite: bool
+    src: StrPath, dst: Path, *, tag: str | None, target: torch.dtype | None, overwrite: bool, verify_crc: bool
 ) -> ConvertResult:
     """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
     from ._formats import open as zeroio_open
@@ -84,7 +84,7 @@ def _convert_lightning(
         AtomicDir(dst, overwrite=overwrite).check()
     if overwrite and dst.is_file() and dst.resolve() == Path(src).resolve():
         raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
-    with zeroio_open(src, tag) as ckpt:
+    with zeroio_open(src, tag, verify_crc=verify_crc) as ckpt:
         # 2. Missing parent folders are created, as convert creates them for an output folder.
         if not dst.is_dir():
             try:
@@ -131,6 +131,7 @@ def convert(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     distributed: bool = False,
     include_optimizer: bool = False,
+    verify_crc: bool = True,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -190,6 +191,8 @@ def convert(
             ``optimizer.safetensors`` (keys ``<param>.exp_avg``, ``<param>.exp_avg_sq``; sharded like the
             weights) and ``optimizer.json`` (param groups, steps). ``fmt="safetensors"`` only; a source without
             optimizer state fails before anything is written. See ``docs/resharding.md``.
+        verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
+            raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -236,7 +239,7 @@ def convert(
 
         outcome = convert_distributed(
             src, dst_path, fmt=fmt, target=target, limit=limit, tag=tag, exclude_frozen=exclude_frozen,
-            overwrite=overwrite, workers=n_workers, progress=progress, chunk_bytes=chunk_bytes,
+            overwrite=overwrite, workers=n_workers, progress=progress, chunk_bytes=chunk_bytes, verify_crc=verify_crc,
         )  # fmt: skip
         return _result(outcome)
     if fmt == "lightning":
@@ -245,7 +248,7 @@ def convert(
                 "exclude_frozen=True cannot be used with fmt='lightning': load_from_checkpoint loads strictly and "
                 "needs every parameter. Drop exclude_frozen, or write fmt='safetensors'."
             )
-        return _convert_lightning(src, dst_path, tag=tag, target=target, overwrite=overwrite)
+        return _convert_lightning(src, dst_path, tag=tag, target=target, overwrite=overwrite, verify_crc=verify_crc)
 
     # 2. The write engine, as one process of one: refuse an existing destination before reading anything, plan
     #    every file from metadata, stream the tensors into a temporary folder beside dst, rename it into place.
@@ -253,7 +256,7 @@ def convert(
     outcome = write_checkpoint(
         Job(LocalComm(), AtomicDir(dst_path, overwrite=overwrite)), src, tag=tag, fmt=fmt, target=target,
         max_shard_size=limit, exclude_frozen=exclude_frozen, workers=n_workers, chunk_bytes=chunk_bytes,
-        progress=progress, extra_files=extra_files,
+        progress=progress, extra_files=extra_files, verify_crc=verify_crc,
     )  # fmt: skip
     return _result(outcome)
 

@@ -294,6 +294,7 @@ def load(
     tag: str | None = None,
     key_map: KeyMap | None = None,
     progress: Progress | None = False,
+    verify_crc: bool = True,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -323,6 +324,8 @@ def load(
             automatic ``module.`` / ``_forward_module.`` / ``model.`` prefix normalisation.
         progress: ``True`` draws a tqdm bar in bytes on a terminal, ``False`` (or None) is silent, or pass
             ``callable(done, total)``: called with bytes loaded and total bytes after each tensor.
+        verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
+            raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -358,9 +361,11 @@ def load(
     else:
         from ._formats import open as open_checkpoint
 
-        ckpt = open_checkpoint(path, tag)
+        ckpt = open_checkpoint(path, tag, verify_crc=verify_crc)
     try:
-        return _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
+        report = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
+        ckpt.finish_crc_checks()  # records read in part (flat-group padding)
+        return report
     finally:
         if owned:
             ckpt.close()

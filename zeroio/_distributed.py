@@ -179,6 +179,7 @@ def convert_distributed(
     workers: int,
     progress: Progress,
     chunk_bytes: int,
+    verify_crc: bool = True,
 ) -> WriteOutcome:
     """:func:`zeroio.convert` with ``distributed=True`` (arguments already validated): see ``docs/distributed.md``.
 
@@ -202,5 +203,5 @@ def convert_distributed(
         job = Job(comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
         return write_checkpoint(
             job, src, tag=tag, fmt=fmt, target=target, max_shard_size=limit, exclude_frozen=exclude_frozen,
-            workers=workers, chunk_bytes=chunk_bytes, progress=progress,
+            workers=workers, chunk_bytes=chunk_bytes, progress=progress, verify_crc=verify_crc,
         )  # fmt: skip

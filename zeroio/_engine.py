@@ -77,6 +77,7 @@ def write_checkpoint(
     chunk_bytes: int,
     progress: Progress,
     extra_files: ExtraFiles | None = None,
+    verify_crc: bool = True,
 ) -> WriteOutcome:
     """Convert ``src`` into ``job.out`` (arguments already validated), all-or-nothing on every process.
 
@@ -87,7 +88,7 @@ def write_checkpoint(
     try:
         return _run(job, src, tag=tag, fmt=fmt, target=target, max_shard_size=max_shard_size,
                     exclude_frozen=exclude_frozen, workers=workers, chunk_bytes=chunk_bytes, progress=progress,
-                    extra_files=extra_files)  # fmt: skip
+                    extra_files=extra_files, verify_crc=verify_crc)  # fmt: skip
     except BaseException as exc:
         if job.tmp is not None and job.comm.rank == 0:  # an interrupt between phases: remove the partial output
             job.raise_own(exc)
@@ -107,6 +108,7 @@ def _run(
     chunk_bytes: int,
     progress: Progress,
     extra_files: ExtraFiles | None,
+    verify_crc: bool,
 ) -> WriteOutcome:
     from ._formats import open as open_checkpoint
 
@@ -125,7 +127,7 @@ def _run(
                         f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
                         path=out.dst,
                     )
-            ckpt = stack.enter_context(open_checkpoint(src, tag))
+            ckpt = stack.enter_context(open_checkpoint(src, tag, verify_crc=verify_crc))
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, fmt)
             plan = plan_write(ckpt, fmt=fmt, target=target, max_shard_size=max_shard_size,
                               exclude_frozen=exclude_frozen)  # fmt: skip
@@ -180,6 +182,7 @@ def _run(
             write_shards(ckpt, share, tmp, out.dst, workers=workers, chunk_bytes=chunk_bytes, progress=shown)
             if write_extra is not None and rank == 0:
                 write_extra(tmp)
+            ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit
         except BaseException as exc:  # noqa: BLE001
             error = exc
         job.settle(WRITE, error)

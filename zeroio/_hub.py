@@ -81,6 +81,7 @@ def push_to_hub(
     endpoint: str | None = None,
     model_card: bool = True,
     progress: Progress = True,
+    verify_crc: bool = True,
 ) -> PushResult:
     """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
 
@@ -116,6 +117,8 @@ def push_to_hub(
         model_card: write a ``README.md`` model card when the upload has none.
         progress: ``True`` shows conversion (tqdm, bytes) and upload progress on a terminal, ``False`` is silent,
             or pass ``callable(done, total)`` to receive conversion progress in bytes (uploads then stay silent).
+        verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
+            raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
 
     Returns:
         A :class:`PushResult`: repo, ref, commit URL and hash, pull request URL, and the files pushed.
@@ -190,7 +193,8 @@ def push_to_hub(
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-push-")))
             weights_dir = tmp / "model"
             result = convert(
-                src_path, weights_dir, dtype=dtype, max_shard_size=max_shard_size, tag=tag, progress=progress
+                src_path, weights_dir, dtype=dtype, max_shard_size=max_shard_size, tag=tag, progress=progress,
+                verify_crc=verify_crc,
             )
             card_facts = dict(result.card_facts)
 

@@ -58,6 +58,7 @@ def reshard(
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Progress = False,
+    verify_crc: bool = True,
 ) -> ReshardResult:
     """Write a DeepSpeed ZeRO-3 checkpoint of ``src`` partitioned for ``world_size`` data-parallel ranks.
 
@@ -83,6 +84,8 @@ def reshard(
         overwrite: replace an existing ``dst``.
         chunk_bytes: largest piece of a tensor read at once.
         progress: ``True`` draws a tqdm bar (bytes), or pass ``callable(done, total)``.
+        verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
+            raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
 
     Returns:
         A :class:`ReshardResult`: output folder, tag, world sizes, files and bytes written.
@@ -118,7 +121,7 @@ def reshard(
     from ._formats import open as zeroio_open
     from ._formats.zero import ZeroCheckpoint
 
-    with zeroio_open(src, tag) as ckpt:
+    with zeroio_open(src, tag, verify_crc=verify_crc) as ckpt:
         # 2. The source: ZeRO-3 with optimizer state (fails here, before anything is written).
         meta = ckpt.metadata
         if not isinstance(ckpt, ZeroCheckpoint) or meta.zero_stage != 3:
@@ -153,6 +156,7 @@ def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progre
                     builder.save(tree, folder / name, meter.update)
                     files.append(out.dst / plan.tag / name)
             write_new_file(tmp / C.LATEST_FILE, plan.tag)
+            plan.ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit
     finally:
         meter.close()
     logger.info("resharded %s (world size %s) to %s for world size %d", meta.path, meta.world_size, out.dst, world_size)

@@ -14,7 +14,7 @@ import torch
 
 from .errors import CheckpointFormatError
 
-__all__ = ["ByteRange", "ByteSource", "LocalFile", "kernel_copy_enabled"]
+__all__ = ["ByteRange", "ByteSource", "LocalFile", "kernel_copy_enabled", "tensor_bytes"]
 
 
 @runtime_checkable
@@ -72,6 +72,12 @@ def kernel_copy_enabled() -> bool:
     )
 
 
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, without numpy (bf16 has no numpy dtype)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
 class LocalFile:
     """A local file read with positional reads (``preadv``) on one lazily opened descriptor.
 
@@ -117,8 +123,7 @@ class LocalFile:
         nbytes = out.numel() * out.element_size()
         if nbytes == 0:
             return
-        # A writable view of the tensor's memory without numpy (bf16 has no numpy dtype): no intermediate copy.
-        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+        view = tensor_bytes(out)  # read straight into the tensor: no intermediate copy
         fd = self.fileno()
         done = 0
         while done < nbytes:

@@ -163,6 +163,7 @@ def verify(
     dtype: str | torch.dtype | None = None,
     tag: str | None = None,
     max_report: int = 10,
+    verify_crc: bool = True,
 ) -> VerifyReport:
     """Compare every tensor of two checkpoints of any kinds :func:`zeroio.open` reads, streaming.
 
@@ -178,6 +179,8 @@ def verify(
         dtype: cast A's floating tensors to this dtype before comparing.
         tag: the DeepSpeed tag of A (default: the one in ``latest``).
         max_report: mismatches listed by :meth:`VerifyReport.summary`.
+        verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
+            raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when everything matches.
@@ -193,7 +196,7 @@ def verify(
     target = parse_dtype(dtype)
     if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:
         raise ValueError(f"max_report must be a non-negative int, got {max_report!r}.")
-    with zeroio_open(a, tag) as ca, zeroio_open(b) as cb:
+    with zeroio_open(a, tag, verify_crc=verify_crc) as ca, zeroio_open(b, verify_crc=verify_crc) as cb:
         infos_a, infos_b = ca.infos, cb.infos
         tied_a, tied_b = ca.tied, cb.tied
         names = list(infos_a) + [n for n in infos_b if n not in infos_a]
@@ -222,6 +225,8 @@ def verify(
             found = _compare_values(ca, cb, name, target, ia.shape)
             if found is not None:
                 mismatches.append(found)
+        ca.finish_crc_checks()  # records read in part (flat-group padding)
+        cb.finish_crc_checks()
     report = VerifyReport(
         a=Path(a),
         b=Path(b),

@@ -67,6 +67,7 @@ def open(
     tag: str | None = None,
     *,
     trusted_globals: Iterable[str] = (),
+    verify_crc: bool = True,
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -75,6 +76,9 @@ def open(
             checkpoint (``model.safetensors``, a sharded safetensors folder, a torch ``.bin``/``.pt`` state dict).
         tag: the tag folder to read (default: the one named in ``latest``).
         trusted_globals: extra pickle globals to accept, rebuilt as inert data (never called).
+        verify_crc: check every zip record read (torch ``.pt``/``.bin`` files) against its stored CRC-32 and raise
+            CheckpointFormatError on a mismatch (see :attr:`Checkpoint.verify_crc`). False reads corrupted bytes
+            silently, as torch.load does. Safetensors files have no checksum to check.
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -93,7 +97,7 @@ def open(
     if not p.exists():
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
     try:
-        return open_checkpoint(p, tag, frozenset(trusted_globals))
+        ckpt = open_checkpoint(p, tag, frozenset(trusted_globals))
     except ZeroIOError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError) as exc:
@@ -103,3 +107,5 @@ def open(
             "or was written by an unsupported DeepSpeed version; please report it with `zeroio inspect --json`.",
             path=p,
         ) from exc
+    ckpt.verify_crc = verify_crc
+    return ckpt

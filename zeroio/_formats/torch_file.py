@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._checkpoint import Checkpoint
+from .._integrity import CheckedFile
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointFormatError
@@ -48,6 +49,9 @@ class TorchCheckpoint(Checkpoint):
     def _release(self) -> None:
         for file in self._files:
             file.close()
+
+    def _checked_files(self) -> list[CheckedFile]:
+        return [file.source for file in self._files]
 
 
 def _has_tensors(value: Any) -> bool:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .._storage import ByteRange, LocalFile
+from .._integrity import CheckedFile
+from .._storage import ByteRange
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 
 __all__ = ["Archive", "RankFile", "Storage", "TensorRef", "itemsize", "read_archive"]
@@ -119,10 +120,11 @@ class RankFile:
     _records: dict[str, zipfile.ZipInfo] = field(default_factory=dict, repr=False)
     _data_offsets: dict[str, int] = field(default_factory=dict, repr=False)
     size: int = 0
-    source: LocalFile = field(init=False, repr=False)
+    source: CheckedFile = field(init=False, repr=False)
+    """The file's bytes; reads of storage records are checked against their CRC-32 (``zeroio._integrity``)."""
 
     def __post_init__(self) -> None:
-        self.source = LocalFile(self.path, self.size or None)
+        self.source = CheckedFile(self.path, self.size or None)
 
     def close(self) -> None:
         """Release the file descriptor; idempotent."""
@@ -153,8 +155,13 @@ class RankFile:
             )
         fields = _LOCAL_HEADER.unpack(header)
         offset = int(info.header_offset) + _LOCAL_HEADER.size + int(fields[9]) + int(fields[10])
+        self._expect_crc(info, offset)
         self._data_offsets[key] = offset
         return offset
+
+    def _expect_crc(self, info: zipfile.ZipInfo, offset: int) -> None:
+        """Tell the byte source where record ``info``'s data lies and its stored CRC, before any read of it."""
+        self.source.expect(info.filename, offset, int(info.file_size), int(info.CRC))
 
     def read_storage(self, storage: Storage, start: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, start+count)`` of a storage, read with ``preadv`` straight into ``out``.

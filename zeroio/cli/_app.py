@@ -96,6 +96,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             distributed=args.distributed,
             include_optimizer=args.include_optimizer,
+            verify_crc=not args.no_verify_crc,
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -134,7 +135,9 @@ def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def cmd_verify(args: argparse.Namespace) -> int:
     """Compare every tensor of two checkpoints; exit 1 on any difference."""
     _args.refuse_remote(args.a, args.b)
-    report = zeroio.verify(args.a, args.b, dtype=args.dtype, tag=args.tag, max_report=args.max_report)
+    report = zeroio.verify(
+        args.a, args.b, dtype=args.dtype, tag=args.tag, max_report=args.max_report, verify_crc=not args.no_verify_crc
+    )
     print(report.summary())
     return 0 if report.ok else 1
 
@@ -165,6 +168,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         endpoint=args.endpoint,
         model_card=not args.no_model_card,
         progress=not args.quiet,
+        verify_crc=not args.no_verify_crc,
     )
     print(f"Pushed to {result.pr_url or result.commit_url}")
     return 0
@@ -182,6 +186,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         sub_group_size=args.sub_group_size,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        verify_crc=not args.no_verify_crc,
     )
     if not args.quiet:
         print(
@@ -250,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run as one process of a torchrun job: each process writes its share of the shards (DST and SRC on "
         "a filesystem shared by all processes)",
     )
+    p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
     p = sub.add_parser("verify", help="compare every tensor of two checkpoints (exit 1 on any difference)")
@@ -260,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tag", help="tag of A, when A is a DeepSpeed checkpoint root")
     p.add_argument("--max-report", type=int, default=10, help="mismatches to print (default: 10)")
+    p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("push", help="push to the Hugging Face Hub (converting first if needed)")
@@ -283,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_push, validate=_validate_push)
 
     p = sub.add_parser("reshard", help="rewrite a ZeRO-3 checkpoint for another number of GPUs (DeepSpeed resumes it)")
@@ -294,5 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size of the run that will load it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_reshard)
     return parser

@@ -1,0 +1,220 @@
+"""CRC-32 checks of the zip records zeroio reads: every byte read is folded into its record's CRC, in any order.
+
+A torch zip archive stores a CRC-32 per record that ``torch.load`` never checks, so a flipped bit in a tensor
+converts silently. :class:`CheckedFile` is a :class:`LocalFile` that knows the archive's records (registered as
+their data offsets are looked up) and checks a record once every one of its bytes has been seen:
+
+* reads (``read_into``) are folded in as they happen, from any thread and in any order (CRCs of the pieces are
+  combined with :func:`crc32_combine`), so streaming a tensor costs one ``zlib.crc32`` pass over its bytes;
+* an in-kernel copy (``copy_to``) first reads the bytes it copies, to check them (the page cache then serves
+  the copy);
+* :meth:`CheckedFile.finish` reads what reads left out of a record read in part (the padding at the end of a ZeRO
+  flat group, a slice of a big record), so a record zeroio read from is checked in full.
+
+A mismatch raises :class:`CheckpointFormatError` naming the file and the record, then on every later read of it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ._crc32 import crc32_combine
+from ._storage import LocalFile, tensor_bytes
+from .errors import CheckpointFormatError
+
+__all__ = ["CheckedFile"]
+
+_SCRATCH_BYTES = 8 * 2**20
+"""Largest read made only to check a CRC (padding, bytes about to be kernel-copied): bounds its memory."""
+
+
+@dataclass(slots=True)
+class _Record:
+    """One zip record: where its data lies, its stored CRC, and the CRCs of the disjoint runs seen so far."""
+
+    name: str
+    start: int
+    size: int
+    crc: int
+    seen: list[tuple[int, int, int]] = field(default_factory=list)
+    """Sorted, disjoint, non-adjacent ``(lo, hi, crc32 of bytes [lo, hi))`` runs, relative to ``start``."""
+    verified: bool = False
+    found: int | None = None
+    """The CRC the bytes on disk have, once they are known to disagree with the stored one."""
+
+    def gaps(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The parts of ``[lo, hi)`` not seen yet."""
+        out = []
+        at = lo
+        i = max(0, bisect.bisect_right(self.seen, (lo, 2**63)) - 1)
+        for s_lo, s_hi, _ in self.seen[i:]:
+            if s_lo >= hi:
+                break
+            if s_hi <= at:
+                continue
+            if s_lo > at:
+                out.append((at, min(s_lo, hi)))
+            at = max(at, s_hi)
+            if at >= hi:
+                break
+        if at < hi:
+            out.append((at, hi))
+        return out
+
+    def add(self, lo: int, hi: int, crc: int) -> None:
+        """Record the unseen run ``[lo, hi)``, merging it with the runs it touches."""
+        i = bisect.bisect_left(self.seen, (lo, 0))
+        if i > 0 and self.seen[i - 1][1] == lo:
+            p_lo, _, p_crc = self.seen.pop(i - 1)
+            lo, crc = p_lo, crc32_combine(p_crc, crc, hi - lo)
+            i -= 1
+        if i < len(self.seen) and self.seen[i][0] == hi:
+            _, n_hi, n_crc = self.seen.pop(i)
+            crc, hi = crc32_combine(crc, n_crc, n_hi - hi), n_hi
+        self.seen.insert(i, (lo, hi, crc))
+
+    def settle(self) -> None:
+        """Once every byte is seen: verified, or ``found`` holds the disagreeing CRC."""
+        if len(self.seen) == 1 and self.seen[0][:2] == (0, self.size) or self.size == 0:
+            got = self.seen[0][2] if self.size else 0
+            self.seen.clear()
+            if got == self.crc:
+                self.verified = True
+            else:
+                self.found = got
+
+
+class CheckedFile(LocalFile):
+    """A local zip archive whose record reads are checked against the records' CRC-32 (see the module doc).
+
+    Checks start once ``verify`` is set: ``zeroio.open`` sets it after parsing (``verify_crc=True``), so the few
+    samples a format reader reads while opening are never checked, and ``verify_crc=False`` means no check at all.
+    Records are registered with :meth:`expect` before they are read.
+    """
+
+    def __init__(self, path: Path, size: int | None = None) -> None:
+        super().__init__(path, size)
+        self.verify = False
+        self._records: list[_Record] = []
+        self._starts: list[int] = []
+        self._pending: dict[int, _Record] = {}  # read in part, not yet checked, by start
+        self._crc_lock = threading.Lock()
+        self._scratch = threading.local()
+
+    def expect(self, name: str, start: int, size: int, crc: int) -> None:
+        """Register the record ``name`` (data at byte ``start``, ``size`` bytes, stored CRC ``crc``); idempotent."""
+        with self._crc_lock:
+            i = bisect.bisect_left(self._starts, start)
+            if i < len(self._starts) and self._starts[i] == start:
+                return
+            self._starts.insert(i, start)
+            self._records.insert(i, _Record(name, start, size, crc & 0xFFFFFFFF))
+
+    # ----------------------------------------------------------------- reads
+
+    def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
+        super().read_into(offset, out, what)
+        if self.verify and out.numel():
+            self._saw(offset, tensor_bytes(out))
+
+    def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
+        if self.verify and self._unchecked(offset, offset + nbytes):
+            self._read_and_check(offset, offset + nbytes)  # the copy below then reads from the page cache
+        return super().copy_to(fd, offset, nbytes, dst_offset)
+
+    def finish(self, max_read: int | None = None) -> None:
+        """Read what reads left out of each record read in part and check it; raise on the first mismatch.
+
+        With ``max_read``, only records whose unread bytes are at most that many.
+        """
+        if not self.verify:
+            return
+        with self._crc_lock:
+            pending = sorted(self._pending.values(), key=lambda r: r.start)
+        for record in pending:
+            self._raise_if_bad(record)
+            with self._crc_lock:
+                gaps = record.gaps(0, record.size) if not record.verified else []
+            if max_read is not None and sum(hi - lo for lo, hi in gaps) > max_read:
+                continue
+            for lo, hi in gaps:
+                self._read_and_check(record.start + lo, record.start + hi)
+            self._raise_if_bad(record)
+
+    # ----------------------------------------------------------------- bookkeeping
+
+    def _overlapping(self, lo: int, hi: int) -> list[_Record]:
+        with self._crc_lock:
+            i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+            found = []
+            for record in self._records[i:]:
+                if record.start >= hi:
+                    break
+                if record.start + record.size > lo:
+                    found.append(record)
+            return found
+
+    def _unchecked(self, lo: int, hi: int) -> bool:
+        return any(not r.verified for r in self._overlapping(lo, hi))
+
+    def _read_and_check(self, lo: int, hi: int) -> None:
+        """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None:
+            buffer = self._scratch.buffer = bytearray(_SCRATCH_BYTES)
+        view = memoryview(buffer)
+        at = lo
+        while at < hi:
+            got = os.preadv(self.fileno(), [view[: min(_SCRATCH_BYTES, hi - at)]], at)
+            if got <= 0:
+                raise CheckpointFormatError(
+                    f"'{self.path}' ends after {at} bytes, inside a tensor record: the file is truncated. "
+                    "Copy it again from where it was saved.",
+                    path=self.path,
+                )
+            self._saw(at, view[:got])
+            at += got
+
+    def _saw(self, offset: int, data: memoryview) -> None:
+        """Fold the bytes ``data`` read at file ``offset`` into the CRCs of the records they lie in."""
+        end = offset + len(data)
+        for record in self._overlapping(offset, end):
+            lo = max(offset, record.start) - record.start
+            hi = min(end, record.start + record.size) - record.start
+            base = record.start - offset  # data index of record byte 0
+            with self._crc_lock:
+                gaps = [] if record.verified or record.found is not None else record.gaps(lo, hi)
+            crcs = [(a, b, zlib.crc32(data[base + a : base + b])) for a, b in gaps]  # releases the GIL
+            with self._crc_lock:
+                for a, b, crc in crcs:
+                    if record.verified or record.found is not None:
+                        break
+                    raced = record.gaps(a, b)
+                    if raced == [(a, b)]:
+                        record.add(a, b, crc)
+                    else:  # another thread saw part of it meanwhile
+                        for c, d in raced:
+                            record.add(c, d, zlib.crc32(data[base + c : base + d]))
+                if not record.verified:
+                    record.settle()
+                if record.verified:
+                    self._pending.pop(record.start, None)
+                else:
+                    self._pending[record.start] = record
+            self._raise_if_bad(record)
+
+    def _raise_if_bad(self, record: _Record) -> None:
+        if record.found is not None:
+            raise CheckpointFormatError(
+                f"'{self.path}': record '{record.name}' ({record.size} bytes) fails its CRC-32 check (stored "
+                f"{record.crc:08x}, read {record.found:08x}): the file is corrupted; copy it again from where it "
+                "was saved (or pass verify_crc=False / --no-verify-crc to read it anyway).",
+                path=self.path,
+            )
