@@ -417,12 +417,10 @@ def test_write_lightning_ckpt_rebuilds_plain_data_client_state(tmp_path):
     }
     src = _copy_with_client_state(tmp_path, extra)
     trusted = ["argparse.Namespace", "pathlib.PurePosixPath"]  # PosixPath and datetime are on the allowlist
-    from zeroio._lightning import write_lightning_ckpt  # zeroio.convert takes no trusted_globals yet
-
-    with zeroio.open(src, trusted_globals=trusted) as ckpt:
-        result = write_lightning_ckpt(ckpt, tmp_path / "out.ckpt", trusted_globals=trusted)
-    assert result.client_state_keys == (*LIGHTNING_CLIENT_KEYS, "args", "run_dir", "started", "elapsed", "best")
+    zeroio.convert(src, tmp_path / "out.ckpt", fmt="lightning", trusted_globals=trusted)
     written = torch.load(tmp_path / "out.ckpt", weights_only=False)  # paths and dates need the full unpickler
+    client_state_keys = [key for key in written if key != "state_dict"]
+    assert client_state_keys == [*LIGHTNING_CLIENT_KEYS, "args", "run_dir", "started", "elapsed", "best"]
     assert written["args"] == extra["args"]
     assert written["run_dir"] == extra["run_dir"] and type(written["run_dir"]) is pathlib.PosixPath
     assert written["started"] == extra["started"] and written["elapsed"] == extra["elapsed"]
@@ -434,12 +432,10 @@ def test_write_lightning_ckpt_refuses_unrebuildable_client_state(tmp_path):
     src = _copy_with_client_state(tmp_path, {"cfg": _UserConfig()})
     qualified = f"{_UserConfig.__module__}._UserConfig"
     states = src / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    from zeroio._lightning import write_lightning_ckpt  # zeroio.convert takes no trusted_globals yet
-
     with pytest.raises(UnsafePickleError):
         zeroio.open(src)
-    with zeroio.open(src, trusted_globals=[qualified]) as ckpt, pytest.raises(UnsupportedCheckpointError) as info:
-        write_lightning_ckpt(ckpt, tmp_path / "out.ckpt", trusted_globals=[qualified])
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        zeroio.convert(src, tmp_path / "out.ckpt", fmt="lightning", trusted_globals=[qualified])
     assert str(info.value) == (
         f"Cannot write the client state 'cfg' of '{states}' into a Lightning checkpoint: it holds a "
         f"'{qualified}' object, which zeroio read as inert data and cannot rebuild. Remove it from what "

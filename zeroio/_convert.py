@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -71,7 +71,14 @@ def _workers(workers: int | None) -> int:
 
 
 def _convert_lightning(
-    src: StrPath, dst: Path, *, tag: str | None, target: torch.dtype | None, overwrite: bool, verify_crc: bool
+    src: StrPath,
+    dst: Path,
+    *,
+    tag: str | None,
+    target: torch.dtype | None,
+    overwrite: bool,
+    verify_crc: bool,
+    trusted_globals: frozenset[str],
 ) -> ConvertResult:
     """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
     from ._formats import open as zeroio_open
@@ -84,7 +91,7 @@ def _convert_lightning(
         AtomicDir(dst, overwrite=overwrite).check()
     if overwrite and dst.is_file() and dst.resolve() == Path(src).resolve():
         raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
-    with zeroio_open(src, tag, verify_crc=verify_crc) as ckpt:
+    with zeroio_open(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc) as ckpt:
         # 2. Missing parent folders are created, as convert creates them for an output folder.
         if not dst.is_dir():
             try:
@@ -95,7 +102,9 @@ def _convert_lightning(
                     "Check the permissions of the destination's folder or choose another destination.",
                     path=dst,
                 ) from exc
-        written = write_lightning_ckpt(ckpt, dst, dtype=target, overwrite=overwrite, loadable=True)
+        written = write_lightning_ckpt(
+            ckpt, dst, dtype=target, overwrite=overwrite, trusted_globals=trusted_globals, loadable=True
+        )
         infos = ckpt.infos
         num_params = sum(info.numel for name, info in infos.items() if name not in ckpt.tied)
         facts = card_facts(
@@ -132,6 +141,7 @@ def convert(
     distributed: bool = False,
     include_optimizer: bool = False,
     verify_crc: bool = True,
+    trusted_globals: Iterable[str] = (),
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -193,6 +203,8 @@ def convert(
             optimizer state fails before anything is written. See ``docs/resharding.md``.
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
+        trusted_globals: extra pickle globals to accept when reading the source, as for :func:`zeroio.open`
+            (rebuilt as inert data, never called).
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -219,6 +231,9 @@ def convert(
     if fmt not in ("safetensors", "torch", "lightning"):
         raise ValueError(f"fmt must be 'safetensors', 'torch' or 'lightning', got {fmt!r}.")
     target = parse_dtype(dtype)
+    if isinstance(trusted_globals, str):
+        raise TypeError(f"trusted_globals must be an iterable of names, not a string: [{trusted_globals!r}].")
+    trusted = frozenset(trusted_globals)
     limit = parse_size(max_shard_size)
     n_workers = _workers(workers)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
@@ -240,6 +255,7 @@ def convert(
         outcome = convert_distributed(
             src, dst_path, fmt=fmt, target=target, limit=limit, tag=tag, exclude_frozen=exclude_frozen,
             overwrite=overwrite, workers=n_workers, progress=progress, chunk_bytes=chunk_bytes, verify_crc=verify_crc,
+            trusted_globals=trusted,
         )  # fmt: skip
         return _result(outcome)
     if fmt == "lightning":
@@ -248,7 +264,9 @@ def convert(
                 "exclude_frozen=True cannot be used with fmt='lightning': load_from_checkpoint loads strictly and "
                 "needs every parameter. Drop exclude_frozen, or write fmt='safetensors'."
             )
-        return _convert_lightning(src, dst_path, tag=tag, target=target, overwrite=overwrite, verify_crc=verify_crc)
+        return _convert_lightning(
+            src, dst_path, tag=tag, target=target, overwrite=overwrite, verify_crc=verify_crc, trusted_globals=trusted
+        )
 
     # 2. The write engine, as one process of one: refuse an existing destination before reading anything, plan
     #    every file from metadata, stream the tensors into a temporary folder beside dst, rename it into place.
@@ -256,7 +274,7 @@ def convert(
     outcome = write_checkpoint(
         Job(LocalComm(), AtomicDir(dst_path, overwrite=overwrite)), src, tag=tag, fmt=fmt, target=target,
         max_shard_size=limit, exclude_frozen=exclude_frozen, workers=n_workers, chunk_bytes=chunk_bytes,
-        progress=progress, extra_files=extra_files, verify_crc=verify_crc,
+        progress=progress, extra_files=extra_files, verify_crc=verify_crc, trusted_globals=trusted,
     )  # fmt: skip
     return _result(outcome)
 

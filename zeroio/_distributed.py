@@ -180,6 +180,7 @@ def convert_distributed(
     progress: Progress,
     chunk_bytes: int,
     verify_crc: bool = True,
+    trusted_globals: frozenset[str] = frozenset(),
 ) -> WriteOutcome:
     """:func:`zeroio.convert` with ``distributed=True`` (arguments already validated): see ``docs/distributed.md``.
 
@@ -204,4 +205,5 @@ def convert_distributed(
         return write_checkpoint(
             job, src, tag=tag, fmt=fmt, target=target, max_shard_size=limit, exclude_frozen=exclude_frozen,
             workers=workers, chunk_bytes=chunk_bytes, progress=progress, verify_crc=verify_crc,
+            trusted_globals=trusted_globals,
         )  # fmt: skip

@@ -78,6 +78,7 @@ def write_checkpoint(
     progress: Progress,
     extra_files: ExtraFiles | None = None,
     verify_crc: bool = True,
+    trusted_globals: frozenset[str] = frozenset(),
 ) -> WriteOutcome:
     """Convert ``src`` into ``job.out`` (arguments already validated), all-or-nothing on every process.
 
@@ -88,7 +89,7 @@ def write_checkpoint(
     try:
         return _run(job, src, tag=tag, fmt=fmt, target=target, max_shard_size=max_shard_size,
                     exclude_frozen=exclude_frozen, workers=workers, chunk_bytes=chunk_bytes, progress=progress,
-                    extra_files=extra_files, verify_crc=verify_crc)  # fmt: skip
+                    extra_files=extra_files, verify_crc=verify_crc, trusted_globals=trusted_globals)  # fmt: skip
     except BaseException as exc:
         if job.tmp is not None and job.comm.rank == 0:  # an interrupt between phases: remove the partial output
             job.raise_own(exc)
@@ -109,6 +110,7 @@ def _run(
     progress: Progress,
     extra_files: ExtraFiles | None,
     verify_crc: bool,
+    trusted_globals: frozenset[str],
 ) -> WriteOutcome:
     from ._formats import open as open_checkpoint
 
@@ -127,7 +129,7 @@ def _run(
                         f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
                         path=out.dst,
                     )
-            ckpt = stack.enter_context(open_checkpoint(src, tag, verify_crc=verify_crc))
+            ckpt = stack.enter_context(open_checkpoint(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc))
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, fmt)
             plan = plan_write(ckpt, fmt=fmt, target=target, max_shard_size=max_shard_size,
                               exclude_frozen=exclude_frozen)  # fmt: skip
