@@ -137,7 +137,7 @@ def test_metadata_names_the_source(name, stage, world, dtype):
 def test_every_path_form_opens(name):
     """The root, the tag folder, tag= and a copied model states file all open the same checkpoint."""
     root = UNIVERSAL / name
-    model_file = sorted((root / TAG).glob("*model_states.pt"))[0]
+    model_file = min((root / TAG).glob("*model_states.pt"))
     expected = _engine(name)
     for path, tag in [(root, None), (root / TAG, None), (root, TAG), (model_file, None)]:
         with zeroio.open(path, tag=tag) as ckpt:
