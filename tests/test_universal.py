@@ -190,10 +190,13 @@ def test_optimizer_state_equals_the_source(name):
                 uni.optimizer_state(name_)
 
 
-def test_include_optimizer_is_refused_cleanly(tmp_path):
-    """Optimizer export needs the ZeRO rank files; a universal folder gives a zeroio error, not a crash."""
+def test_optimizer_export_and_reshard_are_refused_cleanly(tmp_path):
+    """Optimizer export and reshard need the ZeRO rank files; a universal folder gives a zeroio error."""
     with pytest.raises(errors.UnsupportedCheckpointError):
         zeroio.convert(UNIVERSAL / NAMES[1], tmp_path / "out", include_optimizer=True, progress=False)
+    with pytest.raises(errors.UnsupportedCheckpointError):
+        zeroio.reshard(UNIVERSAL / NAMES[1], tmp_path / "resharded", world_size=1)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "resharded").exists()
 
 
 @pytest.mark.parametrize(("name", "stage"), [("universal_z1_ws3_bf16", "1"), ("universal_z3_ws2_fp32", "3")])
