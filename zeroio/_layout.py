@@ -48,8 +48,10 @@ def is_zero_checkpoint(path: Path) -> bool:
     return (path / C.LATEST_FILE).is_file() or _has_states(path) or bool(_candidate_tags(path))
 
 
-def find_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None]:
+def find_tag_dir(path: Path, tag: str | None, *, latest_file: str = C.LATEST_FILE) -> tuple[Path, str | None]:
     """Resolve ``path`` (root, tag folder or rank file) and ``tag`` to the folder holding the rank files.
+
+    ``latest_file`` names the root file that names the default tag (``latest_universal`` for universal roots).
 
     Returns the folder and the tag name (``None`` when ``path`` already was the tag folder).
     """
@@ -85,7 +87,7 @@ def find_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None]:
         return tag_dir, tag
     if _has_states(path):
         return path, path.name
-    latest = path / C.LATEST_FILE
+    latest = path / latest_file
     if latest.is_file():
         name = latest.read_text(encoding="utf-8", errors="replace").strip()
         if name and not _inside_root(name):

@@ -14,6 +14,7 @@ from .._layout import is_zero_checkpoint
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
+from .universal import is_universal, open_universal
 from .zero import open_zero
 
 __all__ = ["FORMATS", "Format", "open", "open_checkpoint"]
@@ -48,6 +49,7 @@ def _anything(path: Path) -> bool:
 
 FORMATS: list[Format] = [
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
+    Format("universal", is_universal, open_universal),
     # Last, and takes any path: its errors say what a DeepSpeed checkpoint folder should hold.
     Format("zero", _anything, _open_zero),
 ]
