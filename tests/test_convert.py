@@ -411,12 +411,14 @@ def test_deepspeed_script_fails_on_tied_weights_where_zeroio_succeeds(tmp_path, 
     assert_bits_equal({k: v.float() if v.is_floating_point() else v for k, v in default.items()}, ds_state)
 
 
-_HF_TRAIN = """
-import os, socket, sys
+_HF_TRAIN_THEN_LOAD = """
+import os, shutil, socket, sys
 sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 import deepspeed, torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from transformers import GPT2Config, GPT2LMHeadModel
+ckpt, out = sys.argv[1], sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16, bos_token_id=0, eos_token_id=0,
@@ -429,15 +431,14 @@ engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters
 ids = torch.randint(0, 97, (2, 8))
 engine.backward(engine(input_ids=ids, labels=ids).loss)
 engine.step()
-engine.save_checkpoint(sys.argv[1])
-config.save_pretrained(sys.argv[1])
-"""
-
-_HF_LOAD = """
-import shutil, sys, torch
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from transformers import GPT2Config, GPT2LMHeadModel
-ckpt, out = sys.argv[1], sys.argv[2]
+engine.save_checkpoint(ckpt)
+config.save_pretrained(ckpt)
+engine.destroy()
+del engine, model
+# The test converts the checkpoint now (one interpreter: DeepSpeed and transformers are imported once).
+print("ZEROIO-TRAINED", flush=True)
+if sys.stdin.readline().strip() != "converted":
+    sys.exit("the test did not convert the checkpoint")
 shutil.copy(f"{ckpt}/config.json", out)
 loaded = GPT2LMHeadModel.from_pretrained(out).eval()
 reference = GPT2LMHeadModel(GPT2Config.from_pretrained(ckpt)).eval()
@@ -457,14 +458,35 @@ def test_transformers_from_pretrained_reads_the_output(tmp_path):
     pytest.importorskip("transformers")
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    run = [sys.executable, "-c"]
-    train = subprocess.run([*run, _HF_TRAIN, str(ckpt)], check=False, capture_output=True, text=True, env=env)
-    assert train.returncode == 0, train.stderr[-3000:]
-    result = convert(ckpt, out, max_shard_size=20_000, progress=False)
-    assert len(result.files) > 2 and result.tied == {"lm_head.weight": "transformer.wte.weight"}
-    load = subprocess.run([*run, _HF_LOAD, str(ckpt), str(out)], check=False, capture_output=True, text=True, env=env)
-    assert load.returncode == 0, load.stderr[-3000:]
-    assert load.stdout.splitlines()[-1] == "True True", load.stdout[-3000:]  # DeepSpeed prints its progress first
+    # One subprocess trains and saves, waits while this process converts, then loads the output.
+    with open(tmp_path / "stderr.txt", "w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _HF_TRAIN_THEN_LOAD, str(ckpt), str(out)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            printed, trained = [], False
+            for line in proc.stdout:  # until the script has saved the checkpoint (or ended without saving it)
+                trained = line.startswith("ZEROIO-TRAINED")
+                if trained:
+                    break
+                printed.append(line)
+            if trained:
+                result = convert(ckpt, out, max_shard_size=20_000, progress=False)
+                assert len(result.files) > 2 and result.tied == {"lm_head.weight": "transformer.wte.weight"}
+                proc.stdin.write("converted\n")
+                proc.stdin.flush()
+            stdout, _ = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        err.seek(0)
+        stderr = err.read()
+    assert trained and proc.returncode == 0, stderr[-3000:]
+    lines = printed + stdout.splitlines()
+    assert lines[-1].strip() == "True True", "".join(printed)[-3000:] + stdout[-3000:]  # DeepSpeed prints first
 
 
 # --------------------------------------------------------------------------- memory

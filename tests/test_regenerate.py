@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,17 +15,27 @@ import zeroio
 
 pytestmark = pytest.mark.slow
 
+NAMES = ["z3_ws3_fp32", "z2_ws2_bf16"]
 
-@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher (pip install -e '.[test]')")
-@pytest.mark.parametrize("name", ["z3_ws3_fp32", "z2_ws2_bf16"])
-def test_fresh_checkpoint_matches_deepspeed(tmp_path, name):
-    """A checkpoint DeepSpeed writes now is consolidated bit for bit like DeepSpeed's tool and the live engine."""
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every fixture of NAMES, trained now by the installed DeepSpeed: one run of fixtures/generate.py for all."""
+    if shutil.which("deepspeed") is None:
+        pytest.skip("needs the deepspeed launcher (pip install -e '.[test]')")
+    root = tmp_path_factory.mktemp("regenerated")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "fixtures" / "generate.py"), "--out", str(tmp_path), name],
+        [sys.executable, str(ROOT / "fixtures" / "generate.py"), "--out", str(root), *NAMES],
         check=False, capture_output=True, text=True, timeout=600,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / name
+    return root
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fresh_checkpoint_matches_deepspeed(regenerated, name):
+    """A checkpoint DeepSpeed writes now is consolidated bit for bit like DeepSpeed's tool and the live engine."""
+    out = regenerated / name
     with zeroio.open(out) as ckpt:
         actual = ckpt.state_dict()
     reference = torch.load(out / "expected" / "zero_to_fp32.pt", weights_only=True)

@@ -6,6 +6,7 @@ the slow test resumes training with DeepSpeed at the new world size.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -341,21 +342,37 @@ def test_cli_reshard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 # --------------------------------------------------------------------------- DeepSpeed resumes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports nobody listens on now (bound together, so none is handed out twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
-def _launch(world_size: int, loads: dict[str, Path], out: Path) -> dict[str, Any]:
-    """Run tests/reshard_worker.py under DeepSpeed's launcher at ``world_size`` CPU ranks (gloo)."""
+def _start(world_size: int, loads: dict[str, Path], out: Path, port: int) -> subprocess.Popen[bytes]:
+    """Start tests/reshard_worker.py under DeepSpeed's launcher at ``world_size`` CPU ranks (gloo); log to out.log.
+
+    Jobs at different world sizes run side by side: each spends most of its time importing DeepSpeed."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     cmd = [
-        "deepspeed", "--master_port", str(_free_port()), "--num_gpus", str(world_size), "--num_nodes", "1",
+        "deepspeed", "--master_port", str(port), "--num_gpus", str(world_size), "--num_nodes", "1",
         str(ROOT / "tests" / "reshard_worker.py"), "--out", str(out), *(f"{k}={v}" for k, v in loads.items()),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out.with_suffix(".log"), "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def _finish(proc: subprocess.Popen[bytes], out: Path) -> dict[str, Any]:
+    """Wait for a job of :func:`_start` and return what its rank 0 saved."""
+    try:
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out.with_suffix(".log").read_text(errors="replace")[-6000:]
     return torch.load(out, weights_only=True)
 
 
@@ -424,9 +441,10 @@ def test_deepspeed_resumes_resharded_checkpoint(tmp_path: Path) -> None:
         env=env, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
 
-    runs = {
-        3: _launch(3, {"zeroio": tmp_path / "ws3", "universal": tmp_path / "universal"}, tmp_path / "ws3.pt"),
-        1: _launch(
+    ports = _free_ports(2)
+    jobs = {
+        3: _start(3, {"zeroio": tmp_path / "ws3", "universal": tmp_path / "universal"}, tmp_path / "ws3.pt", ports[0]),
+        1: _start(
             1,
             {
                 "zeroio": tmp_path / "ws1",
@@ -434,8 +452,16 @@ def test_deepspeed_resumes_resharded_checkpoint(tmp_path: Path) -> None:
                 "universal": tmp_path / "universal",
             },
             tmp_path / "ws1.pt",
+            ports[1],
         ),
     }
+    try:
+        runs = {n: _finish(job, tmp_path / f"ws{n}.pt") for n, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait()
     for world_size, run in runs.items():
         assert run["world_size"] == world_size
         reference = _reference_step(src, world_size)
