@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -333,3 +334,27 @@ def test_live_deepspeed_still_fails():
         assert proc.returncode == 0, proc.stderr[-2000:]
         results[name] = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert results == {name: [DS_ERROR, DS_TAG_ERROR] for name in NAMES}
+
+
+def test_a_corrupted_fp32_record_is_caught(tmp_path: Path) -> None:
+    """The universal ``fp32.pt`` files are torch zip archives: their records' CRC-32 is checked like a rank file's."""
+    import zipfile
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "universal" / "universal_z3_ws2_fp32", src)
+    (fp32,) = src.glob("global_step*_universal/zero/emb.weight/fp32.pt")
+    with zipfile.ZipFile(fp32) as archive:
+        record = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 8)
+    with open(fp32, "r+b") as fh:  # the record's data follows its 30-byte local header, name and extra field
+        fh.seek(record.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", fh.read(4))
+        data = record.header_offset + 30 + name_len + extra_len
+        fh.seek(data + 4)
+        byte = fh.read(1)
+        fh.seek(data + 4)
+        fh.write(bytes([byte[0] ^ 0x5A]))
+    with zeroio.open(src) as ckpt, pytest.raises(errors.CheckpointFormatError) as excinfo:
+        ckpt.state_dict()
+    assert "CRC-32" in str(excinfo.value) and excinfo.value.path == fp32
+    with zeroio.open(src, verify_crc=False) as ckpt:
+        assert ckpt["emb.weight"].shape == (13, 7)

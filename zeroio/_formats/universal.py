@@ -17,6 +17,7 @@ import torch
 
 from .. import _constants as C
 from .._checkpoint import Checkpoint
+from .._integrity import CheckedFile
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._pickles import RankFile, TensorRef, load_pickle, to_plain
@@ -77,6 +78,9 @@ class UniversalCheckpoint(Checkpoint):
     def _release(self) -> None:
         for file in self._files:
             file.close()
+
+    def _checked_files(self) -> list[CheckedFile]:
+        return [file.source for file in self._files]
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         read_plan_into(self._sources[name], start, out)
