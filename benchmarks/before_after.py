@@ -36,7 +36,7 @@ cfg = GPTConfig(**json.loads({cfg!r}))
 with torch.device("meta"):
     model = build_model(cfg)
 t0 = time.perf_counter()
-zeroio.load({src!r}, model)
+zeroio.load({src!r}, model{load_args})
 print(json.dumps({{"load_s": time.perf_counter() - t0}}))
 """
 
@@ -71,7 +71,7 @@ def model_config(checkpoint: Path) -> dict[str, Any]:
     return dict(manifest["config"])
 
 
-def one(method: str, tree: Path, checkpoint: Path, work: Path, cold: bool) -> dict[str, Any]:
+def one(method: str, tree: Path, checkpoint: Path, work: Path, cold: bool, no_crc: bool = False) -> dict[str, Any]:
     dst = work / "out"
     if dst.exists():
         shutil.rmtree(dst)
@@ -79,10 +79,14 @@ def one(method: str, tree: Path, checkpoint: Path, work: Path, cold: bool) -> di
         raise SystemExit("cold runs need root (drop_caches)")
     if method == "convert":
         cmd = [sys.executable, "-m", "zeroio", "convert", str(checkpoint), str(dst), "--quiet"]
+        cmd += ["--no-verify-crc"] if no_crc else []
         wall, rss, _ = run_child(cmd, tree)
         shutil.rmtree(dst, ignore_errors=True)
         return {"wall_s": wall, "peak_rss_mib": round(rss / 1024, 1)}
-    code = _LOAD.format(bench=str(HERE), cfg=json.dumps(model_config(checkpoint)), src=str(checkpoint))
+    load_args = ", verify_crc=False" if no_crc else ""
+    code = _LOAD.format(
+        bench=str(HERE), cfg=json.dumps(model_config(checkpoint)), src=str(checkpoint), load_args=load_args
+    )
     wall, rss, out = run_child([sys.executable, "-c", code], tree)
     return {"wall_s": wall, "peak_rss_mib": round(rss / 1024, 1), **json.loads(out.strip().splitlines()[-1])}
 
@@ -96,20 +100,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     parser.add_argument("--methods", nargs="+", default=["convert", "load"], choices=["convert", "load"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/zeroio-before-after"))
+    parser.add_argument(
+        "--after-no-crc", action="store_true", help="also run the after tree with CRC-32 checks off (a third column)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     trees = {"before": args.before, "after": args.after}
+    if args.after_no_crc:
+        trees["after-no-crc"] = args.after
     runs: list[dict[str, Any]] = []
     for cache in args.cache:
         for method in args.methods:
             if cache == "warm":  # warm the cache and both trees' imports once
                 for tree in trees.values():
-                    one(method, tree, args.checkpoint, args.work, cold=False)
+                    one(method, tree, args.checkpoint, args.work, cold=False)  # (crc setting irrelevant here)
             for r in range(args.repeats):
-                order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
+                items = list(trees.items())
+                order = items[r % len(items) :] + items[: r % len(items)]  # rotate who goes first
                 for label, tree in order:
-                    result = one(method, tree, args.checkpoint, args.work, cold=cache == "cold")
+                    no_crc = label == "after-no-crc"
+                    result = one(method, tree, args.checkpoint, args.work, cold=cache == "cold", no_crc=no_crc)
                     runs.append({"cache": cache, "method": method, "tree": label, "repeat": r, **result})
                     print(json.dumps(runs[-1]), flush=True)
     summary: dict[str, Any] = {}
@@ -121,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for label in trees
             }
-            ratio = round(med["after"] / med["before"], 3)
-            summary[f"{method}-{cache}"] = {**{f"{k}_s": round(v, 3) for k, v in med.items()}, "ratio": ratio}
+            ratios = {f"ratio_{k}": round(v / med["before"], 3) for k, v in med.items() if k != "before"}
+            summary[f"{method}-{cache}"] = {**{f"{k}_s": round(v, 3) for k, v in med.items()}, **ratios}
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "node": platform.node()},
         "checkpoint": str(args.checkpoint),

@@ -198,7 +198,8 @@ def test_two_processes_write_the_single_process_bytes_and_fail_together(tmp_path
     assert (r1["type"], r1["message"], r1["error_rank"]) == (
         "OutputError", f"Process 0 of 2 failed while planning, so '{out / 'exists'}' was not written. Its error: {exists}", 0,
     )  # fmt: skip
-    assert list((out / "exists").iterdir()) == []
+    assert list((out / "exists").iterdir()) == [out / "exists" / "model.safetensors"]  # left as it was
+    assert (out / "exists" / "model.safetensors").read_bytes() == b"an earlier output"
 
     # Rank 1 raises mid-write: both fail, rank 1 with its own error, rank 0 quoting it; nothing is left.
     own = (

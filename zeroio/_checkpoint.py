@@ -24,8 +24,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest single read when streaming a tensor: memory stays bounded by this, not by tensor size."""
 
-CRC_READ_AHEAD = 64 * 1024 * 1024
-"""After ``get_tensor``, a record read in part is read to its end (to check its CRC) if at most this much is left."""
+CRC_READ_AHEAD = 0
+"""After ``get_tensor``, a record read in part is read to its end (to check its CRC) if at most this much is left.
+
+Zero: a tensor read reads only its own bytes (the laziness ``zeroio.open`` promises); a record it covers whole is
+checked at once, one it covers in part when :meth:`Checkpoint.finish_crc_checks` runs (convert, load, verify and
+reshard call it)."""
 
 
 class TensorReader(Protocol):
@@ -135,9 +139,9 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """Whether reads check each zip record's stored CRC-32 (``zeroio.open`` turns it on unless ``verify_crc=False``).
 
         A record (a storage of a torch ``.pt``/``.bin`` file: a whole tensor, or a ZeRO flat group holding many)
-        is checked once every one of its bytes has been read: at once when a read covers it, after
-        ``get_tensor`` when at most :data:`CRC_READ_AHEAD` bytes of it are left unread (they are then read),
-        otherwise by :meth:`finish_crc_checks`, which convert, load, verify and reshard call before they finish.
+        is checked once every one of its bytes has been read: at once when reads have covered it, otherwise by
+        :meth:`finish_crc_checks`, which convert, load, verify and reshard call before they finish (it reads the
+        rest of each record read in part, e.g. a ZeRO flat group's padding).
         A mismatch raises :class:`~zeroio.errors.CheckpointFormatError`. Safetensors files carry no checksum.
         """
         return self._verify_crc
@@ -345,7 +349,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def iter_tensors(self, *, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for every key, one tensor at a time, so memory stays near one tensor.
 
-        A tied alias yields the very tensor object its source yielded.
+        A tied alias yields the very tensor object its source yielded. Once every tensor has been yielded, the
+        records they came from are checked whole (:meth:`finish_crc_checks`): all of the checkpoint was read.
         """
         targets = set(self._tied.values())
         kept: dict[str, torch.Tensor] = {}
@@ -358,6 +363,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             if source in targets:
                 kept[source] = tensor
             yield name, tensor
+        self.finish_crc_checks()
 
     def state_dict(self, *, dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Materialise every tensor; tied names share one tensor, as in DeepSpeed's consolidation.
