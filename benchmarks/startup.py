@@ -37,6 +37,7 @@ ZEROIO_COMMANDS: list[tuple[str, list[str]]] = [
     ('python -c "import zeroio"', ["-c", "import zeroio"]),
 ]
 BASELINE = ('python -c "import torch"', ["-c", "import torch"])
+INTERPRETER = ('python -c "pass"', ["-c", "pass"])  # the floor: what any Python command costs here
 
 
 def console_script() -> str:
@@ -72,7 +73,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the raw times here")
     args = parser.parse_args()
 
-    rows = [(BASELINE[0], [sys.executable, *BASELINE[1]], REPO), *commands(REPO, "")]
+    rows = [(label, [sys.executable, *argv], REPO) for label, argv in (BASELINE, INTERPRETER)]
+    rows += commands(REPO, "")
     if args.before is not None:
         rows += commands(args.before.resolve(), " (before)")
     for _, argv, tree in rows:  # warm-up: page cache, .pyc files
