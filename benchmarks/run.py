@@ -23,7 +23,8 @@ Methods (``--methods``):
   limit than ``dd``'s pipe on this machine); its in-process time is used.
 * warm only: ``zeroio_tmpfs`` and ``limit_tmpfs`` (the same, writing to ``/dev/shm``) and ``memcpy``
   (an in-memory copy of the same number of bytes) for the warm-cache target.
-* ``startup``: ``python -c "import zeroio.cli._app"``: the interpreter + torch import every CLI run pays.
+* ``startup``: ``python -c "import zeroio.cli._app, zeroio; zeroio.convert"``: the interpreter, the CLI and the
+  torch import every ``zeroio convert`` run pays (``zeroio.cli`` alone no longer imports torch).
 
 Cold runs drop the page cache first (``sync; echo 3 > /proc/sys/vm/drop_caches``, root only).
 
@@ -382,7 +383,7 @@ def command_for(
     if method == "memcpy":
         return [py, str(HERE), "--_worker", "memcpy", str(fp32_bytes), str(dst)]
     if method == "startup":
-        return [py, "-c", "import zeroio.cli._app"]
+        return [py, "-c", "import zeroio.cli._app, zeroio; zeroio.convert"]
     if method == "limit_kernel":
         spec = json.dumps([[str(path), start, count] for path, start, count in ranges])
         return [py, "-S", str(HERE), "--_worker", "limit_kernel", spec, str(dst)]

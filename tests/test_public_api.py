@@ -37,3 +37,34 @@ def test_version():
     from importlib.metadata import version
 
     assert zeroio.__version__ == version("zeroio")
+
+
+def test_type_checking_view_matches_run_time():
+    """The names zeroio/__init__.py imports for type checkers are __all__, each bound to the object its module defines.
+
+    ``import zeroio`` imports them on first use; this keeps that table and the ``TYPE_CHECKING`` imports (what mypy and
+    IDEs see) from drifting apart.
+    """
+    import ast
+    import importlib
+    from pathlib import Path
+
+    tree = ast.parse(Path(zeroio.__file__).read_text(encoding="utf-8"))
+    typed: dict[str, str] = {}
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, (ast.Name, ast.Attribute)) and ast.unparse(test).split(".")[-1] == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom) and stmt.level == 1, ast.unparse(stmt)
+                typed.update({alias.name: f"zeroio.{stmt.module}" for alias in stmt.names})
+    assert sorted(typed) == sorted(set(zeroio.__all__) - {"__version__"})
+    for name, module in typed.items():
+        assert getattr(zeroio, name) is getattr(importlib.import_module(module), name), name
+
+
+def test_dir_lists_every_public_name_before_use():
+    """dir(zeroio) shows the whole public API at once, though the names are imported on first use."""
+    code = "import zeroio; print(' '.join(n for n in dir(zeroio) if not n.startswith('_')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert set(zeroio.__all__) - {"__version__"} <= set(out)
+    assert set(out) <= set(zeroio.__all__) | {"annotations", "errors"}

@@ -1,15 +1,26 @@
-"""zeroio: read, load, convert and publish DeepSpeed ZeRO checkpoints without DeepSpeed."""
+"""zeroio: read, load, convert and publish DeepSpeed ZeRO checkpoints without DeepSpeed.
+
+The public names are imported on first use (PEP 562), so ``import zeroio``, ``zeroio.errors`` and the
+``zeroio --version`` / ``--help`` commands start without importing torch. The ``TYPE_CHECKING`` block below
+gives type checkers and IDEs the real objects; ``_PUBLIC_HOMES`` must name the same homes at run time.
+"""
 
 from __future__ import annotations
 
-from ._checkpoint import Checkpoint
-from ._convert import ConvertResult, convert
-from ._deploy import LoadReport, load
-from ._formats import open
-from ._hub import PushResult, push_to_hub
-from ._metadata import CheckpointMetadata, TensorInfo
-from ._reshard import ReshardResult, reshard
-from ._verify import Mismatch, VerifyReport, verify
+import importlib as _importlib
+import typing as _typing
+
+from . import errors as errors  # light (no torch): `zeroio.errors` works right after `import zeroio`
+
+if _typing.TYPE_CHECKING:
+    from ._checkpoint import Checkpoint
+    from ._convert import ConvertResult, convert
+    from ._deploy import LoadReport, load
+    from ._formats import open
+    from ._hub import PushResult, push_to_hub
+    from ._metadata import CheckpointMetadata, TensorInfo
+    from ._reshard import ReshardResult, reshard
+    from ._verify import Mismatch, VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -31,3 +42,42 @@ __all__ = [
     "reshard",
     "verify",
 ]
+
+# Public name -> the module (relative to this package) that defines it; imported when the name is first read.
+_PUBLIC_HOMES: dict[str, str] = {
+    "Checkpoint": "._checkpoint",
+    "CheckpointMetadata": "._metadata",
+    "ConvertResult": "._convert",
+    "LoadReport": "._deploy",
+    "Mismatch": "._verify",
+    "PushResult": "._hub",
+    "ReshardResult": "._reshard",
+    "TensorInfo": "._metadata",
+    "VerifyReport": "._verify",
+    "convert": "._convert",
+    "load": "._deploy",
+    "open": "._formats",
+    "push_to_hub": "._hub",
+    "reshard": "._reshard",
+    "verify": "._verify",
+}
+
+
+def _import_public_name(name: str) -> _typing.Any:
+    """Import a public name's module on first use and keep the object here, so later reads cost nothing."""
+    home = _PUBLIC_HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """What ``dir(zeroio)`` showed when every public name was imported eagerly: loaded or not, all are listed."""
+    return sorted(set(globals()) | set(__all__))
+
+
+# Only at run time: a module ``__getattr__`` seen by type checkers would make any misspelt ``zeroio.name`` valid.
+if not _typing.TYPE_CHECKING:
+    __getattr__ = _import_public_name
