@@ -39,6 +39,8 @@ class Sealed:
     """An allowlisted callable as a pickle sees it: calling works, changing it (BUILD, setattr) raises."""
 
     __slots__ = ("_call", "name")
+    _call: Callable[..., Any]
+    name: str
 
     def __init__(self, name: str, call: Callable[..., Any]) -> None:
         object.__setattr__(self, "name", name)
@@ -64,6 +66,8 @@ class StorageType:
     """What ``torch.FloatStorage`` & co. resolve to: only its dtype matters, and no pickle can change it."""
 
     __slots__ = ("dtype", "name")
+    dtype: torch.dtype
+    name: str
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         object.__setattr__(self, "name", name)
@@ -86,6 +90,10 @@ class PendingTensor:
     """A tensor seen in the pickle before its file is known (bound to a RankFile after unpickling)."""
 
     __slots__ = ("shape", "storage", "storage_offset", "stride")
+    storage: Storage
+    storage_offset: Any
+    shape: tuple[Any, ...]
+    stride: tuple[Any, ...]
 
     def __init__(self, storage: Storage, storage_offset: int, shape: tuple[Any, ...], stride: tuple[Any, ...]) -> None:
         object.__setattr__(self, "storage", storage)
@@ -114,7 +122,7 @@ def _sequence(value: Any, what: str) -> tuple[Any, ...]:
 def _pending(storage: Any, storage_offset: Any, size: Any, stride: Any) -> PendingTensor:
     if not isinstance(storage, Storage):
         raise CheckpointFormatError(
-            f"a tensor is rebuilt from a {type(storage).__name__} where its storage belongs. The file is "
+            f"a tensor is rebuilt from a value of type {type(storage).__name__} where its storage belongs. The file is "
             "corrupted or was not written by torch.save."
         )
     return PendingTensor(storage, storage_offset, _sequence(size, "size"), _sequence(stride, "stride"))
@@ -183,7 +191,7 @@ def _bytearray(source: Any = b"", *rest: Any) -> bytearray:
     if isinstance(source, str) and len(rest) == 1 and rest[0] in ("latin1", "latin-1"):
         return bytearray(source, "latin1")
     raise CheckpointFormatError(
-        f"bytearray is called with a {type(source).__name__}; a pickle only ever passes bytes (a length would make "
+        f"bytearray is called with a value of type {type(source).__name__}; a pickle only ever passes bytes (a length would make "
         "zeroio allocate memory the file does not hold)."
     )
 
@@ -228,7 +236,7 @@ storage under ``_rebuild_tensor_v2`` has no scale and cannot be read, so its sto
 
 
 def _build_allowlist() -> dict[str, Any]:
-    sealed = {
+    sealed: dict[str, Callable[..., Any]] = {
         "_codecs.encode": _encode,
         "builtins.bytearray": _bytearray,
         "torch.Size": _size,
