@@ -228,9 +228,9 @@ def _never_called(name: str) -> Callable[..., Any]:
 _QUANTIZED = frozenset(
     getattr(torch, name) for name in ("qint8", "qint32", "quint8", "quint4x2", "quint2x4") if hasattr(torch, name)
 )
-_READABLE_DTYPES = frozenset(
-    value for name in dir(torch) if isinstance(value := getattr(torch, name, None), torch.dtype)
-) - _QUANTIZED
+_READABLE_DTYPES = (
+    frozenset(value for name in dir(torch) if isinstance(value := getattr(torch, name, None), torch.dtype)) - _QUANTIZED
+)
 """Element types a storage may have. Quantized tensors are pickled with ``_rebuild_qtensor`` (refused): a quantized
 storage under ``_rebuild_tensor_v2`` has no scale and cannot be read, so its storage type is not allowlisted."""
 
