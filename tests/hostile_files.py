@@ -173,11 +173,11 @@ def many_dims(ndim: int = 20_000) -> bytes:
 
 
 def many_dims_size(ndim: int = 20_000) -> bytes:
-    """A ``torch.Size`` of ``ndim`` dimensions (how ZeRO model states record parameter shapes)."""
-    ops = Ops().dict().text("shape").glob("torch.Size").mark()
+    """A tensor, plus a ``torch.Size`` of ``ndim`` dimensions (how ZeRO model states record parameter shapes)."""
+    ops = state_dict(lambda o: o.tensor((1,), (1,), numel=1)).text("shape").glob("torch.Size").mark()
     for _ in range(ndim):
         ops.int(1)
-    return archive(ops.raw(b"l").tuple(1).reduce().setitem().stop())
+    return archive(ops.raw(b"l").tuple(1).reduce().setitem().stop(), {"0": bytes(4)})
 
 
 # --- item 12: raw exceptions ------------------------------------------------------------------------------------
