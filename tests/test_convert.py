@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import zeroio
 from zeroio import ConvertResult, convert
+from zeroio.errors import UnsupportedCheckpointError
 
 ALL = fixture_names()
 
@@ -354,9 +355,12 @@ def test_dtype_safetensors_cannot_hold_fails_before_writing(tmp_path):
     """A tensor safetensors cannot encode fails while planning, before anything is created; fmt="torch" works."""
     state = {"w": torch.ones(2), "c": torch.ones(2, dtype=torch.complex128)}
     torch.save(state, tmp_path / "src.pt")
-    with pytest.raises(ValueError) as excinfo:
+    with pytest.raises(UnsupportedCheckpointError) as excinfo:  # a ValueError, naming the tensor (issue 15 item 12)
         convert(tmp_path / "src.pt", tmp_path / "out", progress=False)
-    assert str(excinfo.value) == "safetensors cannot store torch.complex128; convert with fmt='torch'."
+    assert str(excinfo.value) == (
+        f"'{tmp_path / 'src.pt'}': tensor 'c' is torch.complex128, which safetensors cannot store. Convert with "
+        "fmt='torch'."
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
     result = convert(tmp_path / "src.pt", tmp_path / "out", fmt="torch", progress=False)
     loaded = torch.load(result.files[0], weights_only=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
 from fixture_data import FIXTURES
+from hostile_files import ATTACKS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -204,6 +206,31 @@ def test_damaged_files_only_raise_zeroio_errors(tmp_path_factory, file_index, po
     victim.write_bytes(_flip_or_truncate(victim.read_bytes(), position, mode, value))
     try:
         with zeroio.open(root) as ckpt:
+            ckpt.state_dict()
+    except errors.ZeroIOError as exc:
+        assert "\n" not in str(exc) and str(exc).endswith(".")
+
+
+@functools.cache
+def _attack_bytes(name: str) -> bytes:
+    return ATTACKS[name]()
+
+
+@settings(max_examples=80, deadline=10000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    attack=st.sampled_from(sorted(ATTACKS)),
+    position=st.integers(0, 10**6),
+    mode=st.sampled_from(["as crafted", "flip", "truncate"]),
+    value=st.integers(0, 255),
+)
+def test_damaged_attack_files_only_raise_zeroio_errors(tmp_path_factory, attack, position, mode, value):
+    """The crafted attack files (tests/hostile_files.py), whole or damaged, yield a result or a ZeroIOError."""
+    data = _attack_bytes(attack)
+    path = tmp_path_factory.mktemp("attack") / "attack.pt"
+    path.write_bytes(data if mode == "as crafted" else _flip_or_truncate(data, position, mode, value))
+    try:
+        with zeroio.open(path) as ckpt:
+            ckpt.describe()
             ckpt.state_dict()
     except errors.ZeroIOError as exc:
         assert "\n" not in str(exc) and str(exc).endswith(".")

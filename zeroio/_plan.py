@@ -12,8 +12,9 @@ import torch
 from . import _constants as C
 from ._checkpoint import Checkpoint
 from ._metadata import output_dtype
-from ._safetensors_writer import SafetensorsLayout, plan_file
+from ._safetensors_writer import SAFETENSORS_DTYPES, SafetensorsLayout, plan_file
 from ._sharding import ShardPlan, index_json, plan_shards
+from .errors import UnsupportedCheckpointError
 
 __all__ = ["WRITE_FORMATS", "WritePlan", "plan_write"]
 
@@ -96,13 +97,27 @@ class WritePlan:
         )
 
 
+def _check_safetensors_dtypes(ckpt: Checkpoint, dtypes: Mapping[str, torch.dtype]) -> None:
+    """A tensor safetensors cannot encode (complex128, say) is the checkpoint's trait, not a bad argument: name it."""
+    storable = set(SAFETENSORS_DTYPES.values())
+    for name, dtype in dtypes.items():
+        if dtype not in storable:
+            raise UnsupportedCheckpointError(
+                f"'{ckpt.metadata.path}': tensor '{name}' is {dtype}, which safetensors cannot store. Convert with "
+                "fmt='torch'.",
+                path=ckpt.metadata.path,
+                name=name,
+                found=str(dtype),
+            )
+
+
 def plan_write(
     ckpt: Checkpoint, *, fmt: str, target: torch.dtype | None, max_shard_size: int, exclude_frozen: bool
 ) -> WritePlan:
     """Plan every file from metadata: names, ties, dtypes, shards, headers, offsets, index.
 
     Raises:
-        ValueError: a dtype safetensors cannot hold (before anything is created).
+        UnsupportedCheckpointError: a dtype safetensors cannot hold (before anything is created).
     """
     infos = ckpt.infos
     excluded = tuple(n for n, info in infos.items() if exclude_frozen and info.kind == "frozen")
@@ -111,6 +126,7 @@ def plan_write(
     dtypes = {n: output_dtype(infos[n], target) for n in names}
     nbytes = {n: infos[n].numel * dtypes[n].itemsize for n in names}
     if fmt == "safetensors":
+        _check_safetensors_dtypes(ckpt, dtypes)
         # 1. Shards from sizes alone, as huggingface_hub splits (tied aliases are dropped, as it does for
         #    safetensors).
         stored = [n for n in names if n not in ties]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .._checkpoint import Checkpoint
 from .._layout import is_zero_checkpoint
+from .._pickles import require_regular_file
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
@@ -98,15 +99,21 @@ def open(
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
+    if not p.is_dir():
+        require_regular_file(p)  # a FIFO, /dev/zero or a link to one: reading would block or never end
     try:
         ckpt = open_checkpoint(p, tag, frozenset(trusted_globals))
     except ZeroIOError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError) as exc:
-        # Last line of defence: metadata of an unexpected shape must never surface as a bare Python error.
+    except (
+        TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError, MemoryError,
+        NotADirectoryError, IsADirectoryError,
+    ) as exc:  # fmt: skip
+        # Last line of defence, for every format: content of an unexpected shape (RecursionError is a RuntimeError)
+        # must never surface as a bare Python error.
         raise CheckpointFormatError(
-            f"'{p}' holds metadata zeroio cannot interpret ({type(exc).__name__}: {exc}). The checkpoint is corrupted "
-            "or was written by an unsupported DeepSpeed version; please report it with `zeroio inspect --json`.",
+            f"'{p}' holds metadata zeroio cannot interpret ({type(exc).__name__}: {str(exc)[:200]}). The checkpoint "
+            "is corrupted or was written by an unsupported version; please report it with `zeroio inspect --json`.",
             path=p,
         ) from exc
     ckpt.verify_crc = verify_crc

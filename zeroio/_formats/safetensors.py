@@ -15,6 +15,7 @@ import torch
 from .._checkpoint import Checkpoint
 from .._constants import SAFETENSORS_MAX_HEADER_SIZE
 from .._metadata import SAFETENSORS_DTYPES, CheckpointMetadata, TensorInfo
+from .._pickles import MAX_DIMS, require_regular_file
 from .._storage import LocalFile
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .index import read_index, shard_paths
@@ -66,6 +67,7 @@ def _bad(path: Path, what: str) -> CheckpointFormatError:
 def _parse_safetensors(path: Path) -> _SafetensorsFile:
     """Read and validate a safetensors header (8-byte little-endian length + JSON); no tensor bytes."""
     try:
+        require_regular_file(path)  # a FIFO would block the read
         size = path.stat().st_size
         with open(path, "rb") as fh:
             prefix = fh.read(8)
@@ -111,7 +113,9 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
         shape = spec["shape"]
         offsets = spec["data_offsets"]
         if not (
-            isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+            isinstance(shape, list)
+            and len(shape) <= MAX_DIMS
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
         ):
             raise _bad(path, f"'{name}' has an invalid shape {shape!r:.60}")
         if not (

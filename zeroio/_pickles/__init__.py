@@ -1,14 +1,16 @@
 """The restricted pickle world: reading ``.pt`` files without running code, walking their trees, writing them back.
 
-Modules, lowest first: ``standins`` (inert stand-ins for the classes a pickle names), ``archive`` (the torch zip
-archive, :class:`RankFile` and lazy :class:`TensorRef`), ``read`` (the allowlisted unpickler, :func:`load_pickle`),
+Modules, lowest first: ``standins`` (inert stand-ins for the classes a pickle names), ``limits`` (how much work a
+pickle may ask for), ``archive`` (the torch zip archive, :class:`RankFile` and lazy :class:`TensorRef`), ``allowed``
+(the globals a pickle may name, sealed against change), ``read`` (the restricted unpickler, :func:`load_pickle`),
 ``plain`` (one walk from a parsed tree to plain objects), ``write`` (DeepSpeed-class records and rank files
 written chunk by chunk).
 """
 
 from __future__ import annotations
 
-from .archive import RankFile, TensorRef
+from .archive import RankFile, TensorRef, require_regular_file
+from .limits import MAX_DEPTH, MAX_DIMS, MAX_PICKLE_BYTES
 from .plain import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
 from .read import load_pickle
 from .standins import (
@@ -24,6 +26,9 @@ from .standins import (
 from .write import Chunks, RankFileBuilder, ds_value, writable
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_DIMS",
+    "MAX_PICKLE_BYTES",
     "ZERO_STAGE_ENUM",
     "Chunks",
     "Index",
@@ -45,6 +50,7 @@ __all__ = [
     "keep_standin",
     "load_pickle",
     "read_tensor",
+    "require_regular_file",
     "to_plain",
     "where_text",
     "writable",

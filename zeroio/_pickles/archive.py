@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import stat
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -16,8 +17,18 @@ import torch
 from .._integrity import CheckedFile
 from .._storage import ByteRange
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
+from .limits import MAX_PICKLE_BYTES
 
-__all__ = ["Archive", "RankFile", "Storage", "TensorRef", "itemsize", "read_archive"]
+__all__ = [
+    "Archive",
+    "RankFile",
+    "Storage",
+    "TensorRef",
+    "check_pickle_record",
+    "itemsize",
+    "read_archive",
+    "require_regular_file",
+]
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
@@ -197,12 +208,50 @@ class Archive:
     """Storage records by key (``data/<key>``), all stored uncompressed."""
 
 
+def require_regular_file(path: Path) -> None:
+    """Refuse a path that is not a regular file (a FIFO would block the read forever, ``/dev/zero`` never ends)."""
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise CheckpointFormatError(
+            f"'{path}' is not a regular file (it is a {_file_kind(mode)}). Point zeroio at a checkpoint file or folder.",
+            path=path,
+        )
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):  # fmt: skip
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def check_pickle_record(info: zipfile.ZipInfo, path: Path) -> None:
+    """Refuse a ``data.pkl`` record that would unpack to more than the file holds or :data:`MAX_PICKLE_BYTES`.
+
+    torch.save stores every record uncompressed; a compressed pickle is how a 2.6 MB zip bomb becomes 2.5 GiB.
+    """
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise UnsupportedCheckpointError(
+            f"'{path}' stores its pickle compressed ({info.filename}); torch.save never does, and zeroio does not "
+            "unpack it. Re-save the file with torch.save.",
+            path=path,
+        )
+    if info.file_size > MAX_PICKLE_BYTES:
+        raise UnsupportedCheckpointError(
+            f"'{path}' has a {info.file_size}-byte pickle; zeroio reads pickles up to {MAX_PICKLE_BYTES} bytes "
+            "(tensor data is not part of it). The file is corrupted or hostile.",
+            path=path,
+        )
+
+
 def read_archive(path: Path) -> Archive:
     """Read the zip directory and the pickle of a ``torch.save`` file.
 
     Raises a :mod:`zeroio.errors` exception for anything that is not a well-formed torch zip archive.
     """
     try:
+        require_regular_file(path)
         size = path.stat().st_size
         with open(path, "rb") as fh:
             magic = fh.read(4)
@@ -239,6 +288,7 @@ def read_archive(path: Path) -> Archive:
                             path=path,
                         )
                     records[info.filename[len(root) + len("data/") :]] = info
+            check_pickle_record(pickles[0], path)
             data = archive.read(pickles[0])
     except ZeroIOError:
         raise

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointFormatError
 from .archive import TensorRef
+from .limits import MAX_DEPTH
 from .standins import Inert, ZeroStageEnum
 
 __all__ = [
@@ -76,12 +78,40 @@ def to_plain(
     (``torch.Size`` is kept as is), sets keep their type. ``where`` is the path of ``value`` in the whole tree,
     extended on the way down, so rules can say where a value they refuse sits.
 
+    An object the tree references from several places is converted once, at its first path, and the copy shares
+    it the same way (as ``torch.load`` would): a pickle can reference one list twice per level, 40 levels deep, in
+    a kilobyte. A container that contains itself, or nesting deeper than :data:`~zeroio._pickles.limits.MAX_DEPTH`,
+    raises :class:`~zeroio.errors.CheckpointFormatError`.
+
     Example:
         >>> to_plain({"lr": 0.1, "betas": (0.9, 0.999)})
         {'lr': 0.1, 'betas': (0.9, 0.999)}
     """
 
+    done: dict[int, tuple[Any, Any]] = {}  # id -> (node, copy): the node kept alive so its id stays unique
+    active: set[int] = set()  # the nodes being converted, outermost first: their count is the depth
+
     def walk(node: Any, path: Where) -> Any:
+        if isinstance(node, (str, bytes, int, float, type(None), torch.dtype, torch.Size)) and not isinstance(
+            node, ZeroStageEnum
+        ):
+            return node
+        key = id(node)
+        if key in done:
+            return done[key][1]
+        if key in active or len(active) > MAX_DEPTH:
+            what = "contains itself" if key in active else f"is nested more than {MAX_DEPTH} levels deep"
+            raise CheckpointFormatError(
+                f"'{where_text(path)}' {what}; torch.save never writes such a checkpoint. The file is corrupted or "
+                "hostile."
+            )
+        active.add(key)
+        copy = convert(node, path)
+        active.discard(key)
+        done[key] = (node, copy)
+        return copy
+
+    def convert(node: Any, path: Where) -> Any:
         if isinstance(node, TensorRef):
             return tensor(node, path)
         if isinstance(node, (Inert, ZeroStageEnum)):

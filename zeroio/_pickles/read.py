@@ -7,149 +7,38 @@ are, not the bytes). DeepSpeed's own classes (``ZeroStageEnum``, ``LossScaler``,
 
 from __future__ import annotations
 
-import collections
 import io
 import os
 import pickle
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointFormatError, UnsafePickleError
+from ..errors import CheckpointFormatError, UnsafePickleError, ZeroIOError
+from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, itemsize, read_archive
-from .standins import ZERO_STAGE_ENUM, Inert, ZeroStageEnum, inert_class, inert_dict_class
+from .limits import MAX_DEPTH
+from .standins import Inert, inert_class
 
 __all__ = ["load_pickle"]
 
 
-def _rebuild_tensor_v2(
-    storage: Storage,
-    storage_offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-    requires_grad: bool = False,
-    backward_hooks: Any = None,
-    metadata: Any = None,
-) -> _PendingTensor:
-    return _PendingTensor(storage, storage_offset, tuple(size), tuple(stride))
-
-
-def _rebuild_tensor_v3(
-    storage: Storage,
-    storage_offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-    requires_grad: bool,
-    backward_hooks: Any,
-    dtype: torch.dtype,
-    metadata: Any = None,
-) -> _PendingTensor:
-    # v3 stores an untyped storage plus the dtype (used for dtypes without a legacy storage class).
-    typed = Storage(storage.key, dtype, storage.numel // max(1, itemsize(dtype)), storage.location)
-    return _PendingTensor(typed, storage_offset, tuple(size), tuple(stride))
-
-
-def _rebuild_parameter(data: Any, requires_grad: bool = False, backward_hooks: Any = None, *rest: Any) -> Any:
-    return data
-
-
-def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple[Any, ...], state: Any) -> Any:
-    # torch uses this for tensors carrying Python attributes; `func` is itself an allowlisted rebuild function.
-    return func(*args)
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingTensor:
-    """A tensor seen in the pickle before its file is known (bound to a RankFile after unpickling)."""
-
-    storage: Storage
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class _StorageType:
-    """Marker returned for ``torch.FloatStorage`` & co.: only its dtype matters."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-
-def _build_allowlist() -> dict[str, Any]:
-    allowed: dict[str, Any] = {
-        "collections.OrderedDict": collections.OrderedDict,
-        "collections.defaultdict": collections.defaultdict,
-        "builtins.set": set,
-        "builtins.frozenset": frozenset,
-        "builtins.complex": complex,
-        "builtins.bytearray": bytearray,
-        "builtins.slice": slice,
-        "_codecs.encode": lambda s, enc="latin1": s.encode(enc),  # how pickle protocol 2 spells bytes
-        "torch.Size": torch.Size,
-        "torch.device": torch.device,
-        "torch.Tensor": torch.Tensor,
-        "torch.nn.parameter.Parameter": torch.nn.Parameter,
-        "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
-        "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-        "torch._utils._rebuild_parameter": _rebuild_parameter,
-        "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-        "torch.storage.UntypedStorage": _StorageType(torch.uint8),
-        "torch.torch_version.TorchVersion": str,  # a str subclass: rebuilt as the plain string
-        ZERO_STAGE_ENUM: ZeroStageEnum,
-    }
-    # DeepSpeed's classes, as inert stand-ins (checked with DeepSpeed 0.19.8 checkpoints), and plain-data classes
-    # that training scripts put into client state (hyper-parameters, run arguments). They are rebuilt as inert
-    # records: their constructors are never called.
-    for qualified in (
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-        "deepspeed.utils.tensor_fragment.fragment_address",
-        "argparse.Namespace",
-        "pathlib.PosixPath",
-        "pathlib.WindowsPath",
-        "pathlib.PurePosixPath",
-        "pathlib.PureWindowsPath",
-        "datetime.datetime",
-        "datetime.date",
-        "datetime.timedelta",
-    ):
-        allowed[qualified] = inert_class(qualified)
-    # Lightning's client state (hyper_parameters) in framework-written checkpoints.
-    for qualified in (
-        "lightning.fabric.utilities.data.AttributeDict",
-        "pytorch_lightning.utilities.parsing.AttributeDict",
-        "lightning_fabric.utilities.data.AttributeDict",
-    ):
-        allowed[qualified] = inert_dict_class(qualified)
-    for dtype, storage_name in torch.storage._dtype_to_storage_type_map().items():
-        allowed[f"torch.{storage_name}"] = _StorageType(dtype)
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            allowed[f"torch.{name}"] = value
-    return allowed
-
-
-_ALLOWED = _build_allowlist()
-
-
 class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only allowlisted globals; tensors become ``_PendingTensor`` records."""
+    """Resolves only allowlisted globals; tensors become ``PendingTensor`` records."""
 
     def __init__(self, data: bytes, path: Path, trusted: frozenset[str]) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self._path = path
         self._trusted = trusted
         self.storages: dict[str, Storage] = {}
+        self.created: dict[str, tuple[Any, ...]] = {}
+        """Each storage's fields as created: a BUILD on a storage record must not change them unseen."""
 
     def find_class(self, module: str, name: str) -> Any:
         qualified = f"{module}.{name}"
-        if qualified in _ALLOWED:
-            return _ALLOWED[qualified]
+        if qualified in ALLOWED:
+            return ALLOWED[qualified]
         if qualified in self._trusted:
             return inert_class(qualified)
         raise UnsafePickleError(
@@ -162,31 +51,43 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CheckpointFormatError(
-                f"Unexpected persistent id {pid!r:.80} in '{self._path}': not a torch zip checkpoint storage. "
+                f"Unexpected persistent id {short_repr(pid)} in '{self._path}': not a torch zip checkpoint storage. "
                 "Re-save the file with torch.save.",
                 path=self._path,
             )
         _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, _StorageType):
+        if not isinstance(storage_type, StorageType):
             raise UnsafePickleError(
-                f"Unexpected storage type {storage_type!r:.80} in '{self._path}'. Re-save the file with torch.save.",
+                f"Unexpected storage type {short_repr(storage_type)} in '{self._path}'. Re-save the file with "
+                "torch.save.",
                 path=self._path,
             )
-        key = str(key)
+        if not isinstance(key, str) or not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise CheckpointFormatError(
+                f"Storage {short_repr(key)} in '{self._path}' has an invalid key or size {short_repr(numel)}. The "
+                "file is corrupted; copy it again.",
+                path=self._path,
+            )
         if key not in self.storages:
-            self.storages[key] = Storage(key, storage_type.dtype, int(numel), str(location))
+            self.storages[key] = Storage(key, storage_type.dtype, numel, str(location))
+            self.created[key] = (key, storage_type.dtype, numel)
         return self.storages[key]
 
 
-def _check_view(t: _PendingTensor, path: Path) -> None:
-    """A tensor's size/stride/offset must be non-negative ints that stay inside its storage."""
+def _check_view(t: PendingTensor, path: Path) -> None:
+    """A tensor's size/stride/offset must be non-negative ints that stay inside its storage.
+
+    Its element count must fit in the storage too: a stride-0 view repeating one stored element 2**40 times
+    would make a read allocate what the file cannot back. (torch.save keeps such broadcast views, but state dicts
+    never hold them.)
+    """
     values = (t.storage_offset, *t.shape, *t.stride)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values) or len(t.shape) != len(
         t.stride
     ):
         raise CheckpointFormatError(
-            f"'{path}' describes a tensor with an invalid view (size {t.shape!r:.60}, stride {t.stride!r:.60}, "
-            f"offset {t.storage_offset!r:.20}). The file is corrupted; copy it again.",
+            f"'{path}' describes a tensor with an invalid view (size {short_repr(t.shape)}, stride "
+            f"{short_repr(t.stride)}, offset {short_repr(t.storage_offset)}). The file is corrupted; copy it again.",
             path=path,
         )
     numel = 1
@@ -199,27 +100,69 @@ def _check_view(t: _PendingTensor, path: Path) -> None:
             "elements. The file is corrupted; copy it again.",
             path=path,
         )
+    if numel > t.storage.numel:
+        raise CheckpointFormatError(
+            f"'{path}' describes a tensor of {numel} elements over a storage of {t.storage.numel}: reading it would "
+            "allocate more than the file holds. The file is corrupted or hostile; copy it again from where it was "
+            "saved.",
+            path=path,
+        )
 
 
-def _bind(obj: Any, file: RankFile) -> Any:
-    """Replace every ``_PendingTensor`` in the tree by a ``TensorRef`` into ``file``."""
-    if isinstance(obj, _PendingTensor):
+def _bind(tree: Any, file: RankFile) -> Any:
+    """Replace every ``PendingTensor`` in the tree by a ``TensorRef`` into ``file``.
+
+    Each object is visited once (a pickle may reference one list from many places: 40 levels of "this list, twice"
+    are 2**40 paths), cycles and nesting deeper than :data:`MAX_DEPTH` are refused.
+    """
+    done: dict[int, tuple[Any, Any]] = {}  # id -> (object, result): the object kept alive so its id stays unique
+    active: set[int] = set()
+
+    def bind(obj: Any, depth: int) -> Any:
+        if isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype, torch.Size)):
+            return obj
+        key = id(obj)
+        if key in done:
+            return done[key][1]
+        if key in active:
+            raise CheckpointFormatError(
+                f"'{file.path}' holds a {type(obj).__name__} that contains itself; torch.save never writes one "
+                "into a checkpoint. The file is corrupted or hostile.",
+                path=file.path,
+            )
+        if depth > MAX_DEPTH:
+            raise CheckpointFormatError(
+                f"'{file.path}' nests containers more than {MAX_DEPTH} levels deep; zeroio reads checkpoints up to "
+                "that depth. The file is corrupted or hostile.",
+                path=file.path,
+            )
+        active.add(key)
+        result = _bind_one(obj, file, lambda child: bind(child, depth + 1))
+        active.discard(key)
+        done[key] = (obj, result)
+        return result
+
+    return bind(tree, 0)
+
+
+def _bind_one(obj: Any, file: RankFile, bind: Any) -> Any:
+    if isinstance(obj, PendingTensor):
         _check_view(obj, file.path)
         return TensorRef(file, obj.storage, obj.storage_offset, obj.shape, obj.stride)
     if isinstance(obj, dict):
         for key, value in obj.items():
-            obj[key] = _bind(value, file)
+            obj[key] = bind(value)
         return obj
     if isinstance(obj, list):
         for i, value in enumerate(obj):
-            obj[i] = _bind(value, file)
+            obj[i] = bind(value)
         return obj
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        items = [_bind(v, file) for v in obj]
+    if isinstance(obj, tuple):
+        items = [bind(v) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, Inert):
         for key, value in list(obj.__dict__.items()):
-            obj.__dict__[key] = _bind(value, file)
+            obj.__dict__[key] = bind(value)
     return obj
 
 
@@ -235,8 +178,11 @@ def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str]
     unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
     try:
         tree = unpickler.load()
-    except (UnsafePickleError, CheckpointFormatError):
-        raise
+    except ZeroIOError as exc:
+        if exc.path is not None:
+            raise
+        # Raised by an allowlisted global, which does not know the file: name it.
+        raise type(exc)(f"Refusing '{path}': {exc}", path=path, name=exc.name) from None
     except Exception as exc:  # any malformed pickle: never let a raw pickle traceback escape
         raise CheckpointFormatError(
             f"Cannot parse the pickle in '{path}' ({type(exc).__name__}: {exc}). The file is corrupted or was "
@@ -244,7 +190,13 @@ def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str]
             path=path,
         ) from exc
     file = RankFile(path, records, size=archive.size)
-    for storage in unpickler.storages.values():
+    for key, storage in unpickler.storages.items():
+        if (storage.key, storage.dtype, storage.numel) != unpickler.created[key]:
+            raise UnsafePickleError(
+                f"Refusing '{path}': the pickle changes storage record '{key}' after naming it. The file is hostile "
+                "or corrupted; do not use it.",
+                path=path,
+            )
         record = records.get(storage.key)
         needed = storage.numel * itemsize(storage.dtype)
         if record is None or record.file_size < needed:

@@ -8,6 +8,8 @@ from typing import Any
 
 from typing_extensions import Self
 
+from ..errors import UnsafePickleError
+
 __all__ = [
     "ZERO_STAGE_ENUM",
     "Inert",
@@ -19,6 +21,7 @@ __all__ = [
     "inert_dict_class",
     "inert_parts",
     "is_inert",
+    "refuse_build",
 ]
 
 _ARGS, _KWARGS, _RAW_STATE = "_args", "_kwargs", "_state"
@@ -32,8 +35,24 @@ class ZeroStageEnum(enum.IntEnum):
     gradients = 2
     weights = 3
 
+    def __setstate__(self, state: Any) -> None:
+        # Members are shared by every load in the process: a pickle's BUILD must not rename or renumber them.
+        raise refuse_build(ZERO_STAGE_ENUM)
+
 
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
+
+
+def refuse_build(name: str) -> UnsafePickleError:
+    """The error for a pickle that BUILDs (sets the state of) an object every load shares, e.g. an allowed global.
+
+    Raised without a path: ``load_pickle`` names the file.
+    """
+    return UnsafePickleError(
+        f"the pickle tries to change the allowlisted global '{name}', which every later read shares. "
+        "The file is hostile or corrupted; do not use it.",
+        name=name,
+    )
 
 
 class Inert:
@@ -73,6 +92,15 @@ class InertDict(dict):  # type: ignore[type-arg]
     """Stand-in for dict subclasses that carry no behaviour we need (e.g. Lightning's AttributeDict)."""
 
     _zeroio_global = "builtins.dict"
+
+    def __setstate__(self, state: Any) -> None:
+        # BUILD on one instance (fresh per load) sets its attributes. Defined here also so that a BUILD aimed at
+        # the shared class itself fails (pickle calls this unbound, without ``state``) instead of setting class
+        # attributes.
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__[_RAW_STATE] = state
 
 
 _INERT_CLASSES: dict[tuple[type, str], type] = {}

@@ -1,0 +1,25 @@
+"""How much work a checkpoint's pickle may ask for: bounds that no genuine file comes near, so hostile ones stop early.
+
+A pickle is a program for a stack machine; zeroio's unpickler runs no code, but a few hundred bytes can still ask
+for gigabytes (a huge ``bytearray``, a tensor view repeating one element 2**40 times) or for hours of work (one
+list referenced twice per level, 40 levels deep, is 2**40 paths for a naive walker). Every bound below is checked
+before the work it guards, and exceeding one raises a :mod:`zeroio.errors` exception naming the file.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_PICKLE_BYTES"]
+
+MAX_PICKLE_BYTES = 1 << 30
+"""Largest ``data.pkl`` record read (1 GiB). It holds only the object tree (tensor bytes live in their own records):
+a DeepSpeed rank file for a 100B-parameter model has a pickle of a few MB."""
+
+MAX_DIMS = 64
+"""Most dimensions a tensor shape may have. Real checkpoints use a handful, and torch's CUDA kernels index at most
+25 (``MAX_DIMS`` of their offset calculator); 64 leaves ample room, while a 20,000-dimension shape only turns every
+per-dimension loop (strides, views, printing) into seconds of work per tensor."""
+
+MAX_DEPTH = 100
+"""Deepest nesting of containers walked in a pickled tree. A Lightning checkpoint's hyper-parameters nest under
+ten levels; the bound keeps every recursive walk far below Python's recursion limit (a deeper tree would raise a
+bare RecursionError)."""
