@@ -29,11 +29,32 @@ LAYERS: list[tuple[str, ...]] = [
     ("_metadata", "_partition", "_layout", "_checkpoint", "_formats"),
     # 4. the write engine: progress, safetensors layout, shard planning, atomic outputs, side files,
     #    plan -> execute (write_files) -> commit (engine), process communication
-    ("_progress", "_safetensors_writer", "_sharding", "_own_files", "_atomic", "_side_files", "_plan", "_write_files", "_comm",
-     "_engine"),
+    (
+        "_progress",
+        "_safetensors_writer",
+        "_sharding",
+        "_own_files",
+        "_atomic",
+        "_side_files",
+        "_plan",
+        "_write_files",
+        "_comm",
+        "_engine",
+    ),
     # 5. the verbs and what only they use
-    ("_convert", "_distributed", "_deploy", "_verify", "_optim", "_lightning", "_reshard", "_reshard_plan",
-     "_reshard_trees", "_hub", "_model_card"),
+    (
+        "_convert",
+        "_distributed",
+        "_deploy",
+        "_verify",
+        "_optim",
+        "_lightning",
+        "_reshard",
+        "_reshard_plan",
+        "_reshard_trees",
+        "_hub",
+        "_model_card",
+    ),
     # 6. the public namespace
     ("__init__",),
     # 7. the command line

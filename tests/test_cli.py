@@ -81,8 +81,17 @@ def test_push_refuses_pr_with_revision(capsys):
 
 def test_invalid_flag_combination_is_a_usage_error(capsys, tmp_path):
     """A flag combination the library rejects prints one line and exits 2, without a traceback."""
-    code = main(["convert", str(FIXTURES / "z3_ws2_fp32"), str(tmp_path / "m.ckpt"), "--format", "lightning",
-                 "--exclude-frozen", "--quiet"])
+    code = main(
+        [
+            "convert",
+            str(FIXTURES / "z3_ws2_fp32"),
+            str(tmp_path / "m.ckpt"),
+            "--format",
+            "lightning",
+            "--exclude-frozen",
+            "--quiet",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("Invalid arguments: ") and len(err) == 2

@@ -90,7 +90,11 @@ def live_deepspeed(tmp_path_factory):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", script, str(FIXTURES), str(out), *names],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results: dict[str, object] = {}
@@ -213,7 +217,9 @@ def test_stage0_records_where_masters_live(name, source):
 @pytest.mark.parametrize("name", ["z0_ws2_bf16", "z0_ws2_fp16_fused"])
 def test_stage0_masters_are_more_precise_than_module(name):
     """The 16-bit module weights are the masters rounded; zeroio returns the unrounded masters."""
-    stored = _deepspeed_pickle(FIXTURES / name / "global_step2" / "mp_rank_00_model_states.pt")["module"]["mlp_in.weight"]
+    stored = _deepspeed_pickle(FIXTURES / name / "global_step2" / "mp_rank_00_model_states.pt")["module"][
+        "mlp_in.weight"
+    ]
     master = _engine(name)["mlp_in.weight"]
     with zeroio.open(FIXTURES / name) as ckpt:
         assert torch.equal(ckpt["mlp_in.weight"], master)

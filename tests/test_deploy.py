@@ -521,8 +521,15 @@ def test_strict_false_loads_what_matches():
     ref = reference("z3_ws2_fp32", "engine")
     for key in ("frozen.weight", "mlp_out.weight", "norm.bias", "calls"):
         assert torch.equal(model.state_dict()[key], ref[key]), key
-    assert set(report.loaded_keys) == {"scale", "calls", "frozen.weight", "frozen.bias", "mlp_out.weight",
-                                       "norm.weight", "norm.bias"}
+    assert set(report.loaded_keys) == {
+        "scale",
+        "calls",
+        "frozen.weight",
+        "frozen.bias",
+        "mlp_out.weight",
+        "norm.weight",
+        "norm.bias",
+    }
 
 
 def test_long_lists_are_truncated_with_suggestions():
@@ -722,8 +729,13 @@ def test_lightning_ckpt_written_by_trainer(tmp_path):
     torch.manual_seed(0)
     trained = cls()
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     data = torch.utils.data.TensorDataset(torch.randint(0, 13, (4, 6), generator=torch.Generator().manual_seed(1)))
     trainer.fit(trained, torch.utils.data.DataLoader(data, batch_size=2))
@@ -853,7 +865,10 @@ def test_host_memory_is_one_chunk_not_the_model(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({f"layers.{i}.weight": torch.full((4096, 4096), float(i)) for i in range(4)}, path)
     out = subprocess.run(
-        [sys.executable, "-c", _PEAK_SCRIPT, str(path)], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", _PEAK_SCRIPT, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "PYTHONPATH": str(Path(zeroio.__file__).parent.parent)},
     )
     extra = int(out.stdout.strip())

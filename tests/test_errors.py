@@ -31,8 +31,12 @@ def test_error_hierarchy():
     """Every zeroio error derives from ZeroIOError and the matching builtin, so generic handlers still work."""
     assert issubclass(errors.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(errors.CheckpointFormatError, ValueError)
-    for cls in (errors.UnsupportedCheckpointError, errors.WorldSizeMismatchError, errors.PartitionMismatchError,
-                errors.UnsafePickleError):
+    for cls in (
+        errors.UnsupportedCheckpointError,
+        errors.WorldSizeMismatchError,
+        errors.PartitionMismatchError,
+        errors.UnsafePickleError,
+    ):
         assert issubclass(cls, errors.CheckpointFormatError)
     assert issubclass(errors.TensorNotFoundError, KeyError)
     assert issubclass(errors.OutputError, OSError)
@@ -152,8 +156,10 @@ def test_model_and_optim_file_counts_disagree(ckpt_copy):
 def test_rank_file_from_another_world_size(ckpt_copy):
     """A rank file copied in from a run at another world size is caught by its partition_count."""
     root = ckpt_copy("z3_ws2_fp32")
-    shutil.copy(FIXTURES / "z3_ws3_fp32" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    shutil.copy(
+        FIXTURES / "z3_ws3_fp32" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    )
     with pytest.raises(errors.WorldSizeMismatchError) as excinfo:
         zeroio.open(root)
     assert (excinfo.value.rank, excinfo.value.expected, excinfo.value.found) == (1, 3, 2)

@@ -412,9 +412,7 @@ def test_torch_file_that_is_a_list(tmp_path):
     torch.save([torch.ones(2)], path)
     with pytest.raises(CheckpointFormatError) as exc:
         zeroio.open(path)
-    assert str(exc.value) == (
-        f"'{path}' holds a list, not a state dict. Save model.state_dict() with torch.save."
-    )
+    assert str(exc.value) == (f"'{path}' holds a list, not a state dict. Save model.state_dict() with torch.save.")
 
 
 def test_non_tensor_entries_are_skipped(tmp_path):

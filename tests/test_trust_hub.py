@@ -155,7 +155,17 @@ def test_unreadable_source_fails_before_any_hub_request(hub_server: HubServer, t
 
 def test_cli_bad_shard_size_exits_without_creating_the_repo(hub_server: HubServer, capsys) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit) as exit_info:  # a usage error: argparse exits with 2
-        main(["push", str(ZERO_FIXTURE), "tester/cli-never", "--max-shard-size", "5XB", "--endpoint", hub_server.endpoint])
+        main(
+            [
+                "push",
+                str(ZERO_FIXTURE),
+                "tester/cli-never",
+                "--max-shard-size",
+                "5XB",
+                "--endpoint",
+                hub_server.endpoint,
+            ]
+        )
     assert exit_info.value.code == 2
     assert "5XB" in capsys.readouterr().err
     assert hub_server.requests == []

@@ -79,7 +79,9 @@ def test_matches_torch_load_bit_for_bit():
                 got = ours.materialize()
                 # Compare bytes: ZeRO padding past the last parameter may hold uninitialised NaNs.
                 assert got.dtype == theirs.dtype and got.shape == theirs.shape, where
-                assert torch.equal(got.reshape(-1).view(torch.uint8), theirs.detach().reshape(-1).view(torch.uint8)), where
+                assert torch.equal(got.reshape(-1).view(torch.uint8), theirs.detach().reshape(-1).view(torch.uint8)), (
+                    where
+                )
             elif isinstance(theirs, dict):
                 assert list(ours) == list(theirs), where
                 for k in theirs:
@@ -119,7 +121,11 @@ def test_works_without_deepspeed_installed():
     name = "z2_ws3_fp16"
     proc = subprocess.run(
         [sys.executable, "-c", script, str(FIXTURES / name), str(FIXTURES / name / "expected" / "zero_to_fp32.pt")],
-        check=False, capture_output=True, text=True, cwd=ROOT, timeout=120,
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok 11"

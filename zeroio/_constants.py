@@ -6,7 +6,9 @@ import re
 
 # --- DeepSpeed checkpoint folders (checked against DeepSpeed 0.19.8's engine.py / checkpoint/constants.py)
 LATEST_FILE = "latest"
-ZERO_OPTIM_FILE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+ZERO_OPTIM_FILE = re.compile(
+    r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
+)
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
 # Layouts zeroio refuses (yet): MoE expert files and pipeline-parallel layer files.

@@ -129,7 +129,9 @@ def _run(
                         f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
                         path=out.dst,
                     )
-            ckpt = stack.enter_context(open_checkpoint(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc))
+            ckpt = stack.enter_context(
+                open_checkpoint(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc)
+            )
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, fmt)
             plan = plan_write(ckpt, fmt=fmt, target=target, max_shard_size=max_shard_size,
                               exclude_frozen=exclude_frozen)  # fmt: skip
@@ -198,7 +200,9 @@ def _run(
                 if plan.index is not None:
                     with naming(out.dst / plan.index_name):
                         write_new_file(tmp / plan.index_name, plan.index)
-                copied = list(copy_side_files(Path(src), tmp, dtype=target))  # HF Trainer checkpoint-N: config, tokenizer
+                copied = list(
+                    copy_side_files(Path(src), tmp, dtype=target)
+                )  # HF Trainer checkpoint-N: config, tokenizer
             except BaseException as exc:  # noqa: BLE001
                 error = exc
             if error is None:

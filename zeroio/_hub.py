@@ -193,7 +193,12 @@ def push_to_hub(
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-push-")))
             weights_dir = tmp / "model"
             result = convert(
-                src_path, weights_dir, dtype=dtype, max_shard_size=max_shard_size, tag=tag, progress=progress,
+                src_path,
+                weights_dir,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                tag=tag,
+                progress=progress,
                 verify_crc=verify_crc,
             )
             card_facts = dict(result.card_facts)

@@ -17,9 +17,11 @@ __all__ = ["is_consolidated", "open_consolidated"]
 def is_consolidated(path: Path) -> bool:
     """True when ``path`` names a consolidated checkpoint file, index or model folder (by names only)."""
     if path.is_file():
-        return path.suffix in (".safetensors", ".bin", ".pt", ".pth", ".ckpt") and not path.name.endswith(
-            C.STATES_SUFFIX
-        ) or path.name.endswith(".index.json")
+        return (
+            path.suffix in (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+            and not path.name.endswith(C.STATES_SUFFIX)
+            or path.name.endswith(".index.json")
+        )
     return path.is_dir() and any(
         (path / name).is_file() for name in (C.SAFETENSORS_SINGLE, C.SAFETENSORS_INDEX, C.TORCH_SINGLE, C.TORCH_INDEX)
     )

@@ -28,7 +28,7 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
     ):
         raise CheckpointFormatError(
             f"The index '{index_path}' has no 'weight_map' of tensor names to shard files. "
-            "Write it as Hugging Face does: {\"metadata\": {...}, \"weight_map\": {name: file}}.",
+            'Write it as Hugging Face does: {"metadata": {...}, "weight_map": {name: file}}.',
             path=index_path,
         )
     meta = index.get("metadata") or {}
@@ -55,4 +55,3 @@ def shard_paths(index_path: Path, weight_map: dict[str, str]) -> dict[str, Path]
             )
         shards[shard] = shard_path
     return shards
-

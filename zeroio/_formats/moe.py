@@ -123,7 +123,6 @@ def insert_experts(names: list[str], experts: Experts) -> list[str]:
     return rest
 
 
-
 Placement: TypeAlias = list[tuple[list[int], list[str]]]
 """Per copy of a param group: the data-parallel ranks holding its partitions, and its parameters' names."""
 
@@ -155,7 +154,7 @@ def expert_group_layouts(
         )
     ep = world_size // count
     layouts = []
-    for expert_major in ([True] if count == 1 else [True, False]):
+    for expert_major in [True] if count == 1 else [True, False]:
         placement: Placement = []
         for e, ranks in enumerate(_expert_rank_sets(count, world_size, expert_major=expert_major)):
             names = []
@@ -174,8 +173,6 @@ def expert_group_layouts(
     return layouts
 
 
-
-
 def plan_matches_experts(
     planned: list[PlannedParam],
     flat_groups: list[tuple[TensorRef, ...]],
@@ -191,5 +188,3 @@ def plan_matches_experts(
         if low is None or not casts_to(FlatPlan(tuple(pieces), groups), low, low.numel, torch.float32):
             return False
     return True
-
-

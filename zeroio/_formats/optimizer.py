@@ -158,11 +158,7 @@ _NO_STATE = (
 def _trainable_flat_groups(zckpt: PartitionedCheckpoint) -> tuple[tuple[TensorRef, ...], ...]:
     """Every rank's fp32 flat groups, as the trainable parameters' read plans point at them."""
     flat = next(
-        (
-            s.groups
-            for n, s in zckpt.plans.items()
-            if isinstance(s, FlatPlan) and zckpt.info(n).kind == "trainable"
-        ),
+        (s.groups for n, s in zckpt.plans.items() if isinstance(s, FlatPlan) and zckpt.info(n).kind == "trainable"),
         None,
     )
     if flat is None:
@@ -202,9 +198,7 @@ def _torch_state_dict(base: Any, path: Path, rank: int, no_state: str) -> tuple[
     return state, pgroups
 
 
-def _flat_group_ids(
-    pgroups: list[Any], groups: tuple[TensorRef, ...], path: Path, rank: int
-) -> list[tuple[Any, int]]:
+def _flat_group_ids(pgroups: list[Any], groups: tuple[TensorRef, ...], path: Path, rank: int) -> list[tuple[Any, int]]:
     """``(state key, param group)`` of each flat group, in order: one base-optimizer parameter per flat group."""
     ids = [(pid, g) for g, group in enumerate(pgroups) for pid in (group.get("params") or [])]
     if len(ids) != len(groups):
@@ -356,4 +350,3 @@ def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict
     for key, value in layout.param_groups[param_group_of(layout, source)].items():
         result.setdefault(key, value)
     return result
-

@@ -28,7 +28,6 @@ _RESERVED_METADATA = frozenset({"format", "total_size"})
 """Metadata keys that are never tie records (safetensors' ``format``, an index's ``total_size``)."""
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Entry:
     """One tensor of a safetensors header."""
@@ -75,7 +74,9 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
                 raise _bad(path, f"it holds {size} bytes, fewer than the 8-byte header length")
             (length,) = struct.unpack("<Q", prefix)
             if length > SAFETENSORS_MAX_HEADER_SIZE:
-                raise _bad(path, f"its header claims {length} bytes, over the format's limit of {SAFETENSORS_MAX_HEADER_SIZE}")
+                raise _bad(
+                    path, f"its header claims {length} bytes, over the format's limit of {SAFETENSORS_MAX_HEADER_SIZE}"
+                )
             if length > size - 8:
                 raise _bad(path, f"its header claims {length} bytes, the file holds {size}")
             raw = fh.read(length)
@@ -150,8 +151,10 @@ def _check_contiguous(path: Path, spans: list[tuple[int, int, str]], data_size: 
     expected = 0
     for begin, end, name in sorted(spans):
         if begin != expected:
-            problem = f"overlaps the tensor before it (which ends at byte {expected})" if begin < expected else (
-                f"leaves bytes [{expected}, {begin}) that no tensor covers"
+            problem = (
+                f"overlaps the tensor before it (which ends at byte {expected})"
+                if begin < expected
+                else (f"leaves bytes [{expected}, {begin}) that no tensor covers")
             )
             raise CheckpointFormatError(
                 f"'{path}' is not a valid safetensors file: tensor '{name}' starts at byte {begin} of the data "
@@ -162,8 +165,11 @@ def _check_contiguous(path: Path, spans: list[tuple[int, int, str]], data_size: 
             )
         expected = end
     if expected != data_size:
-        raise _bad(path, f"its tensors end at byte {expected} of a data section of {data_size} bytes, leaving "
-                   f"{data_size - expected} bytes that no tensor covers")
+        raise _bad(
+            path,
+            f"its tensors end at byte {expected} of a data section of {data_size} bytes, leaving "
+            f"{data_size - expected} bytes that no tensor covers",
+        )
 
 
 def _ties_from(metadata: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, str]:
@@ -203,7 +209,6 @@ class SafetensorsCheckpoint(Checkpoint):
     def _release(self) -> None:
         for file in self._files:
             file.close()
-
 
 
 def open_safetensors(path: Path, index_path: Path | None) -> SafetensorsCheckpoint:
@@ -262,4 +267,3 @@ def open_safetensors(path: Path, index_path: Path | None) -> SafetensorsCheckpoi
     )
     logger.debug("opened %s: safetensors, %d files, %d tensors", where, len(files), len(infos))
     return SafetensorsCheckpoint(metadata, infos, usable, locations, files)
-

@@ -87,12 +87,12 @@ def _fused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path
     used: set[str] = set()
     for g, flat in enumerate(flats):
         candidates = [
-            key for key, rows in tiled.items()
-            if key not in used and sum(r.numel for _, _, r in rows) == flat.numel
+            key for key, rows in tiled.items() if key not in used and sum(r.numel for _, _, r in rows) == flat.numel
         ]
         if len(candidates) > 1:  # equal sizes: keep the storage whose values are this flat rounded
             candidates = [
-                key for key in candidates
+                key
+                for key in candidates
                 if all(
                     casts_to(FlatPlan((Piece(0, g, off, ref.numel, 0),), groups), ref, ref.numel, flat.dtype)
                     for off, _, ref in tiled[key]
@@ -138,9 +138,7 @@ def _unfused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], pa
         if len(tensors) == 1 and len(names) == 1:
             masters[names[0]] = WholePlan(tensors[0])
             continue
-        candidates = [
-            [n for n in names if casts_to(WholePlan(t), params[n], t.numel, t.dtype)] for t in tensors
-        ]
+        candidates = [[n for n in names if casts_to(WholePlan(t), params[n], t.numel, t.dtype)] for t in tensors]
         taken: set[str] = set()
         pending = list(range(len(tensors)))
         progress = True
@@ -221,7 +219,9 @@ def open_stage0(tag_dir: Path, tag_name: str | None, states: ModelStates) -> Zer
     if found.unresolved:
         logger.warning(
             "%s: could not place %s (%s); those parameters are returned in their stored 16-bit dtype",
-            tag_dir, ", ".join(found.unresolved[:5]), found.layout,
+            tag_dir,
+            ", ".join(found.unresolved[:5]),
+            found.layout,
         )
 
     # 3. Parameters: fp32 master where found, else the stored tensor (frozen, fp32 training, or no master).
@@ -262,5 +262,3 @@ def open_stage0(tag_dir: Path, tag_name: str | None, states: ModelStates) -> Zer
     ordered = {str(name): infos[str(name)] for name in module if str(name) in infos}
     logger.debug("opened %s: ZeRO stage 0 (%s), %d tensors", tag_dir, found.layout, len(ordered))
     return ZeroContents(metadata, ordered, tied, sources)
-
-

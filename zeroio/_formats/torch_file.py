@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 _NESTED_STATE_DICT_KEYS = ("state_dict", "model_state_dict", "module", "model")
 
 
-
 class TorchCheckpoint(Checkpoint):
     """A ``torch.save``'d state dict (``.bin``/``.pt``/``.pth``, Lightning ``.ckpt``, or a sharded ``.bin`` folder).
 
@@ -155,4 +154,3 @@ def open_torch(path: Path, index_path: Path | None, trusted: frozenset[str]) -> 
     )
     logger.debug("opened %s: torch, %d files, %d tensors", metadata.path, len(files), len(infos))
     return TorchCheckpoint(metadata, infos, tied, refs, files)
-

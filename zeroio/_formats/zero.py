@@ -193,7 +193,9 @@ def _open_partitioned(
         parse_experts(layout.expert_files, rank_files.parse, states.tree, states.path) if layout.expert_files else None
     )
     if layout.expert_files:
-        check_archive_names([(None, p) for p in layout.expert_files], {p: archive_records(p) for p in layout.expert_files})
+        check_archive_names(
+            [(None, p) for p in layout.expert_files], {p: archive_records(p) for p in layout.expert_files}
+        )
 
     # 5-6. Dispatch to the stage: frozen parameters (training dtype), then trainable ones (fp32 masters).
     if optim.stage == 3:

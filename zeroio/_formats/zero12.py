@@ -21,9 +21,7 @@ __all__ = ["plan_zero12_group", "zero12_frozen", "zero12_trainable"]
 def zero12_frozen(states: ModelStates, shapes: ParamShapes, experts: Experts | None) -> TensorPlans:
     """Frozen parameters, in their training dtype: stored whole in rank 0's model states."""
     model0_path, module = states.path, states.module
-    fragments = require_dict(
-        states.tree.get(C.FROZEN_PARAM_FRAGMENTS) or {}, C.FROZEN_PARAM_FRAGMENTS, model0_path
-    )
+    fragments = require_dict(states.tree.get(C.FROZEN_PARAM_FRAGMENTS) or {}, C.FROZEN_PARAM_FRAGMENTS, model0_path)
     frozen_names = list(shapes.frozen)
     if not frozen_names:
         # Older DeepSpeed (or ZeRO-1) may not record frozen shapes: frozen = module params not optimized.
@@ -113,9 +111,7 @@ def _check_rank_slices(
     names = [name for name, _ in group]
     for rank, mappings in enumerate(optim.slice_mappings):
         if isinstance(mappings, (list, tuple)) and g < len(mappings):
-            check_slice_mappings(
-                optim.files[rank], rank, g, names, offsets, numels, partition_size, mappings[g]
-            )
+            check_slice_mappings(optim.files[rank], rank, g, names, offsets, numels, partition_size, mappings[g])
 
 
 def _place_group(
@@ -184,4 +180,3 @@ def plan_zero12_group(
             ]
             planned.append((name, shape, pieces))
     return planned
-
