@@ -17,13 +17,12 @@ import torch
 
 from .. import _constants as C
 from .._checkpoint import Checkpoint
-from .._integrity import CheckedFile
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._pickles import RankFile, TensorRef, load_pickle, to_plain
-from .._storage import ByteRange
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, TensorNotFoundError
-from .plans import ReadPlan, TensorPlans, WholePlan, buffer_plans, plan_byte_ranges, read_plan_into
+from .planned import PlannedCheckpoint
+from .plans import ReadPlan, TensorPlans, WholePlan, buffer_plans
 from .validate import ModelStates, ParamShapes, config_stage, model_states, numel_of, param_shapes, tensor_ref
 from .zero import open_zero
 from .zero3 import zero3_frozen
@@ -54,7 +53,7 @@ def is_universal(path: Path) -> bool:
     return (path / LATEST_UNIVERSAL).is_file() or is_universal_tag_dir(path)
 
 
-class UniversalCheckpoint(Checkpoint):
+class UniversalCheckpoint(PlannedCheckpoint):
     """A universal checkpoint, read lazily: each tensor is one stored tensor (a :class:`WholePlan`) or fragments."""
 
     def __init__(
@@ -68,25 +67,10 @@ class UniversalCheckpoint(Checkpoint):
         param_group: dict[str, int],
         trusted_globals: frozenset[str],
     ) -> None:
-        super().__init__(metadata, infos, tied)
-        self._sources = sources
-        self._files = files
+        super().__init__(metadata, infos, tied, sources, files)
         self._zero_dir = zero_dir
         self._param_group = param_group
         self._trusted_globals = trusted_globals
-
-    def _release(self) -> None:
-        for file in self._files:
-            file.close()
-
-    def _checked_files(self) -> list[CheckedFile]:
-        return [file.source for file in self._files]
-
-    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
-        read_plan_into(self._sources[name], start, out)
-
-    def byte_ranges(self, name: str) -> list[ByteRange] | None:
-        return plan_byte_ranges(self._sources[name])
 
     def optimizer_state(self, name: str) -> dict[str, Any]:
         """A trainable parameter's optimizer state from its ``zero/<name>/`` folder, shaped like the parameter.

@@ -10,22 +10,18 @@ from typing import Any
 import torch
 
 from .. import _constants as C
-from .._checkpoint import Checkpoint
-from .._integrity import CheckedFile
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
-from .._storage import ByteRange
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .moe import Experts, insert_experts, parse_experts
 from .optimizer import optimizer_state
+from .planned import PlannedCheckpoint
 from .plans import (
     ReadPlan,
     WholePlan,
     ZeroContents,
     buffer_plans,
-    plan_byte_ranges,
-    read_plan_into,
 )
 from .provenance import (
     archive_records,
@@ -52,7 +48,7 @@ __all__ = ["ZeroCheckpoint", "open_zero"]
 logger = logging.getLogger(__name__)
 
 
-class ZeroCheckpoint(Checkpoint):
+class ZeroCheckpoint(PlannedCheckpoint):
     """A DeepSpeed ZeRO-0/1/2/3 checkpoint, consolidated lazily; build it with :func:`zeroio.open`."""
 
     def __init__(
@@ -65,9 +61,7 @@ class ZeroCheckpoint(Checkpoint):
         optimizer_states: Sequence[Any] = (),
         trees: dict[Path, Any] | None = None,
     ) -> None:
-        super().__init__(metadata, infos, tied)
-        self._sources = sources
-        self._files = files
+        super().__init__(metadata, infos, tied, sources, files)
         # Each rank's base optimizer state (Adam moments as TensorRefs), partitioned like the fp32 flat groups.
         self._optimizer_states = tuple(optimizer_states)
         self._trees: dict[Path, Any] = {} if trees is None else trees
@@ -98,19 +92,6 @@ class ZeroCheckpoint(Checkpoint):
     def optimizer_states(self) -> tuple[Any, ...]:
         """Each rank's base optimizer state (moments as TensorRefs), partitioned like the fp32 flat groups."""
         return self._optimizer_states
-
-    def _release(self) -> None:
-        for file in self._files:
-            file.close()
-
-    def _checked_files(self) -> list[CheckedFile]:
-        return [file.source for file in self._files]
-
-    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
-        read_plan_into(self._sources[name], start, out)
-
-    def byte_ranges(self, name: str) -> list[ByteRange] | None:
-        return plan_byte_ranges(self._sources[name])
 
     def pieces(self, name: str) -> list[tuple[Path, int, int, int]]:
         """Where a tensor's elements live: ``(file, element offset in that file's tensor, length, dest)`` rows."""
