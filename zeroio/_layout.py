@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from . import _constants as C
+from ._pickles import require_regular_file
 from ._text import listing
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
@@ -175,7 +176,9 @@ def _check_one_prefix(optim: dict[int, Path], prefixes: dict[int, str]) -> None:
 
 def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
     """Classify the files of ``tag_dir``; refuse layouts zeroio does not read (yet)."""
-    names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
+    # Every entry but folders (and dangling links): a FIFO or device named like a rank file is refused by name
+    # below, not silently skipped into a misleading world-size mismatch.
+    names = sorted(p.name for p in tag_dir.iterdir() if p.exists() and not p.is_dir())
     # MoE without ZeRO writes per-expert-parallel-rank optimizer files (DeepSpeed 0.19.8 _save_moe_checkpoint).
     moe_optim = [n for n in names if C.MOE_OPTIM_FILE.match(n)]
     if moe_optim:
@@ -203,6 +206,8 @@ def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
     plain_model: list[str] = []
     mp_ranks: set[int] = set()
     for name in names:
+        if C.ZERO_OPTIM_FILE.match(name) or C.ZERO3_MODEL_FILE.match(name) or C.MODEL_FILE.match(name):
+            require_regular_file(tag_dir / name)
         if m := C.ZERO_OPTIM_FILE.match(name):
             optim[int(m["rank"])] = tag_dir / name
             prefixes[int(m["rank"])] = m["prefix"] or ""
