@@ -17,19 +17,12 @@ from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
 from ._storage import ByteRange
 from .errors import CheckpointClosedError, TensorNotFoundError
 
-__all__ = ["CRC_READ_AHEAD", "DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest single read when streaming a tensor: memory stays bounded by this, not by tensor size."""
-
-CRC_READ_AHEAD = 0
-"""After ``get_tensor``, a record read in part is read to its end (to check its CRC) if at most this much is left.
-
-Zero: a tensor read reads only its own bytes (the laziness ``zeroio.open`` promises); a record it covers whole is
-checked at once, one it covers in part when :meth:`Checkpoint.finish_crc_checks` runs (convert, load, verify and
-reshard call it)."""
 
 
 class TensorReader(Protocol):
@@ -295,9 +288,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         stored = self.stored_dtype(name)
         out = torch.empty(info.numel, dtype=stored)
         if info.numel:
-            self.read_into(source, 0, out)
-            for file in self._checked_files():  # check the records it came from, unless that reads too much
-                file.finish(max_read=CRC_READ_AHEAD)
+            self.read_into(source, 0, out)  # a record this read completes is checked as its last bytes pass
         tensor = out.view(info.shape)
         wanted = output_dtype(info, target)
         return tensor if tensor.dtype == wanted else tensor.to(wanted)

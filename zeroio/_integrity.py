@@ -129,11 +129,8 @@ class CheckedFile(LocalFile):
             self._read_and_check(offset, offset + nbytes)  # the copy below then reads from the page cache
         return super().copy_to(fd, offset, nbytes, dst_offset)
 
-    def finish(self, max_read: int | None = None) -> None:
-        """Read what reads left out of each record read in part and check it; raise on the first mismatch.
-
-        With ``max_read``, only records whose unread bytes are at most that many.
-        """
+    def finish(self) -> None:
+        """Read what reads left out of each record read in part and check it; raise on the first mismatch."""
         if not self.verify:
             return
         with self._crc_lock:
@@ -142,8 +139,6 @@ class CheckedFile(LocalFile):
             self._raise_if_bad(record)
             with self._crc_lock:
                 gaps = record.gaps(0, record.size) if not record.verified else []
-            if max_read is not None and sum(hi - lo for lo, hi in gaps) > max_read:
-                continue
             for lo, hi in gaps:
                 self._read_and_check(record.start + lo, record.start + hi)
             self._raise_if_bad(record)
