@@ -35,7 +35,23 @@ def short_repr(value: Any) -> str:
     return reprlib.repr(value)
 
 
-class Sealed:
+class _Frozen:
+    """A shared allowlisted object that no pickle can change: BUILD, setattr and delattr raise, naming it."""
+
+    __slots__ = ()
+    name: str
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise refuse_build(self.name)
+
+    def __delattr__(self, key: str) -> None:
+        raise refuse_build(self.name)
+
+    def __setstate__(self, state: Any) -> None:
+        raise refuse_build(self.name)
+
+
+class Sealed(_Frozen):
     """An allowlisted callable as a pickle sees it: calling works, changing it (BUILD, setattr) raises."""
 
     __slots__ = ("_call", "name")
@@ -49,20 +65,11 @@ class Sealed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
 
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise refuse_build(self.name)
-
-    def __delattr__(self, key: str) -> None:
-        raise refuse_build(self.name)
-
-    def __setstate__(self, state: Any) -> None:
-        raise refuse_build(self.name)
-
     def __repr__(self) -> str:
         return f"<allowlisted {self.name}>"
 
 
-class StorageType:
+class StorageType(_Frozen):
     """What ``torch.FloatStorage`` & co. resolve to: only its dtype matters, and no pickle can change it."""
 
     __slots__ = ("dtype", "name")
@@ -72,15 +79,6 @@ class StorageType:
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "dtype", dtype)
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise refuse_build(self.name)
-
-    def __delattr__(self, key: str) -> None:
-        raise refuse_build(self.name)
-
-    def __setstate__(self, state: Any) -> None:
-        raise refuse_build(self.name)
 
     def __repr__(self) -> str:
         return f"<{self.name}>"
