@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,19 +81,13 @@ class WritePlan:
             weight_map={name: filename for filename, names in shards for name in names},
             total_size=sum(self.data_bytes[i] for i in shard_indices),
         )
-        return WritePlan(
-            fmt=self.fmt,
-            target=self.target,
-            names=self.names,
-            excluded=self.excluded,
-            ties=self.ties,
-            dtypes=self.dtypes,
+        return replace(
+            self,
             shards=sub,
             index=None,
             layouts=tuple(self.layouts[i] for i in shard_indices) if self.layouts else (),
             file_bytes=tuple(self.file_bytes[i] for i in shard_indices),
             data_bytes=tuple(self.data_bytes[i] for i in shard_indices),
-            num_params=self.num_params,
         )
 
 
