@@ -143,6 +143,17 @@ class CheckpointMetadata:
     """Optimizer steps taken when the checkpoint was saved."""
     has_fp32_master: bool = True
     """False when only 16-bit weights were found (no fp32 master copy)."""
+    layout: str | None = None
+    """How training split the model, when it is more than data parallel: ``pipeline``, ``tensor-parallel``,
+    ``moe``, ``autoep``, ``universal``, ... (None for plain ZeRO data parallelism and consolidated files)."""
+    parallel: Mapping[str, int] = field(default_factory=dict)
+    """Sizes of the parallel dimensions the files record, e.g. ``{"dp": 2, "pp": 2, "tp": 1, "ep": 1}``."""
+    offload: str | None = None
+    """Where training kept optimizer state or parameters off the accelerator (``cpu``, ``nvme``), if known."""
+    serialization: str | None = None
+    """How the rank files are pickled: ``zip`` (torch's default) or ``legacy`` (the pre-1.6 stream)."""
+    optimizer: str | None = None
+    """Optimizer whose state the files hold (e.g. ``Adam``, ``Muon``, ``SGD``), when it can be told."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Other facts a backend records (e.g. the DeepSpeed config)."""
 
@@ -158,6 +169,11 @@ class CheckpointMetadata:
             "ds_version": self.ds_version,
             "global_step": self.global_step,
             "has_fp32_master": self.has_fp32_master,
+            "layout": self.layout,
+            "parallel": dict(self.parallel),
+            "offload": self.offload,
+            "serialization": self.serialization,
+            "optimizer": self.optimizer,
         }
 
 

@@ -273,6 +273,7 @@ def _metadata(
         ds_version=str(tree[C.DS_VERSION]) if tree.get(C.DS_VERSION) is not None else None,
         global_step=int(tree[C.GLOBAL_STEPS]) if isinstance(tree.get(C.GLOBAL_STEPS), int) else None,
         has_fp32_master=True,
+        layout="universal",
         extra={
             "ds_config": ds_config,
             "model_files": [p.name for p in layout.model_files],

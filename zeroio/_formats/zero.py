@@ -261,6 +261,8 @@ def _metadata(
         ds_version=str(model0.get(C.DS_VERSION)) if model0.get(C.DS_VERSION) is not None else None,
         global_step=int(model0[C.GLOBAL_STEPS]) if isinstance(model0.get(C.GLOBAL_STEPS), int) else None,
         has_fp32_master=True,
+        layout="moe" if layout.expert_files else None,
+        parallel={"dp": optim.world_size},
         extra={
             "ds_config": model0.get(C.DS_CONFIG),
             "optim_files": [p.name for p in layout.optim_files],

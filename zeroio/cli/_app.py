@@ -48,6 +48,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     if meta["format"] == "zero":
         facts.append(("fp32 master", "yes" if meta["has_fp32_master"] else "no (16-bit weights only)"))
+    facts += [
+        ("layout", meta.get("layout")),
+        ("parallel", " ".join(f"{k}={v}" for k, v in meta.get("parallel", {}).items()) or None),
+        ("offload", meta.get("offload")),
+        ("serialized", meta.get("serialization")),
+        ("optimizer", meta.get("optimizer")),
+    ]
     for label, value in facts:
         if value is not None:
             out.write(f"{label:<11} {value}\n")
