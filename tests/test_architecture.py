@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
         "_write_files",
         "_comm",
         "_engine",
+        "_device_copy",
     ),
     # 5. the verbs and what only they use
     (

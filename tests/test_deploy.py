@@ -816,6 +816,37 @@ def test_load_to_cuda(mode):
     assert model(ids).shape == (3, 6, 13)
 
 
+def _plain_module(state: dict[str, torch.Tensor]) -> nn.Module:
+    """A module holding a zero tensor (as a buffer) at every name of ``state``: a target for any checkpoint."""
+    root = nn.Module()
+    for key, value in state.items():
+        *path, leaf = key.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_buffer(leaf, torch.zeros_like(value))
+    return root
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [None, "bf16", "fp16"])
+@pytest.mark.parametrize("name", fixture_names())
+def test_load_to_cuda_through_pinned_chunks_equals_cpu(name, dtype, monkeypatch):
+    """Pinned staging with tiny chunks (many per tensor, casts on the GPU) gives exactly what a CPU load gives."""
+    expected = reference(name, "engine")
+    torch_dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    cpu = {k: (v.to(torch_dtype) if torch_dtype and v.is_floating_point() else v) for k, v in expected.items()}
+    model = _plain_module(expected)
+    monkeypatch.setenv("ZEROIO_STAGING_BYTES", "24")  # 24 bytes: 3-12 elements a chunk, odd offsets
+    report = load(FIXTURES / name, model, device="cuda", dtype=dtype, strict=False)
+    assert report.missing_keys == () and report.unexpected_keys == ()
+    for key, value in model.state_dict().items():
+        assert value.device.type == "cuda", key
+        assert value.dtype == cpu[key].dtype and torch.equal(value.cpu(), cpu[key]), key
+
+
 def test_load_report_is_frozen():
     """LoadReport is an immutable value object."""
     report = load(FIXTURES / "z3_ws2_fp32", build())

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ._checkpoint import Checkpoint
+from ._device_copy import DeviceFiller
 from ._metadata import CheckpointMetadata, parse_dtype
 from ._progress import ByteProgress, Progress, check_progress
 from ._text import SHOWN, listing
@@ -436,18 +437,25 @@ def _load(
     total = sum(infos[key].nbytes for _, key in plan.values())
     meter = ByteProgress(progress, total, "Loading")
     # A caller's default-device context must not redirect our reads.
+    fillers: dict[torch.device, DeviceFiller] = {}  # pinned staging per accelerator, made on first use
     with closing(meter), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
             want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
             want_device = target_device or (torch.device("cpu") if old.is_meta else old.device)
             if not old.is_meta and old.dtype == want_dtype and old.device == want_device:
-                _fill(ckpt, key, old)
+                dest = old
             else:
-                fresh = torch.empty(old.shape, dtype=want_dtype, device=want_device)
-                _fill(ckpt, key, fresh)
-                _install(slot, fresh)
+                dest = torch.empty(old.shape, dtype=want_dtype, device=want_device)
+            if DeviceFiller.handles(dest):
+                fillers.setdefault(dest.device, DeviceFiller(dest.device)).fill(ckpt, key, dest)
+            else:
+                _fill(ckpt, key, dest)
+            if dest is not old:
+                _install(slot, dest)
             meter.update(infos[key].nbytes)
+        for filler in fillers.values():
+            filler.synchronize()
 
     # 5. Report.
     loaded_keys = [k for k, slot in by_key.items() if id(slot) in plan]
