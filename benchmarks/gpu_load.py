@@ -6,6 +6,7 @@ Each measurement runs in a fresh process (cold runs after dropping the page cach
   thread: the bytes-read bound a loader cannot beat.
 - ``zeroio``: a meta-device model built from the checkpoint's config, ``zeroio.load(..., device="cuda",
   dtype="bf16")`` until ``torch.cuda.synchronize()``.
+- ``zeroio-nocrc``: the same with ``verify_crc=False`` (what the CRC-32 checks cost).
 - ``deepspeed``: ``get_fp32_state_dict_from_zero_checkpoint`` + ``load_state_dict`` + ``.to("cuda", bf16)``.
 
 Reports seconds (the load call alone and the whole process), host peak RSS and GPU peak allocated memory, and the
@@ -81,10 +82,11 @@ def child(method: str, checkpoint: Path) -> dict[str, float]:
     torch.cuda.init()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    if method == "zeroio":
+    if method.startswith("zeroio"):
         import zeroio
 
-        zeroio.load(checkpoint, model, device="cuda", dtype="bf16", progress=False)
+        crc = method != "zeroio-nocrc"
+        zeroio.load(checkpoint, model, device="cuda", dtype="bf16", progress=False, verify_crc=crc)
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

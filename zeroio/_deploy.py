@@ -437,7 +437,7 @@ def _load(
     total = sum(infos[key].nbytes for _, key in plan.values())
     meter = ByteProgress(progress, total, "Loading")
     # A caller's default-device context must not redirect our reads.
-    fillers: dict[torch.device, DeviceFiller] = {}  # pinned staging per accelerator, made on first use
+    on_device: dict[torch.device, list[tuple[_Slot, str, torch.Tensor]]] = {}  # filled through pinned staging
     with closing(meter), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
@@ -448,14 +448,19 @@ def _load(
             else:
                 dest = torch.empty(old.shape, dtype=want_dtype, device=want_device)
             if DeviceFiller.handles(dest):
-                fillers.setdefault(dest.device, DeviceFiller(dest.device)).fill(ckpt, key, dest)
-            else:
-                _fill(ckpt, key, dest)
+                on_device.setdefault(dest.device, []).append((slot, key, dest))
+                continue
+            _fill(ckpt, key, dest)
             if dest is not old:
                 _install(slot, dest)
             meter.update(infos[key].nbytes)
-        for filler in fillers.values():
-            filler.synchronize()
+        for device, jobs in on_device.items():
+            DeviceFiller(device).fill(
+                ckpt, [(key, dest) for _, key, dest in jobs], lambda k: meter.update(infos[k].nbytes)
+            )
+            for slot, _, dest in jobs:
+                if dest is not slot.tensor:
+                    _install(slot, dest)
 
     # 5. Report.
     loaded_keys = [k for k, slot in by_key.items() if id(slot) in plan]

@@ -1,83 +1,137 @@
-"""Filling tensors on an accelerator from a checkpoint: pinned staging, copies overlapped with the next read.
+"""Filling tensors on an accelerator from a checkpoint: pinned staging, reads overlapped with device copies.
 
 A plain ``cuda_tensor.copy_(cpu_chunk)`` from pageable memory is synchronous: the disk waits while the bus copies
-and the bus waits while the disk reads. Here each chunk is read straight into one of two page-locked (pinned)
-host buffers, copied to the device with ``non_blocking=True`` and cast there, so the read of chunk ``i + 1``
-overlaps the transfer of chunk ``i``. Host memory stays two chunks; device memory gains two staging chunks.
+and the bus waits while the disk reads. Here a ring of page-locked (pinned) host buffers is filled by reader
+threads (several reads in flight, the CRC of each folded in by the reading thread), each full buffer is copied to
+the device with ``non_blocking=True`` and cast there, and a buffer is refilled once the event recorded after its
+copy has passed. Host memory stays ``RING x chunk``; device memory gains the same for staging casts.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from ._checkpoint import Checkpoint
 
-__all__ = ["STAGING_CHUNK_BYTES", "DeviceFiller"]
+__all__ = ["RING", "STAGING_CHUNK_BYTES", "DeviceFiller"]
 
-STAGING_CHUNK_BYTES = 64 * 1024 * 1024
+STAGING_CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes per pinned buffer: large enough that one read and one transfer each run near full speed.
 ``ZEROIO_STAGING_BYTES`` overrides it (tests use tiny chunks to cross chunk boundaries on small fixtures)."""
 
+RING = 6
+"""Pinned buffers: one being copied to the device while the others are read into (``RING - 1`` reader threads)."""
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One chunk of one tensor: elements ``[start, start + numel)`` of ``name`` into ``dest``'s flat view."""
+
+    name: str
+    dest: torch.Tensor
+    start: int
+    numel: int
+    last: bool
+
+
+@dataclass(slots=True)
+class _InFlight:
+    piece: _Piece
+    slot: int
+    host: torch.Tensor
+    read: Future[None]
+
 
 class DeviceFiller:
-    """Fills contiguous device tensors chunk by chunk through two pinned host buffers (one per chunk in flight).
+    """Fills contiguous CUDA tensors from a checkpoint through a ring of pinned host buffers."""
 
-    Reuse one filler for a whole load: buffers are allocated once, lazily, at the first fill.
-    """
-
-    def __init__(self, device: torch.device, chunk_bytes: int | None = None) -> None:
+    def __init__(self, device: torch.device, chunk_bytes: int | None = None, ring: int = RING) -> None:
         self.device = device
         override = os.environ.get("ZEROIO_STAGING_BYTES")
-        self.chunk_bytes = chunk_bytes or (int(override) if override else STAGING_CHUNK_BYTES)
-        self._host: list[torch.Tensor] = []
-        self._staging: list[torch.Tensor] = []
-        self._freed: list[torch.cuda.Event | None] = [None, None]
-        self._next = 0
+        wanted = chunk_bytes or (int(override) if override else STAGING_CHUNK_BYTES)
+        self.chunk_bytes = max(8, wanted - wanted % 8)  # whole elements of every dtype
+        self.ring = ring
 
     @staticmethod
     def handles(dest: torch.Tensor) -> bool:
         """Whether ``dest`` is a tensor this filler can fill (contiguous, on a CUDA device)."""
         return dest.is_cuda and dest.is_contiguous() and torch.cuda.is_available()
 
-    def _buffers(self) -> None:
-        if not self._host:
-            self._host = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            self._staging = [torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+    def _pieces(self, ckpt: Checkpoint, jobs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[_Piece]:
+        for name, dest in jobs:
+            stored = ckpt.stored_dtype(name)
+            step = max(1, self.chunk_bytes // stored.itemsize)
+            total = dest.numel()
+            if total == 0:
+                yield _Piece(name, dest, 0, 0, True)
+            for start in range(0, total, step):
+                n = min(step, total - start)
+                yield _Piece(name, dest, start, n, start + n == total)
 
-    def _scratch(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The next free pinned buffer as ``numel`` elements of ``dtype`` (waits until its last copy is done)."""
-        slot = self._next
-        event = self._freed[slot]
-        if event is not None:
-            event.synchronize()
-        return self._host[slot].view(dtype)[:numel]
+    def fill(
+        self,
+        ckpt: Checkpoint,
+        jobs: Iterable[tuple[str, torch.Tensor]],
+        done: Callable[[str], None] = lambda name: None,
+    ) -> None:
+        """Copy each checkpoint tensor ``name`` into its device tensor ``dest`` (casting as ``copy_`` rounds).
 
-    def fill(self, ckpt: Checkpoint, name: str, dest: torch.Tensor) -> None:
-        """Copy checkpoint tensor ``name`` into ``dest``, casting on the device (as ``copy_`` rounds)."""
-        self._buffers()
-        stored = ckpt.stored_dtype(name)
-        flat = dest.view(-1)
-        offset = 0
+        ``done(name)`` is called once a tensor's last chunk is queued on the device. Returns when every copy
+        has completed. Chunks are read in the stored dtype and cast on the device: widening to the checkpoint's
+        logical dtype first, as the CPU path does, would change no value (stored dtypes are never wider).
+        """
+        host = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.ring)]
+        staging = [torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.ring)]
+        copied: list[torch.cuda.Event | None] = [None] * self.ring
         stream = torch.cuda.current_stream(self.device)
-        # Chunks come in the stored dtype (no host-side cast); widening to the checkpoint's logical dtype first,
-        # as the pageable path does, changes no value: stored dtypes are never wider than logical ones.
-        for chunk in ckpt.chunks(name, stored, self.chunk_bytes, self._scratch):
-            slot = self._next
-            n = chunk.numel()
-            if dest.dtype == stored:
-                flat[offset : offset + n].copy_(chunk, non_blocking=True)
-            else:
-                staged = self._staging[slot].view(stored)[:n]
-                staged.copy_(chunk, non_blocking=True)
-                flat[offset : offset + n].copy_(staged)
-            self._freed[slot] = stream.record_event()
-            self._next = 1 - slot
-            offset += n
+        pending: deque[_InFlight] = deque()
 
-    def synchronize(self) -> None:
-        """Wait for every copy in flight: the host buffers and ``dest`` tensors are settled after this."""
-        for event in self._freed:
-            if event is not None:
-                event.synchronize()
+        def to_device(entry: _InFlight) -> None:
+            entry.read.result()  # re-raises a read's error
+            piece = entry.piece
+            if piece.numel:
+                stored = entry.host.dtype
+                target = piece.dest.view(-1)[piece.start : piece.start + piece.numel]
+                if piece.dest.dtype == stored:
+                    target.copy_(entry.host, non_blocking=True)
+                else:
+                    staged = staging[entry.slot].view(stored)[: piece.numel]
+                    staged.copy_(entry.host, non_blocking=True)
+                    target.copy_(staged)
+                copied[entry.slot] = stream.record_event()
+            if piece.last:
+                done(piece.name)
+
+        with ThreadPoolExecutor(max(1, self.ring - 1), thread_name_prefix="zeroio-read") as readers:
+            try:
+                for i, piece in enumerate(self._pieces(ckpt, jobs)):
+                    slot = i % self.ring
+                    if len(pending) == self.ring:  # the oldest entry holds this slot: ship it, wait its copy
+                        to_device(pending.popleft())
+                    event = copied[slot]
+                    if event is not None:
+                        event.synchronize()
+                    stored = ckpt.stored_dtype(piece.name)
+                    buffer = host[slot].view(stored)[: piece.numel]
+                    ckpt.ensure_open(piece.name)
+                    source = ckpt.source_name(piece.name)
+                    read: Future[None] = Future()
+                    if piece.numel:
+                        read = readers.submit(ckpt.read_into, source, piece.start, buffer)
+                    else:
+                        read.set_result(None)
+                    pending.append(_InFlight(piece, slot, buffer, read))
+                while pending:
+                    to_device(pending.popleft())
+            finally:
+                for entry in pending:  # an error: let reads in flight land before their buffers go
+                    entry.read.cancel()
+                    if not entry.read.cancelled():
+                        entry.read.exception()
+                stream.synchronize()
