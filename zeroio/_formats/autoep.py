@@ -175,7 +175,9 @@ def _fragments(
     return found, counts
 
 
-def _local_pieces(name: str, parts: dict[int, _Fragment], count: int, tag_dir: Path) -> tuple[tuple[int, ...], list[Piece]]:
+def _local_pieces(
+    name: str, parts: dict[int, _Fragment], count: int, tag_dir: Path
+) -> tuple[tuple[int, ...], list[Piece]]:
     """One copy's pieces in its local flat order, checking every partition rank is there with one shape."""
     shapes = {f.shape for f in parts.values()}
     if sorted(parts) != list(range(count)) or len(shapes) != 1:

@@ -51,7 +51,7 @@ class AutoEPLayer:
         An expert held by several EP ranks is taken from the first (lowest) of them, so runs of all ranks cover
         the logical tensor exactly once.
         """
-        first_holder = {}
+        first_holder: dict[int, int] = {}
         for e, experts in enumerate(self.placement):
             for expert in experts:
                 first_holder.setdefault(expert, e)
@@ -60,8 +60,10 @@ class AutoEPLayer:
             if first_holder[expert] != ep_rank or expert_numel == 0:
                 continue
             last = runs[-1] if runs else None
-            if last is not None and last.local + last.length == i * expert_numel and (
-                last.logical + last.length == expert * expert_numel
+            if (
+                last is not None
+                and last.local + last.length == i * expert_numel
+                and (last.logical + last.length == expert * expert_numel)
             ):
                 runs[-1] = Run(last.local, last.logical, last.length + expert_numel)
             else:
