@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
+from .autoep import AutoEP, autoep_trainable, is_autoep
 from .moe import Experts, insert_experts, parse_experts
 from .optimizer import optimizer_state
 from .planned import PlannedCheckpoint
@@ -164,7 +166,7 @@ def _open_partitioned(
 
     # 4. Buffers (whole tensors in rank 0's module) and MoE expert files.
     found = buffer_plans(states.module, states.buffer_names, states.path)
-    if states.tree.get("ds_autoep_layers"):
+    if is_autoep(states.tree) and optim.stage != 3:
         raise UnsupportedCheckpointError(
             f"'{states.path}' records AutoEP MoE layers ('ds_autoep_layers'); zeroio reads deepspeed.moe.layer.MoE "
             "checkpoints only. Use DeepSpeed's ds_to_universal.py for this one.",
@@ -178,10 +180,16 @@ def _open_partitioned(
             [(None, p) for p in layout.expert_files], {p: archive_records(p) for p in layout.expert_files}
         )
 
+    autoep: AutoEP | None = None
     # 5-6. Dispatch to the stage: frozen parameters (training dtype), then trainable ones (fp32 masters).
     if optim.stage == 3:
         frozen = zero3_frozen(shapes.frozen, optim.world_size, layout.model_files, model_trees)
-        trainable = zero3_trainable(shapes.groups, optim, states.path)
+        if is_autoep(states.tree):  # AutoEP: sub-groups partitioned over their own ranks, experts per EP rank
+            trainable, autoep = autoep_trainable(
+                layout.model_files, model_trees, optim, optim_trees, shapes.frozen, tag_dir
+            )
+        else:
+            trainable = zero3_trainable(shapes.groups, optim, states.path)
     else:
         frozen = zero12_frozen(states, shapes, experts)
         trainable = zero12_trainable(shapes.groups, optim, experts, states.path, tag_dir)
@@ -197,6 +205,11 @@ def _open_partitioned(
     # 7-8. Ties and key order, then the checkpoint-level facts.
     infos, tied = _tie_and_order(found.infos, shapes.shared, states.module, experts)
     metadata = _metadata(tag_dir, tag_name, layout, states, shapes, optim, list(frozen.infos))
+    if autoep is not None:
+        infos = {name: infos[name] for name in autoep.order(list(infos))}
+        parallel = {"dp": optim.world_size, "ep": autoep.ep_size, "edp": autoep.edp_size}
+        extra = {**metadata.extra, "autoep_layers": autoep.describe()}
+        metadata = dataclasses.replace(metadata, layout="autoep", parallel=parallel, extra=extra)
     logger.debug("opened %s: ZeRO-%d, world size %d, %d tensors", tag_dir, optim.stage, optim.world_size, len(infos))
     return ZeroContents(metadata, infos, tied, found.plans, tuple(optim.base_states))
 
