@@ -196,7 +196,9 @@ class _Planner:
         self.files: list[_File] = []
         self.trainable: list[str] = []
 
-    def _tensor_file(self, relpath: str, shape: tuple[int, ...], dtype: torch.dtype, chunks: Chunks, extra: bool) -> None:
+    def _tensor_file(
+        self, relpath: str, shape: tuple[int, ...], dtype: torch.dtype, chunks: Chunks, extra: bool
+    ) -> None:
         """ZeRO-3 sources: the flat 1-D tensor itself; ZeRO-1/2: ``{"cat_dim": 0, "param": shaped}`` (or
         ``{"param": ...}`` for a module value, ``extra=False``), as ``ds_to_universal`` writes them."""
         numel = 1

@@ -135,7 +135,9 @@ def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if problem is not None:
         parser.error(problem)
     if args.format == "universal" and (args.distributed or getattr(args, "push_to_hub", None)):
-        parser.error("--format universal writes a DeepSpeed checkpoint to resume from: drop --distributed/--push-to-hub")
+        parser.error(
+            "--format universal writes a DeepSpeed checkpoint to resume from: drop --distributed/--push-to-hub"
+        )
     if not args.distributed:
         return
     if args.format == "lightning":
