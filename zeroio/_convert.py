@@ -197,6 +197,12 @@ def convert(
     It holds the whole state dict in memory (a torch pickle); ``max_shard_size``, ``workers``, ``chunk_bytes``
     and ``progress`` do not apply.
 
+    ``fmt="universal"`` writes a DeepSpeed universal checkpoint (``dst/latest_universal`` and
+    ``dst/<tag>_universal/``: the files ``ds_to_universal`` writes) from a ZeRO-1/2/3 checkpoint, which DeepSpeed
+    resumes at another world size with ``"checkpoint": {"load_universal": true}``; tensors are streamed parameter
+    by parameter in chunks of ``chunk_bytes`` (``docs/format.md``, "Writing universal checkpoints"). ``dtype``,
+    ``exclude_frozen``, ``distributed``, ``include_optimizer``, ``max_shard_size`` and ``workers`` do not apply.
+
     ``config.json``, ``generation_config.json`` and tokenizer files found beside the source (the HF Trainer's
     ``checkpoint-N/``, or the parent of a tag folder or file) are copied into a ``safetensors``/``torch``
     output folder, so ``transformers`` loads it as it is; a plain DeepSpeed checkpoint has none.
@@ -207,7 +213,7 @@ def convert(
         src: anything :func:`zeroio.open` reads: a DeepSpeed checkpoint (root or tag folder) or a consolidated
             safetensors/torch checkpoint (to re-shard or cast).
         dst: the output folder to create (the ``.ckpt`` file for ``fmt="lightning"``).
-        fmt: ``"safetensors"`` (default), ``"torch"`` or ``"lightning"``.
+        fmt: ``"safetensors"`` (default), ``"torch"``, ``"lightning"`` or ``"universal"``.
         dtype: cast floating tensors (``"fp32"``, ``"fp16"``, ``"bf16"`` or a torch dtype), with torch's own
             rounding (``tensor.to(dtype)``); integer buffers keep their dtype. Default: as stored (fp32 master
             weights, frozen parameters in their training dtype).
