@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
         "_reshard",
         "_reshard_plan",
         "_reshard_trees",
+        "_universal_write",
         "_hub",
         "_model_card",
     ),

@@ -33,7 +33,7 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 """IO threads: reads of one tensor overlap writes of another (reads and writes release the GIL)."""
 
-Format = Literal["safetensors", "torch", "lightning"]
+Format = Literal["safetensors", "torch", "lightning", "universal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +122,37 @@ def _convert_lightning(
     )
 
 
+def _convert_universal(
+    src: StrPath,
+    dst: Path,
+    *,
+    tag: str | None,
+    target: torch.dtype | None,
+    exclude_frozen: bool,
+    overwrite: bool,
+    chunk_bytes: int,
+    progress: Progress,
+    distributed: bool,
+    verify_crc: bool,
+    trusted_globals: frozenset[str],
+) -> ConvertResult:
+    """``fmt="universal"``: a DeepSpeed universal checkpoint (``zeroio/_universal_write.py``)."""
+    from ._universal_write import write_universal
+
+    if target is not None or exclude_frozen or distributed:
+        raise ValueError(
+            "fmt='universal' writes the fp32 masters and optimizer state DeepSpeed resumes from, as stored: "
+            "dtype, exclude_frozen and distributed do not apply."
+        )
+    out = write_universal(
+        src, dst, tag=tag, overwrite=overwrite, chunk_bytes=chunk_bytes, progress=progress, verify_crc=verify_crc,
+        trusted_globals=trusted_globals,
+    )  # fmt: skip
+    return ConvertResult(
+        files=out.files, index_path=None, total_size=out.total_size, num_tensors=out.num_tensors, tied=out.tied
+    )
+
+
 # --------------------------------------------------------------------------- the public verb
 
 
@@ -166,6 +197,12 @@ def convert(
     It holds the whole state dict in memory (a torch pickle); ``max_shard_size``, ``workers``, ``chunk_bytes``
     and ``progress`` do not apply.
 
+    ``fmt="universal"`` writes a DeepSpeed universal checkpoint (``dst/latest_universal`` and
+    ``dst/<tag>_universal/``: the files ``ds_to_universal`` writes) from a ZeRO-1/2/3 checkpoint, which DeepSpeed
+    resumes at another world size with ``"checkpoint": {"load_universal": true}``; tensors are streamed parameter
+    by parameter in chunks of ``chunk_bytes`` (``docs/format.md``, "Writing universal checkpoints"). ``dtype``,
+    ``exclude_frozen``, ``distributed``, ``include_optimizer``, ``max_shard_size`` and ``workers`` do not apply.
+
     ``config.json``, ``generation_config.json`` and tokenizer files found beside the source (the HF Trainer's
     ``checkpoint-N/``, or the parent of a tag folder or file) are copied into a ``safetensors``/``torch``
     output folder, so ``transformers`` loads it as it is; a plain DeepSpeed checkpoint has none.
@@ -176,7 +213,7 @@ def convert(
         src: anything :func:`zeroio.open` reads: a DeepSpeed checkpoint (root or tag folder) or a consolidated
             safetensors/torch checkpoint (to re-shard or cast).
         dst: the output folder to create (the ``.ckpt`` file for ``fmt="lightning"``).
-        fmt: ``"safetensors"`` (default), ``"torch"`` or ``"lightning"``.
+        fmt: ``"safetensors"`` (default), ``"torch"``, ``"lightning"`` or ``"universal"``.
         dtype: cast floating tensors (``"fp32"``, ``"fp16"``, ``"bf16"`` or a torch dtype), with torch's own
             rounding (``tensor.to(dtype)``); integer buffers keep their dtype. Default: as stored (fp32 master
             weights, frozen parameters in their training dtype).
@@ -228,8 +265,8 @@ def convert(
         ['model.safetensors']
     """
     # 1. Arguments, without IO.
-    if fmt not in ("safetensors", "torch", "lightning"):
-        raise ValueError(f"fmt must be 'safetensors', 'torch' or 'lightning', got {fmt!r}.")
+    if fmt not in ("safetensors", "torch", "lightning", "universal"):
+        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning' or 'universal', got {fmt!r}.")
     target = parse_dtype(dtype)
     if isinstance(trusted_globals, str):
         raise TypeError(f"trusted_globals must be an iterable of names, not a string: [{trusted_globals!r}].")
@@ -247,6 +284,12 @@ def convert(
             "include_optimizer=True writes optimizer.safetensors beside model.safetensors: use fmt='safetensors' "
             "without distributed=True."
         )
+    if fmt == "universal":
+        return _convert_universal(
+            src, dst_path, tag=tag, target=target, exclude_frozen=exclude_frozen, overwrite=overwrite,
+            chunk_bytes=chunk_bytes, progress=progress, distributed=distributed, verify_crc=verify_crc,
+            trusted_globals=trusted,
+        )  # fmt: skip
     if distributed is not False:
         if not isinstance(distributed, bool):
             raise TypeError(f"distributed must be True or False, got {distributed!r}.")

@@ -9,6 +9,8 @@ zeroio's output by its names alone (no marker file), so outputs of earlier zeroi
   ``optimizer.json``, and the config and tokenizer files it copies (:data:`~zeroio._side_files.SIDE_FILES`);
 - ``reshard``: ``latest`` and tag folders holding only DeepSpeed rank files
   (``zero_pp_rank_R_mp_rank_00_model_states.pt``, ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``);
+- ``convert(fmt="universal")``: ``latest_universal`` and tag folders holding only model states files and a ``zero/``
+  folder of ``optimizer_state.pt`` and ``<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``;
 - the lock file of a write that was killed while committing (:data:`LOCK_NAME`).
 """
 
@@ -31,7 +33,9 @@ _OUTPUT_FILE = re.compile(
     r"|pytorch_model(?:-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json"
     r"|optimizer(?:-\d{5}-of-\d{5})?\.safetensors|optimizer\.safetensors\.index\.json|optimizer\.json)$"
 )
-_TOP_FILES = frozenset({*SIDE_FILES, C.LATEST_FILE, LOCK_NAME})
+LATEST_UNIVERSAL = "latest_universal"
+_UNIVERSAL_PARAM_FILES = frozenset({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"})
+_TOP_FILES = frozenset({*SIDE_FILES, C.LATEST_FILE, LATEST_UNIVERSAL, LOCK_NAME})
 
 
 def _is_file(path: Path) -> bool:
@@ -44,6 +48,28 @@ def _is_rank_file(path: Path) -> bool:
     return _is_file(path) and bool(C.ZERO3_MODEL_FILE.match(name) or C.ZERO_OPTIM_FILE.match(name))
 
 
+def _universal_foreign(tag_dir: Path, name: str) -> list[str]:
+    """What a universal tag folder holds beyond model states and ``zero/`` (``optimizer_state.pt``, param folders)."""
+    foreign: list[str] = []
+    for entry in sorted(os.listdir(tag_dir)):
+        path = tag_dir / entry
+        if entry == "zero" and path.is_dir() and not path.is_symlink():
+            for inner in sorted(os.listdir(path)):
+                where = path / inner
+                if inner == "optimizer_state.pt" and _is_file(where):
+                    continue
+                if where.is_dir() and not where.is_symlink():
+                    foreign += [
+                        f"{name}/zero/{inner}/{n}" for n in sorted(os.listdir(where))
+                        if n not in _UNIVERSAL_PARAM_FILES or not _is_file(where / n)
+                    ]  # fmt: skip
+                else:
+                    foreign.append(f"{name}/zero/{inner}")
+        elif not (_is_file(path) and (C.ZERO3_MODEL_FILE.match(entry) or C.MODEL_FILE.match(entry))):
+            foreign.append(f"{name}/{entry}" + ("/" if path.is_dir() else ""))
+    return foreign
+
+
 def foreign_entries(folder: Path) -> list[str]:
     """Entries of ``folder`` (relative paths, sorted; a folder ends with ``/``) that no zeroio writer produces.
 
@@ -51,12 +77,15 @@ def foreign_entries(folder: Path) -> list[str]:
     """
     entries = sorted(os.listdir(folder))
     has_latest = C.LATEST_FILE in entries and _is_file(folder / C.LATEST_FILE)
+    has_universal = LATEST_UNIVERSAL in entries and _is_file(folder / LATEST_UNIVERSAL)
     foreign: list[str] = []
     for name in entries:
         path = folder / name
         if _is_file(path):
             if not (_OUTPUT_FILE.match(name) or name in _TOP_FILES):
                 foreign.append(name)
+        elif path.is_dir() and has_universal and (path / "zero").is_dir():  # convert(fmt="universal")'s tag folder
+            foreign += _universal_foreign(path, name)
         elif path.is_dir() and has_latest:  # reshard's tag folder: DeepSpeed rank files only
             inner = sorted(os.listdir(path))
             foreign += [

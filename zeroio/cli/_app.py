@@ -112,7 +112,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise
     if args.distributed and os.environ.get("RANK", "0") != "0":
         return 0  # every process returns the same result; rank 0 reports it (and pushes)
-    if not args.quiet:
+    if not args.quiet and args.format == "universal":
+        print(
+            f"Wrote a DeepSpeed universal checkpoint ({result.num_tensors} parameters with optimizer state, "
+            f"{_human_bytes(result.total_size)}) in {len(result.files)} files to {args.dst}; resume it with "
+            '"checkpoint": {"load_universal": true}'
+        )
+    elif not args.quiet:
         print(
             f"Wrote {result.num_tensors} tensors ({_human_bytes(result.total_size)}) in {len(result.files)} file(s) "
             f"to {args.dst}"
@@ -128,6 +134,10 @@ def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace)
     problem = _args.folder_destination_problem(args.dst, args.format)
     if problem is not None:
         parser.error(problem)
+    if args.format == "universal" and (args.distributed or getattr(args, "push_to_hub", None)):
+        parser.error(
+            "--format universal writes a DeepSpeed checkpoint to resume from: drop --distributed/--push-to-hub"
+        )
     if not args.distributed:
         return
     if args.format == "lightning":
@@ -234,9 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         default="safetensors",
-        choices=["safetensors", "torch", "lightning"],
-        help="output format: safetensors (default), torch (pytorch_model.bin), or lightning (one .ckpt file for "
-        "LightningModule.load_from_checkpoint)",
+        choices=["safetensors", "torch", "lightning", "universal"],
+        help="output format: safetensors (default), torch (pytorch_model.bin), lightning (one .ckpt file for "
+        "LightningModule.load_from_checkpoint), or universal (a DeepSpeed universal checkpoint to resume at another "
+        "world size or ZeRO stage)",
     )
     p.add_argument("--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors")
     p.add_argument(
