@@ -17,7 +17,7 @@ from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
 from .tensor_parallel import is_tensor_parallel, open_tensor_parallel
-from .tensor_parallel_rules import TPRules
+from .tensor_parallel_rules import TPRules, parse_tp_rules
 from .universal import is_universal, open_universal
 from .zero import open_zero
 
@@ -115,9 +115,10 @@ def open(
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
     if not p.is_dir():
         require_regular_file(p)  # a FIFO, /dev/zero or a link to one: reading would block or never end
+    rules = parse_tp_rules(tp_rules)  # a bad rule is the caller's ValueError, not a checkpoint's format error
     try:
         ckpt = open_checkpoint(
-            p, tag, frozenset(trusted_globals), tp_rules=tp_rules, ignore_recorded_tp=ignore_recorded_tp
+            p, tag, frozenset(trusted_globals), tp_rules=rules, ignore_recorded_tp=ignore_recorded_tp
         )
     except ZeroIOError:
         raise

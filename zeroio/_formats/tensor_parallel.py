@@ -29,7 +29,16 @@ from .._storage import ByteRange
 from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .plans import sample_ranges
-from .tensor_parallel_rules import REPLICATED, Rule, TPRules, describe_rule, parse_tp_rules, recorded_rule, user_rule
+from .tensor_parallel_rules import (
+    REPLICATED,
+    UNSUPPORTED,
+    Rule,
+    TPRules,
+    describe_rule,
+    parse_tp_rules,
+    recorded_rule,
+    user_rule,
+)
 from .zero import ZeroCheckpoint, open_zero
 
 __all__ = ["TensorParallelCheckpoint", "is_tensor_parallel", "open_tensor_parallel"]
@@ -212,7 +221,11 @@ def _check_ranks(tag_dir: Path, ranks: Sequence[ZeroCheckpoint]) -> tuple[Path, 
         )
     for rank in ranks[1:]:
         meta0, meta = ranks[0].metadata, rank.metadata
-        if (meta.zero_stage, meta.world_size, meta.global_step) != (meta0.zero_stage, meta0.world_size, meta0.global_step):
+        if (meta.zero_stage, meta.world_size, meta.global_step) != (
+            meta0.zero_stage,
+            meta0.world_size,
+            meta0.global_step,
+        ):
             path, _ = _model_tree(rank)
             raise CheckpointFormatError(
                 f"'{path}' was saved at ZeRO stage {meta.zero_stage}, dp {meta.world_size}, step {meta.global_step}; "
@@ -242,7 +255,7 @@ def _choose(
         return REPLICATED, "buffer", None  # buffers are not split by tensor parallelism: every rank holds its copy
     recorded = recorded_rule(uc_info, name, tp) if uc_info else None
     chosen, matched = user_rule(rules, name) if rules is not None else (None, [])
-    if recorded == "unsupported":
+    if recorded == UNSUPPORTED:
         return None, "recorded", "recorded with a split zeroio does not merge (fused sub-parameters or scaled pieces)"
     if rules is not None and len(matched) > 1 and chosen is None:
         return None, "tp_rules", f"tp_rules patterns disagree ({', '.join(repr(p) for p in matched)})"
@@ -326,20 +339,28 @@ def _merge_ranks(
             path=path0,
             found=names,
         )
-    infos = {}
+    ordered: dict[str, TensorInfo] = {}
     for name in ranks[0].infos:
         if name in tied:
             base = merged[tied[name]]
-            infos[name] = TensorInfo(name, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, tied[name])
+            ordered[name] = TensorInfo(
+                name, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, tied[name]
+            )
         else:
-            infos[name] = merged[name]
+            ordered[name] = merged[name]
     metadata = _metadata(tag_dir, tag_name, ranks, merges, sources)
-    logger.debug("opened %s: tensor parallel tp=%d, dp=%s, %d tensors", tag_dir, len(ranks), metadata.world_size, len(infos))
-    return TensorParallelCheckpoint(metadata, infos, tied, ranks, merges)
+    logger.debug(
+        "opened %s: tensor parallel tp=%d, dp=%s, %d tensors", tag_dir, len(ranks), metadata.world_size, len(ordered)
+    )
+    return TensorParallelCheckpoint(metadata, ordered, tied, ranks, merges)
 
 
 def _metadata(
-    tag_dir: Path, tag_name: str | None, ranks: Sequence[ZeroCheckpoint], merges: dict[str, Merge], sources: dict[str, str]
+    tag_dir: Path,
+    tag_name: str | None,
+    ranks: Sequence[ZeroCheckpoint],
+    merges: dict[str, Merge],
+    sources: dict[str, str],
 ) -> CheckpointMetadata:
     meta0 = ranks[0].metadata
     extra = dict(meta0.extra)

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias
 __all__ = [
     "PRESETS",
     "REPLICATED",
+    "UNSUPPORTED",
     "Rule",
     "TPRules",
     "describe_rule",
@@ -29,7 +30,9 @@ Rule: TypeAlias = int | Literal["replicated"]
 TPRules: TypeAlias = Mapping[str, Rule] | str
 """What ``tp_rules=`` takes: ``{regex: dim | "replicated"}``, a preset name, or that mapping as JSON text."""
 
-_UNSUPPORTED = "unsupported"  # recorded, but not as one contiguous split or a plain replica: refused, never guessed
+UNSUPPORTED: Literal["unsupported"] = (
+    "unsupported"  # recorded, but not as one contiguous split or a plain replica: refused, never guessed
+)
 
 # Megatron-LM / Megatron-DeepSpeed (GPT): ColumnParallelLinear (qkv, h->4h, output layer) and the vocab-parallel
 # embedding split dim 0, weight and bias; RowParallelLinear (attention dense, 4h->h) split the weight's dim 1 and
@@ -131,24 +134,24 @@ def _ints(value: Any) -> list[int] | None:
     return None
 
 
-def _affine_rule(entry: Any, tp: int) -> Rule | str:
+def _affine_rule(entry: Any, tp: int) -> Rule | Literal["unsupported"]:
     """The rule an AutoTP ``affine_map`` entry describes, or ``"unsupported"`` for any other geometry.
 
     Understood: every rank holds one unscaled piece that is its whole shard; either all ranks the whole tensor
     (replicated) or each rank a contiguous block along one dimension, in rank order, that together cover it.
     """
     if not isinstance(entry, Mapping) or not isinstance(entry.get("ranks"), Mapping):
-        return _UNSUPPORTED
+        return UNSUPPORTED
     logical = _ints(entry.get("logical_shape"))
     ranks = entry["ranks"]
     if logical is None or sorted(ranks) != list(range(tp)):
-        return _UNSUPPORTED
+        return UNSUPPORTED
     dims: set[Rule] = set()
     start = 0
     for rank in range(tp):
         shard, pieces = _ints(ranks[rank].get("shard_shape")), ranks[rank].get("pieces")
         if shard is None or len(shard) != len(logical) or not isinstance(pieces, list) or len(pieces) != 1:
-            return _UNSUPPORTED
+            return UNSUPPORTED
         piece = pieces[0]
         source, dest = piece.get("source"), piece.get("dest")
         if (
@@ -161,21 +164,21 @@ def _affine_rule(entry: Any, tp: int) -> Rule | str:
             or _ints(source[1]) != _row_major(logical)
             or list(dest) != [0, _row_major(shard)]
         ):
-            return _UNSUPPORTED
+            return UNSUPPORTED
         split = [d for d, (a, b) in enumerate(zip(shard, logical)) if a != b]
         locations = sorted(piece.get("locations") or ())
         if not split and locations == list(range(tp)) and source[0] == 0:
             dims.add(REPLICATED)
             continue
         if len(split) != 1 or locations != [rank] or source[0] != start * _row_major(logical)[split[0]]:
-            return _UNSUPPORTED
+            return UNSUPPORTED
         dims.add(split[0])
         start += shard[split[0]]
     if len(dims) != 1:
-        return _UNSUPPORTED
+        return UNSUPPORTED
     rule = dims.pop()
     if rule != REPLICATED and start != logical[int(rule)]:
-        return _UNSUPPORTED
+        return UNSUPPORTED
     return rule
 
 
@@ -183,7 +186,7 @@ def _matches(patterns: Any, name: str) -> bool:
     return isinstance(patterns, list) and any(isinstance(p, str) and re.match(p, name) for p in patterns)
 
 
-def recorded_rule(info: Mapping[str, Any], name: str, tp: int) -> Rule | str | None:
+def recorded_rule(info: Mapping[str, Any], name: str, tp: int) -> Rule | Literal["unsupported"] | None:
     """What AutoTP's ``universal_checkpoint_info`` records for parameter ``name``.
 
     The per-parameter ``affine_map`` first (its key is the anchored, escaped name), then the pattern lists:
@@ -199,12 +202,12 @@ def recorded_rule(info: Mapping[str, Any], name: str, tp: int) -> Rule | str | N
             return _affine_rule(entry, tp)
     unsupported = info.get("autotp_unsupported_parameter_patterns")
     if isinstance(unsupported, Mapping) and _matches(list(unsupported), name):
-        return _UNSUPPORTED
+        return UNSUPPORTED
     sub_params = info.get("parameter_with_sub_params")
     if isinstance(sub_params, list) and any(
         isinstance(s, Mapping) and _matches(s.get("patterns"), name) for s in sub_params
     ):
-        return _UNSUPPORTED
+        return UNSUPPORTED
     if _matches(info.get("tp_replicated_parameter_patterns"), name):
         return REPLICATED
     if _matches(info.get("parameter_with_row_parallelism_patterns"), name):
