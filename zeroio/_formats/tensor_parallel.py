@@ -23,7 +23,7 @@ import torch
 
 from .._checkpoint import Checkpoint
 from .._integrity import CheckedFile
-from .._layout import find_tag_dir, model_parallel_ranks
+from .._layout import find_tag_dir, model_parallel_ranks, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._storage import ByteRange
 from .._text import listing
@@ -179,6 +179,17 @@ def open_tensor_parallel(
             f"(found mp_rank {listing([f'{r:02d}' for r in mp_ranks])}). Copy the whole tag folder again.",
             path=tag_dir,
             found=mp_ranks,
+        )
+    counts = [len(scan_tag_dir(tag_dir, rank).optim_files) for rank in mp_ranks]
+    if len(set(counts)) > 1:
+        short = counts.index(min(counts))
+        raise CheckpointNotFoundError(
+            f"'{tag_dir}' holds {max(counts)} optimizer file(s) for some model-parallel ranks but {min(counts)} for "
+            f"mp_rank_{short:02d}: each tp rank saves one per data-parallel rank. Copy the whole tag folder again.",
+            path=tag_dir,
+            rank=short,
+            expected=max(counts),
+            found=min(counts),
         )
     ranks: list[ZeroCheckpoint] = []
     try:
