@@ -177,15 +177,15 @@ def test_truncated_rank_file(ckpt_copy):
 
 
 def test_unsupported_model_parallel_layout(ckpt_copy):
-    """Tensor-parallel checkpoints (mp_rank_01) are refused with a message naming what is present."""
+    """A tensor-parallel folder whose mp_rank_01 lacks its optimizer files is refused, naming the short rank."""
     root = ckpt_copy("z2_ws2_fp32")
     tag = root / "global_step2"
     shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
-    with pytest.raises(errors.UnsupportedCheckpointError) as excinfo:
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
         zeroio.open(root)
     assert str(excinfo.value) == (
-        f"'{tag}' holds 2 model-parallel ranks (mp_rank_00, mp_rank_01); zeroio reads data-parallel ZeRO "
-        "checkpoints only (tensor parallelism is not merged yet)."
+        f"'{tag}' holds 2 optimizer file(s) for some model-parallel ranks but 0 for mp_rank_01: each tp rank saves "
+        "one per data-parallel rank. Copy the whole tag folder again."
     )
 
 

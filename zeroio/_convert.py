@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -22,6 +22,9 @@ from ._progress import Progress, check_progress
 from ._sharding import parse_size
 from ._types import StrPath
 from .errors import OutputError
+
+if TYPE_CHECKING:
+    from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "ConvertResult", "convert"]
 
@@ -79,6 +82,7 @@ def _convert_lightning(
     overwrite: bool,
     verify_crc: bool,
     trusted_globals: frozenset[str],
+    tp_rules: TPRules | None = None,
 ) -> ConvertResult:
     """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
     from ._formats import open as zeroio_open
@@ -91,7 +95,7 @@ def _convert_lightning(
         AtomicDir(dst, overwrite=overwrite).check()
     if overwrite and dst.is_file() and dst.resolve() == Path(src).resolve():
         raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
-    with zeroio_open(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc) as ckpt:
+    with zeroio_open(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc, tp_rules=tp_rules) as ckpt:
         # 2. Missing parent folders are created, as convert creates them for an output folder.
         if not dst.is_dir():
             try:
@@ -173,6 +177,7 @@ def convert(
     include_optimizer: bool = False,
     verify_crc: bool = True,
     trusted_globals: Iterable[str] = (),
+    tp_rules: TPRules | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -242,6 +247,8 @@ def convert(
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
         trusted_globals: extra pickle globals to accept when reading the source, as for :func:`zeroio.open`
             (rebuilt as inert data, never called).
+        tp_rules: how a tensor-parallel source's tensors are split where its files do not record it, as for
+            :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -298,7 +305,7 @@ def convert(
         outcome = convert_distributed(
             src, dst_path, fmt=fmt, target=target, limit=limit, tag=tag, exclude_frozen=exclude_frozen,
             overwrite=overwrite, workers=n_workers, progress=progress, chunk_bytes=chunk_bytes, verify_crc=verify_crc,
-            trusted_globals=trusted,
+            trusted_globals=trusted, tp_rules=tp_rules,
         )  # fmt: skip
         return _result(outcome)
     if fmt == "lightning":
@@ -308,8 +315,9 @@ def convert(
                 "needs every parameter. Drop exclude_frozen, or write fmt='safetensors'."
             )
         return _convert_lightning(
-            src, dst_path, tag=tag, target=target, overwrite=overwrite, verify_crc=verify_crc, trusted_globals=trusted
-        )
+            src, dst_path, tag=tag, target=target, overwrite=overwrite, verify_crc=verify_crc, trusted_globals=trusted,
+            tp_rules=tp_rules,
+        )  # fmt: skip
 
     # 2. The write engine, as one process of one: refuse an existing destination before reading anything, plan
     #    every file from metadata, stream the tensors into a temporary folder beside dst, rename it into place.
@@ -318,6 +326,7 @@ def convert(
         Job(LocalComm(), AtomicDir(dst_path, overwrite=overwrite)), src, tag=tag, fmt=fmt, target=target,
         max_shard_size=limit, exclude_frozen=exclude_frozen, workers=n_workers, chunk_bytes=chunk_bytes,
         progress=progress, extra_files=extra_files, verify_crc=verify_crc, trusted_globals=trusted,
+        tp_rules=tp_rules,
     )  # fmt: skip
     return _result(outcome)
 

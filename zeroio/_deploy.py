@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from ._progress import ByteProgress, Progress, check_progress
 from ._text import SHOWN, listing
 from ._types import DTypeLike, InitHook, StrPath
 from .errors import InitHookError, StateDictMismatchError
+
+if TYPE_CHECKING:
+    from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["KeyMap", "LoadReport", "load"]
 
@@ -296,6 +299,7 @@ def load(
     key_map: KeyMap | None = None,
     progress: Progress | None = False,
     verify_crc: bool = True,
+    tp_rules: TPRules | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -327,6 +331,8 @@ def load(
             ``callable(done, total)``: called with bytes loaded and total bytes after each tensor.
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
+        tp_rules: how a tensor-parallel checkpoint's tensors are split where its files do not record it, as for
+            :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -362,7 +368,7 @@ def load(
     else:
         from ._formats import open as open_checkpoint
 
-        ckpt = open_checkpoint(path, tag, verify_crc=verify_crc)
+        ckpt = open_checkpoint(path, tag, verify_crc=verify_crc, tp_rules=tp_rules)
     try:
         report = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
         ckpt.finish_crc_checks()  # records read in part (flat-group padding)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from ._plan import WRITE_FORMATS
 from ._progress import Progress
 from ._types import StrPath
 from .errors import OutputError
+
+if TYPE_CHECKING:
+    from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
 
@@ -181,6 +184,7 @@ def convert_distributed(
     chunk_bytes: int,
     verify_crc: bool = True,
     trusted_globals: frozenset[str] = frozenset(),
+    tp_rules: TPRules | None = None,
 ) -> WriteOutcome:
     """:func:`zeroio.convert` with ``distributed=True`` (arguments already validated): see ``docs/distributed.md``.
 
@@ -205,5 +209,5 @@ def convert_distributed(
         return write_checkpoint(
             job, src, tag=tag, fmt=fmt, target=target, max_shard_size=limit, exclude_frozen=exclude_frozen,
             workers=workers, chunk_bytes=chunk_bytes, progress=progress, verify_crc=verify_crc,
-            trusted_globals=trusted_globals,
+            trusted_globals=trusted_globals, tp_rules=tp_rules,
         )  # fmt: skip

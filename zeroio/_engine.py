@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from ._side_files import copy_side_files
 from ._types import StrPath
 from ._write_files import write_shards
 from .errors import OutputError
+
+if TYPE_CHECKING:
+    from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
 
@@ -79,6 +83,7 @@ def write_checkpoint(
     extra_files: ExtraFiles | None = None,
     verify_crc: bool = True,
     trusted_globals: frozenset[str] = frozenset(),
+    tp_rules: TPRules | None = None,
 ) -> WriteOutcome:
     """Convert ``src`` into ``job.out`` (arguments already validated), all-or-nothing on every process.
 
@@ -89,7 +94,8 @@ def write_checkpoint(
     try:
         return _run(job, src, tag=tag, fmt=fmt, target=target, max_shard_size=max_shard_size,
                     exclude_frozen=exclude_frozen, workers=workers, chunk_bytes=chunk_bytes, progress=progress,
-                    extra_files=extra_files, verify_crc=verify_crc, trusted_globals=trusted_globals)  # fmt: skip
+                    extra_files=extra_files, verify_crc=verify_crc, trusted_globals=trusted_globals,
+                    tp_rules=tp_rules)  # fmt: skip
     except BaseException as exc:
         if job.tmp is not None and job.comm.rank == 0:  # an interrupt between phases: remove the partial output
             job.raise_own(exc)
@@ -111,6 +117,7 @@ def _run(
     extra_files: ExtraFiles | None,
     verify_crc: bool,
     trusted_globals: frozenset[str],
+    tp_rules: TPRules | None,
 ) -> WriteOutcome:
     from ._formats import open as open_checkpoint
 
@@ -130,7 +137,7 @@ def _run(
                         path=out.dst,
                     )
             ckpt = stack.enter_context(
-                open_checkpoint(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc)
+                open_checkpoint(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc, tp_rules=tp_rules)
             )
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, fmt)
             plan = plan_write(ckpt, fmt=fmt, target=target, max_shard_size=max_shard_size,

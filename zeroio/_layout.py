@@ -12,7 +12,7 @@ from ._pickles import require_regular_file
 from ._text import listing
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
-__all__ = ["ZeroLayout", "find_tag_dir", "is_zero_checkpoint", "scan_tag_dir"]
+__all__ = ["ZeroLayout", "find_tag_dir", "is_zero_checkpoint", "model_parallel_ranks", "scan_tag_dir"]
 
 
 def _truncate(items: list[str], limit: int = 5) -> str:
@@ -142,6 +142,9 @@ class ZeroLayout:
     """MoE: ``layer_L_expert_E_mp_rank_00_model_states.pt`` (one per expert, global ids), sorted by (L, E)."""
 
 
+_RANKED_FILE = re.compile(r".*mp_rank_(?P<mp>\d+)_(model|optim)_states\.pt$")
+
+
 def _ranked(files: dict[int, Path], kind: str, tag_dir: Path) -> tuple[Path, ...]:
     if not files:
         return ()
@@ -174,11 +177,27 @@ def _check_one_prefix(optim: dict[int, Path], prefixes: dict[int, str]) -> None:
     )
 
 
-def scan_tag_dir(tag_dir: Path) -> ZeroLayout:
-    """Classify the files of ``tag_dir``; refuse layouts zeroio does not read (yet)."""
+def model_parallel_ranks(tag_dir: Path) -> list[int]:
+    """The model-parallel ranks (``mp_rank_NN``) the rank files of ``tag_dir`` are named for, by names only."""
+    ranks: set[int] = set()
+    for path in tag_dir.iterdir():
+        m = C.ZERO_OPTIM_FILE.match(path.name) or C.ZERO3_MODEL_FILE.match(path.name) or C.MODEL_FILE.match(path.name)
+        if m:
+            ranks.add(int(m["mp"]))
+    return sorted(ranks)
+
+
+def scan_tag_dir(tag_dir: Path, mp_rank: int | None = None) -> ZeroLayout:
+    """Classify the files of ``tag_dir``; refuse layouts zeroio does not read (yet).
+
+    ``mp_rank`` keeps only the files of that model-parallel rank (a tensor-parallel reader opens each rank's
+    ZeRO files on their own); without it, a folder of several model-parallel ranks is refused.
+    """
     # Every entry but folders (and dangling links): a FIFO or device named like a rank file is refused by name
     # below, not silently skipped into a misleading world-size mismatch.
     names = sorted(p.name for p in tag_dir.iterdir() if p.exists() and not p.is_dir())
+    if mp_rank is not None:
+        names = [n for n in names if (m := _RANKED_FILE.match(n)) is None or int(m["mp"]) == mp_rank]
     # MoE without ZeRO writes per-expert-parallel-rank optimizer files (DeepSpeed 0.19.8 _save_moe_checkpoint).
     moe_optim = [n for n in names if C.MOE_OPTIM_FILE.match(n)]
     if moe_optim:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .._checkpoint import Checkpoint
 from .._layout import is_zero_checkpoint
@@ -15,6 +16,8 @@ from .._pickles import require_regular_file
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
+from .tensor_parallel import is_tensor_parallel, open_tensor_parallel
+from .tensor_parallel_rules import TPRules, parse_tp_rules
 from .universal import is_universal, open_universal
 from .zero import open_zero
 
@@ -28,8 +31,10 @@ class Format:
     name: str
     detect: Callable[[Path], bool]
     """True when the path (checked by names only, nothing parsed) holds this layout."""
-    open: Callable[[Path, str | None, frozenset[str]], Checkpoint]
-    """``open(path, tag, trusted_globals)``: the lazy checkpoint view."""
+    open: Callable[..., Checkpoint]
+    """``open(path, tag, trusted_globals, **options)``: the lazy checkpoint view."""
+    options: tuple[str, ...] = ()
+    """Keyword options of :func:`open` this format's ``open`` takes (e.g. ``tp_rules``); others never reach it."""
 
 
 def _consolidated_not_zero(path: Path) -> bool:
@@ -51,17 +56,18 @@ def _anything(path: Path) -> bool:
 FORMATS: list[Format] = [
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
+    Format("tensor-parallel", is_tensor_parallel, open_tensor_parallel, ("tp_rules", "ignore_recorded_tp")),
     # Last, and takes any path: its errors say what a DeepSpeed checkpoint folder should hold.
     Format("zero", _anything, _open_zero),
 ]
 """Registered formats, tried in order; the first whose ``detect`` is true opens the path."""
 
 
-def open_checkpoint(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> Checkpoint:
-    """Open ``path`` with the first registered format that detects it."""
+def open_checkpoint(path: Path, tag: str | None, trusted_globals: frozenset[str], **options: Any) -> Checkpoint:
+    """Open ``path`` with the first registered format that detects it (passing it the options it takes)."""
     for fmt in FORMATS:
         if fmt.detect(path):
-            return fmt.open(path, tag, trusted_globals)
+            return fmt.open(path, tag, trusted_globals, **{k: v for k, v in options.items() if k in fmt.options})
     raise CheckpointFormatError(f"'{path}' is not a checkpoint layout zeroio reads.", path=path)
 
 
@@ -71,6 +77,8 @@ def open(
     *,
     trusted_globals: Iterable[str] = (),
     verify_crc: bool = True,
+    tp_rules: TPRules | None = None,
+    ignore_recorded_tp: bool = False,
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -82,6 +90,12 @@ def open(
         verify_crc: check every zip record read (torch ``.pt``/``.bin`` files) against its stored CRC-32 and raise
             CheckpointFormatError on a mismatch (see :attr:`Checkpoint.verify_crc`). False reads corrupted bytes
             silently, as torch.load does. Safetensors files have no checksum to check.
+        tp_rules: for a tensor-parallel checkpoint (``mp_rank_01`` files), how tensors the files do not describe
+            are split: ``{regex: dim or "replicated"}`` (``re.search`` on the name), a preset (``"megatron"``,
+            ``"neox"``) or that mapping as JSON text. A tensor neither recorded nor matched is refused by name.
+            Ignored by layouts that are not tensor parallel.
+        ignore_recorded_tp: set the partitions recorded in the files (AutoTP's ``universal_checkpoint_info``)
+            aside, so ``tp_rules`` alone decide.
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -101,8 +115,11 @@ def open(
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
     if not p.is_dir():
         require_regular_file(p)  # a FIFO, /dev/zero or a link to one: reading would block or never end
+    rules = parse_tp_rules(tp_rules)  # a bad rule is the caller's ValueError, not a checkpoint's format error
     try:
-        ckpt = open_checkpoint(p, tag, frozenset(trusted_globals))
+        ckpt = open_checkpoint(
+            p, tag, frozenset(trusted_globals), tp_rules=rules, ignore_recorded_tp=ignore_recorded_tp
+        )
     except ZeroIOError:
         raise
     except (

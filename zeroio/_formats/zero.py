@@ -122,11 +122,16 @@ class _RankFiles:
         return tree
 
 
-def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[str] = frozenset()) -> ZeroCheckpoint:
-    """Parse a DeepSpeed checkpoint's metadata (no tensor bytes) into a :class:`ZeroCheckpoint`."""
+def open_zero(
+    path: Path, tag: str | None = None, *, trusted_globals: frozenset[str] = frozenset(), mp_rank: int | None = None
+) -> ZeroCheckpoint:
+    """Parse a DeepSpeed checkpoint's metadata (no tensor bytes) into a :class:`ZeroCheckpoint`.
+
+    ``mp_rank`` opens one model-parallel rank's files only (see ``scan_tag_dir``).
+    """
     # 1. Discover: locate the tag folder and classify its files (names only).
     tag_dir, tag_name = find_tag_dir(path, tag)
-    layout = scan_tag_dir(tag_dir)
+    layout = scan_tag_dir(tag_dir, mp_rank)
     rank_files = _RankFiles(trusted_globals)
 
     # 2. Rank 0's model states: names, shapes, buffers, ties; fail before touching optimizer files.

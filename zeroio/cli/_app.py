@@ -28,7 +28,7 @@ def _human_bytes(n: int) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's tensors and metadata without reading tensor bytes."""
     _args.refuse_remote(args.path)
-    with zeroio.open(args.path, tag=args.tag) as ckpt:
+    with zeroio.open(args.path, tag=args.tag, tp_rules=args.tp_rules) as ckpt:
         summary = ckpt.describe()
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
@@ -104,6 +104,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             distributed=args.distributed,
             include_optimizer=args.include_optimizer,
             verify_crc=not args.no_verify_crc,
+            tp_rules=args.tp_rules,
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -221,6 +222,15 @@ def _validate_push(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 # --------------------------------------------------------------------------- parser
 
 
+def _add_tp_rules(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp-rules",
+        metavar="RULES",
+        help="tensor-parallel checkpoints: how tensors the files do not describe are split, as a preset (megatron, "
+        'neox) or JSON {"regex": dim or "replicated"}',
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``zeroio`` argument parser (also the source of the CLI reference in docs/)."""
     parser = argparse.ArgumentParser(
@@ -234,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
+    _add_tp_rules(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("convert", help="write safetensors (or torch) files, streaming and atomic")
@@ -274,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a filesystem shared by all processes)",
     )
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
+    _add_tp_rules(p)
     p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
     p = sub.add_parser("verify", help="compare every tensor of two checkpoints (exit 1 on any difference)")
