@@ -15,6 +15,8 @@ from .._pickles import require_regular_file
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
+from .pipeline import open_pipeline
+from .pipeline_files import is_pipeline
 from .universal import is_universal, open_universal
 from .zero import open_zero
 
@@ -51,6 +53,7 @@ def _anything(path: Path) -> bool:
 FORMATS: list[Format] = [
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
+    Format("pipeline", is_pipeline, open_pipeline),
     # Last, and takes any path: its errors say what a DeepSpeed checkpoint folder should hold.
     Format("zero", _anything, _open_zero),
 ]
