@@ -36,8 +36,12 @@ def _names(folder: Path) -> list[str]:
 
 
 def has_layer_files(folder: Path) -> bool:
-    """True when ``folder`` holds pipeline layer files (either naming)."""
-    return any(LAYER_FILE.match(n) or C.PIPELINE_LAYER_FILE.match(n) for n in _names(folder))
+    """True when ``folder`` holds pipeline layer files of a data-parallel pipeline.
+
+    Layer files named with a tensor-parallel rank alone (``layer_XX-model_YY-model_states.pt``) are left to the
+    ZeRO reader, which refuses them.
+    """
+    return any(LAYER_FILE.match(n) for n in _names(folder))
 
 
 def is_pipeline(path: Path) -> bool:
