@@ -23,7 +23,7 @@ from zeroio import errors
 from zeroio.cli import main
 
 LAYOUTS = FIXTURES / "layouts"
-NAMES = ["pipe_z1_ws2_pp2_bf16", "pipe_z1_ws4_pp2dp2_fp32_frozen"]
+NAMES = ["pipe_z1_ws2_pp2_bf16", "pipe_z1_ws4_pp2dp2_fp32_frozen", "pipe_z0_ws4_pp2dp2_bf16"]
 FROZEN_FIXTURE = "pipe_z1_ws4_pp2dp2_fp32_frozen"
 TAG = "global_step2"
 KEYS = [
@@ -113,6 +113,18 @@ def test_buffers_come_from_the_replica_that_wrote_the_layer_file():
         assert torch.equal(ckpt["5.running"], _engine(FROZEN_FIXTURE)["5.running"])
 
 
+def test_zero0_stage_files_record_no_parameter_shapes():
+    """ZeRO-0 bf16 pipelines train with BF16_Optimizer: optimizer files like ZeRO-1's, but the stage model states
+    record no param_shapes, so names come from each rank's param_slice_mappings and shapes from the layer files."""
+    with zeroio.open(LAYOUTS / "pipe_z0_ws4_pp2dp2_bf16") as ckpt:
+        assert ckpt.metadata.zero_stage == 0 and dict(ckpt.metadata.parallel) == {"dp": 2, "pp": 2}
+        assert {p.name for p in ckpt.info("1.weight").files} <= {
+            "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        }  # fmt: skip
+        # Stage 1's 112 elements (its fp32 copy of the tied weight first) split 56/56: 5.scale is in dp rank 1's half.
+        assert [p.name for p in ckpt.info("5.scale").files] == ["bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"]
+
+
 # --------------------------------------------------------------------------- open / load / convert
 
 
@@ -138,7 +150,8 @@ def test_metadata_says_pipeline(name):
     m = _manifest(name)
     with zeroio.open(LAYOUTS / name) as ckpt:
         meta = ckpt.metadata
-        assert (meta.layout, dict(meta.parallel), meta.zero_stage) == ("pipeline", {"dp": m["dp"], "pp": 2}, 1)
+        assert (meta.layout, dict(meta.parallel)) == ("pipeline", {"dp": m["dp"], "pp": 2})
+        assert meta.zero_stage == m["stage"]
         assert meta.train_dtype == (torch.bfloat16 if m["dtype"] == "bf16" else torch.float32)
         assert meta.tag == TAG and meta.global_step == 2
 

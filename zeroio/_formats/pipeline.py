@@ -9,6 +9,7 @@ names (``tied_modules.<key>.<param>`` for a ``TiedLayerSpec``, ``<layer index>.<
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,9 @@ from .provenance import (
 )
 from .validate import (
     ModelStates,
+    OptimizerPartitions,
     base_optimizer_state,
+    config_stage,
     optimizer_partitions,
     param_shapes,
     tensor_ref,
@@ -78,67 +81,112 @@ def open_pipeline(path: Path, tag: str | None, trusted_globals: frozenset[str]) 
         raise
 
 
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """One pipeline stage, validated: its model states, its dp ranks' fp32 partitions, its trainable names."""
+
+    states: ModelStates
+    optim: OptimizerPartitions
+    groups: list[list[str]]
+    """Trainable names per param group, in partition order."""
+    shapes: dict[str, tuple[int, ...]]
+    """Recorded shapes (``param_shapes``; empty under ZeRO-0, where the layer files give them)."""
+
+
 def _open(files: PipelineFiles, tag_name: str | None, parsed: _Parsed) -> PipelineCheckpoint:
     # 1. Each stage: its model states (param_shapes, buffer_names) and its dp ranks' fp32 partitions.
+    stages = [_read_stage(files, stage, parsed) for stage in range(files.pp)]
+    _check_same_step(files.model_files, [stage.states.tree for stage in stages])
+    names = list(dict.fromkeys(n for stage in stages for group in stage.groups for n in group))
+    buffers = list(dict.fromkeys(b for stage in stages for b in stage.states.buffer_names))
+
+    # 2. Layer files: which state_dict name each of their keys has, in key order.
+    layers, order = _name_layers(files, names, buffers, parsed)
+    by_name = {name: ref for _, named in layers for name, ref in named.items()}
+
+    # 3. Trainable parameters: each stage's fp32 masters; a tied weight from the first stage that holds it.
     trainable = TensorPlans()
-    buffers: list[str] = []
-    trees = []
-    zero_stages: set[int] = set()
-    stage_of: dict[str, int] = {}
-    for stage, model_path in enumerate(files.model_files):
-        tree = require_dict(parsed.parse(model_path), "model states", model_path)
-        trees.append(tree)
-        if tree.get(C.MODULE) is not None:
-            raise CheckpointFormatError(
-                f"'{model_path}' holds a 'module' state dict, which a pipeline stage's model states never do "
-                f"(its weights live in the layer files): {MIXED_SAVES}",
-                path=model_path,
-            )
-        states = ModelStates(model_path, tree, {}, [str(b) for b in (tree.get(C.BUFFER_NAMES) or [])])
-        buffers += [b for b in states.buffer_names if b not in buffers]
-        stage_plans, zero_stage = _stage_trainable(files, stage, states, parsed)
-        zero_stages.add(zero_stage)
-        for name, info in stage_plans.infos.items():
+    for stage in stages:
+        path = stage.states.path
+        groups = [
+            [(n, stage.shapes.get(n) or _layer_shape(by_name, n, files.tag_dir)) for n in g] for g in stage.groups
+        ]
+        planned = zero12_trainable(groups, stage.optim, None, path, files.tag_dir)
+        for name, info in planned.infos.items():
             if name not in trainable.infos:
-                trainable.add(info, stage_plans.plans[name])
-                stage_of[name] = stage
+                trainable.add(info, planned.plans[name])
             elif trainable.infos[name].shape != info.shape:  # a tied weight: every stage holds an fp32 copy
                 raise PartitionMismatchError(
-                    f"'{model_path}': tied parameter '{name}' has shape {info.shape}, stage {stage_of[name]} records "
+                    f"'{path}': tied parameter '{name}' has shape {info.shape}, an earlier stage records "
                     f"{trainable.infos[name].shape}: {MIXED_SAVES}",
-                    path=model_path,
+                    path=path,
                     name=name,
                 )
-    _check_same_step(files.model_files, trees)
 
-    # 2. Layer files: names, frozen parameters and buffers.
-    found, order, train_dtype = _layer_tensors(files, trainable, buffers, parsed)
+    # 4. Frozen parameters and buffers from the layer files, each file checked against the masters.
+    found, train_dtype = _layer_tensors(layers, trainable, buffers)
     infos = {name: found.infos.get(name) or trainable.infos[name] for name in order}
     plans = {name: found.plans.get(name) or trainable.plans[name] for name in order}
-    metadata = _metadata(files, tag_name, trees[0], max(zero_stages), train_dtype)
+    model0 = stages[0].states.tree
+    metadata = _metadata(files, tag_name, model0, config_stage(model0.get(C.DS_CONFIG), default=1), train_dtype)
     logger.debug("opened %s: pipeline pp=%d dp=%d, %d tensors", files.tag_dir, files.pp, files.dp, len(infos))
     return PipelineCheckpoint(metadata, infos, {}, plans, parsed.opened)
 
 
-def _stage_trainable(files: PipelineFiles, stage: int, states: ModelStates, parsed: _Parsed) -> tuple[TensorPlans, int]:
-    """One stage's trainable parameters: fp32 masters partitioned over its data-parallel ranks (ZeRO-1)."""
-    shapes = param_shapes(states)
+def _read_stage(files: PipelineFiles, stage: int, parsed: _Parsed) -> _Stage:
+    """One stage's model states and optimizer partitions (ZeRO-1; ZeRO-0 bf16 trains with BF16_Optimizer)."""
+    model_path = files.model_files[stage]
+    tree = require_dict(parsed.parse(model_path), "model states", model_path)
+    if tree.get(C.MODULE) is not None:
+        raise CheckpointFormatError(
+            f"'{model_path}' holds a 'module' state dict, which a pipeline stage's model states never do "
+            f"(its weights live in the layer files): {MIXED_SAVES}",
+            path=model_path,
+        )
+    states = ModelStates(model_path, tree, {}, [str(b) for b in (tree.get(C.BUFFER_NAMES) or [])])
     optim_files = files.optim_files[stage]
-    layout = ZeroLayout(files.tag_dir, optim_files, (states.path,), False)
+    layout = ZeroLayout(files.tag_dir, optim_files, (model_path,), False)
     optim_trees = [parsed.parse(p) for p in optim_files]
-    records = {p: archive_records(p) for p in (states.path, *optim_files)}
-    check_archive_names([(None, states.path), *enumerate(optim_files)], records)
+    records = {p: archive_records(p) for p in (model_path, *optim_files)}
+    check_archive_names([(None, model_path), *enumerate(optim_files)], records)
     check_optimizer_steps(optim_files, [base_optimizer_state(t) for t in optim_trees], records)
     if len(optim_files) > 1:
         check_distinct_partitions(optim_files, records)
-    optim = optimizer_partitions(layout, optim_trees, states.tree.get(C.DS_CONFIG), files.tag_dir)
+    # BF16_Optimizer records no stage and partitions like ZeRO-1 whatever the configured stage (0 or 1).
+    optim = optimizer_partitions(layout, optim_trees, None, files.tag_dir)
     if optim.stage != 1 and optim.stage != 2:
         raise UnsupportedCheckpointError(
             f"'{optim_files[0]}' records ZeRO stage {optim.stage}; DeepSpeed pipelines train with ZeRO stage 0 or 1.",
             path=optim_files[0],
             found=optim.stage,
         )
-    return zero12_trainable(shapes.groups, optim, None, states.path, files.tag_dir), optim.stage
+    if states.param_shapes is None:  # ZeRO-0: the names are in the optimizer's slice mappings only
+        return _Stage(states, optim, _slice_mapping_names(optim, optim_files[0]), {})
+    shapes = param_shapes(states)
+    return _Stage(states, optim, [[n for n, _ in g] for g in shapes.groups], dict(p for g in shapes.groups for p in g))
+
+
+def _slice_mapping_names(optim: OptimizerPartitions, path: Path) -> list[list[str]]:
+    """Trainable names per param group from every rank's ``param_slice_mappings``, in partition order."""
+    groups: list[list[str]] = []
+    for rank, mappings in enumerate(optim.slice_mappings):
+        if not isinstance(mappings, (list, tuple)) or len(mappings) != len(optim.flat_groups[rank]):
+            raise CheckpointFormatError(
+                f"'{optim.files[rank]}' records neither param_shapes nor one param_slice_mappings per fp32 group; "
+                "zeroio cannot name its parameters.",
+                path=optim.files[rank],
+            )
+        for g, mapping in enumerate(mappings):
+            if g == len(groups):
+                groups.append([])
+            groups[g] += [str(n) for n in require_dict(mapping, C.PARAM_SLICE_MAPPINGS, path) if n not in groups[g]]
+    return groups
+
+
+def _layer_shape(by_name: dict[str, TensorRef], name: str, tag_dir: Path) -> tuple[int, ...]:
+    if name not in by_name:
+        raise _no_layer_file(tag_dir, name)
+    return tuple(by_name[name].shape)
 
 
 def _check_same_step(model_files: tuple[Path, ...], trees: list[dict[Any, Any]]) -> None:
@@ -175,14 +223,13 @@ def _layer_prefix(layer: int, keys: list[str], known: set[str], tied: dict[str, 
     return f"{_TIED}{matches[0]}." if matches else f"{layer}."
 
 
-def _layer_tensors(
-    files: PipelineFiles, trainable: TensorPlans, buffers: list[str], parsed: _Parsed
-) -> tuple[TensorPlans, list[str], torch.dtype]:
-    """Frozen parameters and buffers from the layer files, and every key in ``PipelineModule.state_dict()`` order."""
-    known = set(trainable.infos) | set(buffers)
-    tied = _tied_modules([*trainable.infos, *buffers])
-    found = TensorPlans()
-    train_dtype = torch.float32
+def _name_layers(
+    files: PipelineFiles, trainable: list[str], buffers: list[str], parsed: _Parsed
+) -> tuple[list[tuple[Path, dict[str, TensorRef]]], list[str]]:
+    """Each layer file's tensors under their state_dict names, and every key in ``PipelineModule.state_dict()`` order."""
+    known = set(trainable) | set(buffers)
+    tied = _tied_modules([*trainable, *buffers])
+    layers: list[tuple[Path, dict[str, TensorRef]]] = []
     tied_order: list[str] = []
     layer_order: list[str] = []
     records = {p: archive_records(p) for p in files.layer_files.values()}
@@ -193,13 +240,27 @@ def _layer_tensors(
         tree = require_dict(parsed.parse(path), "layer state dict", path)
         keys = [str(k) for k in tree]
         prefix = _layer_prefix(layer, keys, known, tied, path)
-        order = tied_order if prefix.startswith(_TIED) else layer_order
-        if prefix.startswith(_TIED) and prefix + keys[0] in tied_order:
+        if prefix.startswith(_TIED) and keys and prefix + keys[0] in tied_order:
             continue  # a later stage's copy of a tied module: the first stage's file is the one DeepSpeed loads
-        named = {prefix + k: tensor_ref(v, f"layer tensor '{k}'", path) for k, v in tree.items()}
+        named = {prefix + str(k): tensor_ref(v, f"layer tensor '{k}'", path) for k, v in tree.items()}
+        layers.append((path, named))
+        (tied_order if prefix.startswith(_TIED) else layer_order).extend(named)
+    seen = set(tied_order) | set(layer_order)
+    for name in [*trainable, *buffers]:
+        if name not in seen:
+            raise _no_layer_file(files.tag_dir, name)
+    return layers, tied_order + layer_order
+
+
+def _layer_tensors(
+    layers: list[tuple[Path, dict[str, TensorRef]]], trainable: TensorPlans, buffers: list[str]
+) -> tuple[TensorPlans, torch.dtype]:
+    """Frozen parameters and buffers from the layer files (checked against the masters), and the training dtype."""
+    found = TensorPlans()
+    train_dtype = torch.float32
+    for path, named in layers:
         found.update(buffer_plans(named, [n for n in named if n in buffers], path))
         for name, ref in named.items():
-            order.append(name)
             if name in trainable.infos:
                 train_dtype = ref.dtype if ref.dtype.is_floating_point else train_dtype
                 if tuple(ref.shape) != trainable.infos[name].shape:
@@ -212,11 +273,7 @@ def _layer_tensors(
             elif name not in buffers:
                 found.add(TensorInfo(name, tuple(ref.shape), ref.dtype, "frozen", (path,)), WholePlan(ref))
         _check_same_save(path, named, trainable)
-    seen = set(tied_order) | set(layer_order)
-    for name in [*trainable.infos, *buffers]:
-        if name not in seen:
-            raise _no_layer_file(files.tag_dir, name)
-    return found, tied_order + layer_order, train_dtype
+    return found, train_dtype
 
 
 def _check_same_save(path: Path, named: dict[str, TensorRef], trainable: TensorPlans) -> None:
