@@ -278,3 +278,12 @@ def test_tensor_parallel_layer_files_are_refused(tmp_path):
     (root / TAG / "layer_01-model_states.pt").rename(root / TAG / "layer_01-model_01-model_states.pt")
     with pytest.raises(errors.UnsupportedCheckpointError, match=r"tensor parallelism"):
         zeroio.open(root)
+
+
+def test_pipeline_without_optimizer_files_is_refused(tmp_path):
+    """fp32/fp16 ZeRO-0 pipelines write no '*_optim_states.pt' (the masters are not in the layer files at fp16)."""
+    root = _copy(tmp_path, FROZEN_FIXTURE)
+    for path in (root / TAG).glob("*_optim_states.pt"):
+        path.unlink()
+    with pytest.raises(errors.UnsupportedCheckpointError, match=r"without ZeRO optimizer files"):
+        zeroio.open(root)
