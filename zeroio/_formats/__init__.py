@@ -16,6 +16,8 @@ from .._pickles import require_regular_file
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
+from .pipeline import open_pipeline
+from .pipeline_files import is_pipeline
 from .tensor_parallel import is_tensor_parallel, open_tensor_parallel
 from .tensor_parallel_rules import TPRules, parse_tp_rules
 from .universal import is_universal, open_universal
@@ -56,6 +58,8 @@ def _anything(path: Path) -> bool:
 FORMATS: list[Format] = [
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
+    # Pipeline folders hold several mp_rank files too: named layer files tell them apart, so they go first.
+    Format("pipeline", is_pipeline, open_pipeline),
     Format("tensor-parallel", is_tensor_parallel, open_tensor_parallel, ("tp_rules", "ignore_recorded_tp")),
     # Last, and takes any path: its errors say what a DeepSpeed checkpoint folder should hold.
     Format("zero", _anything, _open_zero),
