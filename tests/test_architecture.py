@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
         "_convert",
         "_distributed",
         "_deploy",
+        "_key_map",
         "_verify",
         "_optim",
         "_lightning",

@@ -14,6 +14,7 @@ from torch import nn
 
 from ._checkpoint import Checkpoint
 from ._device_copy import DeviceFiller
+from ._key_map import KeyMap, apply_key_map, normalise_prefixes
 from ._metadata import CheckpointMetadata, parse_dtype
 from ._progress import ByteProgress, Progress, check_progress
 from ._text import SHOWN, listing
@@ -26,13 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["KeyMap", "LoadReport", "load"]
 
 logger = logging.getLogger(__name__)
-
-KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
-"""Checkpoint key -> model key; ``None`` drops the key."""
-
-PREFIXES = ("module.", "_forward_module.", "model.")
-"""Wrapper prefixes real checkpoints carry: DeepSpeed's engine (``module.``), Lightning's strategy wrapper
-(``_forward_module.``) and a LightningModule holding the network as ``self.model`` (``model.``)."""
 
 _SHOWN = SHOWN  # list items shown in an error message before "... and N more"
 
@@ -166,51 +160,6 @@ def _run_hooks(model: nn.Module, init_hook: InitHook | None, where: str) -> tupl
                 name=name,
             ) from exc
     return tuple(name for name, _ in calls)
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def _apply_key_map(keys: list[str], key_map: KeyMap | None) -> tuple[dict[str, str], list[str]]:
-    """``{checkpoint key: mapped key}`` and the keys the map dropped."""
-    if key_map is None:
-        return {k: k for k in keys}, []
-    mapped: dict[str, str] = {}
-    dropped: list[str] = []
-    for key in keys:
-        new = key_map.get(key, key) if isinstance(key_map, Mapping) else key_map(key)
-        if new is None:
-            dropped.append(key)
-        elif not isinstance(new, str):
-            raise TypeError(f"key_map must return a str or None, got {type(new).__name__} for {key!r}.")
-        else:
-            mapped[key] = new
-    return mapped, dropped
-
-
-def _prefix_candidates(key: str) -> list[str]:
-    """``key`` with known wrapper prefixes stripped (up to three deep) and then at most one added, shortest first."""
-    stripped = [key]
-    frontier = [key]
-    for _ in range(3):
-        frontier = [k[len(p) :] for k in frontier for p in PREFIXES if k.startswith(p) and len(k) > len(p)]
-        stripped += frontier
-    return stripped[1:] + [p + k for k in stripped for p in PREFIXES]
-
-
-def _normalise(mapped: dict[str, str], model_keys: Mapping[str, Any]) -> dict[str, str]:
-    """Rename a key only when stripping or adding a wrapper prefix makes it match a model key no other key fills."""
-    taken = {v for v in mapped.values() if v in model_keys}
-    out = dict(mapped)
-    for key, name in mapped.items():
-        if name in model_keys:
-            continue
-        for candidate in _prefix_candidates(name):
-            if candidate in model_keys and candidate not in taken:
-                out[key] = candidate
-                taken.add(candidate)
-                break
-    return out
 
 
 def _listing(keys: list[str], notes: Mapping[str, str] | None = None) -> str:
@@ -396,8 +345,8 @@ def _load(
     # 3. Match checkpoint keys to the model's parameters and persistent buffers (names and shapes only).
     by_key, all_slots = _slots(model)
     infos = ckpt.infos
-    mapped, dropped = _apply_key_map(list(infos), key_map)
-    mapped = _normalise(mapped, by_key)
+    mapped, dropped = apply_key_map(list(infos), key_map)
+    mapped = normalise_prefixes(mapped, by_key)
     plan: dict[int, tuple[_Slot, str]] = {}  # id(slot) -> (slot, checkpoint key), in checkpoint order
     claimed: dict[str, str] = {}  # model key -> checkpoint key
     unexpected: list[str] = []
