@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "WRITEBACK_BYTES",
     "ChunkBuffers",
+    "WriteBack",
     "create_new",
     "naming",
     "preallocate",
@@ -108,3 +110,71 @@ class ChunkBuffers(threading.local):
             del buf
             buf = self.by_dtype[dtype] = torch.empty(numel, dtype=dtype)
         return buf
+
+
+WRITEBACK_BYTES = 256 * 2**20
+"""Dirty bytes of one output file after which its data is flushed in the background."""
+
+
+class WriteBack:
+    """Makes output durable while it is written, not all at the end.
+
+    Every ``every`` bytes written to a file, and as soon as its last byte is, one background thread runs
+    ``fdatasync`` on it: the disk writes back while later chunks are still being read, and the final ``fsync``
+    (which the caller still makes, for metadata and certainty) finds little left. Errors are re-raised by
+    :meth:`close`; call it before closing the descriptors.
+    """
+
+    def __init__(self, every: int = WRITEBACK_BYTES) -> None:
+        self.every = every
+        self._dirty: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._wanted: list[int] = []
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="zeroio-writeback", daemon=True)
+        self._thread.start()
+
+    def wrote(self, fd: int, nbytes: int) -> None:
+        """Count ``nbytes`` written to ``fd``; past ``every`` dirty bytes, ask for a background flush."""
+        with self._lock:
+            dirty = self._dirty.get(fd, 0) + nbytes
+            if dirty >= self.every:
+                dirty = 0
+                self._ask(fd)
+            self._dirty[fd] = dirty
+
+    def finished(self, fd: int) -> None:
+        """``fd`` has all its bytes: flush it now, in the background."""
+        with self._lock:
+            self._dirty[fd] = 0
+            self._ask(fd)
+
+    def _ask(self, fd: int) -> None:
+        if fd not in self._wanted:
+            self._wanted.append(fd)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._wanted and not self._closing:
+                    self._wake.wait()
+                if not self._wanted:
+                    return
+                fd = self._wanted.pop(0)
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:  # the caller's final fsync fails the same way, naming the file
+                with self._lock:
+                    self._error = self._error or exc
+
+    def close(self) -> None:
+        """Finish the flushes asked for, stop the thread, raise the first flush error."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

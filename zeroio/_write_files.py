@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ._checkpoint import Checkpoint
-from ._fileio import ChunkBuffers, create_new, naming, preallocate, pwrite_all
+from ._fileio import ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
 from ._metadata import output_dtype
 from ._plan import WritePlan
 from ._progress import ByteProgress, Progress
@@ -108,8 +108,10 @@ def _write_safetensors(
     meter = ByteProgress(progress, plan.shards.total_size, "Converting")
     fds: list[int] = []
     stop = threading.Event()
+    writeback: WriteBack | None = None
     try:
         slot_of = {}
+        left: dict[int, int] = {}  # fd -> tensors not yet written into it
         for filename, layout in plan.layouts:
             with naming(dst / filename):
                 fd = create_new(tmp / filename)
@@ -118,32 +120,51 @@ def _write_safetensors(
                 pwrite_all(fd, layout.header, 0)
             for slot in layout.slots:
                 slot_of[slot.name] = (fd, slot, dst / filename)
+            left[fd] = len(layout.slots)
         meter.start()
+        flusher = writeback = WriteBack()
+        left_lock = threading.Lock()
 
         # 2. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
-        #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes.
+        #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes. Each file is
+        #    flushed in the background as it fills (WriteBack), so durability overlaps the rest of the work.
         buffers = ChunkBuffers()
 
         def task(name: str) -> Callable[[], None]:
             fd, slot, final = slot_of[name]
 
+            def on_bytes(nbytes: int) -> None:
+                meter.update(nbytes)
+                flusher.wrote(fd, nbytes)
+
             def run() -> None:
                 with naming(final):
-                    if copy_in_kernel(ckpt, name, plan.target, fd, slot, chunk_bytes, meter.update, stop):
-                        return
-                    chunks = ckpt.chunks(name, plan.target, chunk_bytes, buffers.get)
-                    write_chunks(fd, slot, chunks, on_bytes=meter.update, stop=stop)
+                    if not copy_in_kernel(ckpt, name, plan.target, fd, slot, chunk_bytes, on_bytes, stop):
+                        chunks = ckpt.chunks(name, plan.target, chunk_bytes, buffers.get)
+                        write_chunks(fd, slot, chunks, on_bytes=on_bytes, stop=stop)
+                with left_lock:
+                    left[fd] -= 1
+                    if left[fd] == 0 and not stop.is_set():
+                        flusher.finished(fd)
 
             return run
 
         order = [name for name in ckpt.infos if name in slot_of]
         with _pool(workers) as pool:
             _run_all(pool, [task(n) for n in order], stop)
-        # 3. Durable before the index names them.
+        writeback = None
+        with naming(dst):
+            flusher.close()
+        # 3. Durable before the index names them (each file was flushed as it filled: little is left).
         for fd, (filename, _) in zip(fds, plan.layouts):
             with naming(dst / filename):
                 os.fsync(fd)
     finally:
+        if writeback is not None:
+            try:
+                writeback.close()
+            except OSError:
+                pass  # the error that stopped the writers is the one to report
         for fd in fds:
             os.close(fd)
         meter.close()
