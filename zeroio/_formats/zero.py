@@ -31,6 +31,7 @@ from .provenance import (
     check_optimizer_steps,
 )
 from .stage0 import open_stage0
+from .training import training_facts
 from .validate import (
     ModelStates,
     OptimizerPartitions,
@@ -104,6 +105,15 @@ class ZeroCheckpoint(PlannedCheckpoint):
         """The consolidated optimizer state of one trainable parameter (see :func:`.optimizer.optimizer_state`)."""
         return optimizer_state(self, name)
 
+    @property
+    def verify_crc(self) -> bool:
+        """As :attr:`Checkpoint.verify_crc`, but False for legacy-serialized rank files: they carry no CRC-32."""
+        return bool(super().verify_crc) and self.metadata.serialization != "legacy"
+
+    @verify_crc.setter
+    def verify_crc(self, on: bool) -> None:
+        PlannedCheckpoint.verify_crc.fset(self, on)  # type: ignore[attr-defined]
+
 
 class _RankFiles:
     """The rank files unpickled while opening (restricted, lazy), kept open for the checkpoint's lifetime."""
@@ -114,7 +124,7 @@ class _RankFiles:
         self.trees: dict[Path, Any] = {}
 
     def parse(self, path: Path) -> Any:
-        tree, file = load_pickle(path, trusted_globals=self.trusted_globals)
+        tree, file = load_pickle(path, trusted_globals=self.trusted_globals, legacy=True)
         self.opened.append(file)
         self.trees[path] = tree
         return tree
@@ -140,7 +150,7 @@ def open_zero(path: Path, tag: str | None = None, *, trusted_globals: frozenset[
     else:
         contents = _open_partitioned(tag_dir, tag_name, layout, states, rank_files)
     return ZeroCheckpoint(
-        contents.metadata,
+        training_facts(contents.metadata, rank_files.opened, contents.optimizer_states),
         contents.infos,
         contents.tied,
         contents.plans,
