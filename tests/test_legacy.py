@@ -26,7 +26,7 @@ from layout_checks import (
     assert_optimizer_state_equals_engine,
     case,
 )
-from legacy_files import floats, legacy_tensor, one_tensor, stream, two_tensors_sharing_a_key_twice
+from legacy_files import floats, one_tensor, stream, two_tensors_sharing_a_key_twice
 
 import zeroio
 from zeroio._pickles import load_pickle
@@ -260,4 +260,3 @@ def test_huge_pickle_length_is_refused_in_bounded_memory(tmp_path: Path) -> None
     out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env,
                          timeout=60, check=True).stdout  # fmt: skip
     assert out.strip() in ("UnsupportedCheckpointError", "CheckpointFormatError")
-

@@ -232,7 +232,7 @@ def _require_partition_aligned(
     for j, ((pid, _), group) in enumerate(zip(ids, groups)):
         entry = state.get(pid)
         keys = _per_element_keys(entry)
-        if group.numel == 0 or not keys:
+        if group.numel == 0 or not keys or not isinstance(entry, dict):
             continue
         for key in keys:
             ref = entry[key]
