@@ -128,6 +128,7 @@ def optimizer_layout(ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "o
         path = files[rank] if rank < len(files) else zckpt.metadata.path
         state, pgroups = _torch_state_dict(base, path, rank, no_state)
         ids = _flat_group_ids(pgroups, groups, path, rank)
+        _require_partition_aligned(state, ids, groups, path, rank, what)
         if rank == 0:
             entries = tuple(pid for pid, _ in ids)
             param_group = tuple(g for _, g in ids)
@@ -211,6 +212,52 @@ def _flat_group_ids(pgroups: list[Any], groups: tuple[TensorRef, ...], path: Pat
             found=len(ids),
         )
     return ids
+
+
+def _per_element_keys(entry: Any) -> tuple[str, ...]:
+    if not isinstance(entry, dict):
+        return ()
+    return tuple(k for k, v in entry.items() if isinstance(v, TensorRef) and len(v.shape) >= 1)
+
+
+def _require_partition_aligned(
+    state: dict[Any, Any], ids: list[tuple[Any, int]], groups: tuple[TensorRef, ...], path: Path, rank: int, what: str
+) -> None:
+    """Refuse state that is not laid out like the fp32 partitions: reading it by their pieces would be wrong.
+
+    DeepSpeed's Muon keeps each rank's ``momentum_buffer`` over the whole matrices its partition touches (bf16,
+    not partition-sized) and splits every param group into a Muon half and an Adam half with different state keys.
+    """
+    seen: dict[tuple[str, ...], int] = {}
+    for j, ((pid, _), group) in enumerate(zip(ids, groups)):
+        entry = state.get(pid)
+        keys = _per_element_keys(entry)
+        if group.numel == 0 or not keys or not isinstance(entry, dict):
+            continue
+        for key in keys:
+            ref = entry[key]
+            # The last rank's partition is read without its padding: its state may hold the padded size.
+            if ref.numel not in (group.numel, group.storage.numel) or len(ref.shape) != 1:
+                raise UnsupportedCheckpointError(
+                    f"'{path}': optimizer state '{key}' of flat group {j} holds {ref.numel} elements (shape "
+                    f"{list(ref.shape)}), its fp32 partition {group.numel}: it is not partitioned like the weights "
+                    f"(DeepSpeed's Muon keeps whole matrices), so {what} cannot consolidate it without wrong values. "
+                    "The weights can still be read (zeroio.open, zeroio.convert without include_optimizer).",
+                    path=path,
+                    rank=rank,
+                    name=key,
+                )
+        seen.setdefault(keys, j)
+    if len(seen) > 1:
+        (a, i), (b, k) = list(seen.items())[:2]
+        raise UnsupportedCheckpointError(
+            f"'{path}': flat group {i} holds optimizer state {list(a)} and flat group {k} {list(b)}: param groups "
+            f"with different optimizers, which {what} does not consolidate yet. The weights can still be read "
+            "(zeroio.open, zeroio.convert without include_optimizer).",
+            path=path,
+            rank=rank,
+            name=b[0],
+        )
 
 
 def _moment_keys(state: dict[Any, Any], path: Path, no_state: str) -> list[str]:

@@ -59,7 +59,13 @@ class ArchiveRecords:
 
 
 def archive_records(path: Path) -> ArchiveRecords:
-    """Read ``path``'s zip central directory (no record data); the file was already parsed, so it is a zip."""
+    """Read ``path``'s zip central directory (no record data); the file was already parsed.
+
+    A legacy (non-zip) stream has neither a recorded name nor CRCs: nothing to compare, so its records are empty.
+    """
+    with open(path, "rb") as fh:
+        if fh.read(2) != b"PK":
+            return ArchiveRecords(None, {})
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()
     root = next((i.filename[: -len("/data.pkl")] for i in infos if i.filename.endswith("/data.pkl")), None)

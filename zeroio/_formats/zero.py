@@ -33,6 +33,7 @@ from .provenance import (
     check_optimizer_steps,
 )
 from .stage0 import open_stage0
+from .training import training_facts
 from .validate import (
     ModelStates,
     OptimizerPartitions,
@@ -106,6 +107,15 @@ class ZeroCheckpoint(PlannedCheckpoint):
         """The consolidated optimizer state of one trainable parameter (see :func:`.optimizer.optimizer_state`)."""
         return optimizer_state(self, name)
 
+    @property
+    def verify_crc(self) -> bool:
+        """As :attr:`Checkpoint.verify_crc`, but False for legacy-serialized rank files: they carry no CRC-32."""
+        return bool(super().verify_crc) and self.metadata.serialization != "legacy"
+
+    @verify_crc.setter
+    def verify_crc(self, on: bool) -> None:
+        PlannedCheckpoint.verify_crc.fset(self, on)  # type: ignore[attr-defined]
+
 
 class _RankFiles:
     """The rank files unpickled while opening (restricted, lazy), kept open for the checkpoint's lifetime."""
@@ -116,7 +126,7 @@ class _RankFiles:
         self.trees: dict[Path, Any] = {}
 
     def parse(self, path: Path) -> Any:
-        tree, file = load_pickle(path, trusted_globals=self.trusted_globals)
+        tree, file = load_pickle(path, trusted_globals=self.trusted_globals, legacy=True)
         self.opened.append(file)
         self.trees[path] = tree
         return tree
@@ -147,7 +157,7 @@ def open_zero(
     else:
         contents = _open_partitioned(tag_dir, tag_name, layout, states, rank_files)
     return ZeroCheckpoint(
-        contents.metadata,
+        training_facts(contents.metadata, rank_files.opened, contents.optimizer_states),
         contents.infos,
         contents.tied,
         contents.plans,

@@ -131,8 +131,11 @@ class RankFile:
     _records: dict[str, zipfile.ZipInfo] = field(default_factory=dict, repr=False)
     _data_offsets: dict[str, int] = field(default_factory=dict, repr=False)
     size: int = 0
+    legacy_offsets: dict[str, int] | None = field(default=None, repr=False)
+    """For a legacy (non-zip) stream: each storage's data offset, indexed at parse time (see ``.legacy``)."""
     source: CheckedFile = field(init=False, repr=False)
-    """The file's bytes; reads of storage records are checked against their CRC-32 (``zeroio._integrity``)."""
+    """The file's bytes; reads of zip storage records are checked against their CRC-32 (``zeroio._integrity``).
+    A legacy stream has no CRC: no record is registered, so nothing is checked."""
 
     def __post_init__(self) -> None:
         self.source = CheckedFile(self.path, self.size or None)
@@ -140,6 +143,11 @@ class RankFile:
     def close(self) -> None:
         """Release the file descriptor; idempotent."""
         self.source.close()
+
+    @property
+    def serialization(self) -> str:
+        """``zip`` (torch's default, with a CRC-32 per record) or ``legacy`` (the non-zip stream, no checksum)."""
+        return "zip" if self.legacy_offsets is None else "legacy"
 
     @property
     def read_offsets(self) -> dict[str, int]:
@@ -151,6 +159,9 @@ class RankFile:
         offset = self._data_offsets.get(key)
         if offset is not None:
             return offset
+        if self.legacy_offsets is not None and key in self.legacy_offsets:
+            self._data_offsets[key] = self.legacy_offsets[key]
+            return self.legacy_offsets[key]
         info = self._records.get(key)
         if info is None:
             raise CheckpointFormatError(

@@ -17,7 +17,8 @@ import torch
 
 from ..errors import CheckpointFormatError, UnsafePickleError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
-from .archive import RankFile, Storage, TensorRef, itemsize, read_archive
+from .archive import RankFile, Storage, TensorRef, itemsize, read_archive, require_regular_file
+from .legacy import PickleWindow, index_storages, is_legacy_head, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH
 from .standins import Inert, inert_class
 
@@ -27,10 +28,12 @@ __all__ = ["load_pickle"]
 class _RestrictedUnpickler(pickle.Unpickler):
     """Resolves only allowlisted globals; tensors become ``PendingTensor`` records."""
 
-    def __init__(self, data: bytes, path: Path, trusted: frozenset[str]) -> None:
-        super().__init__(io.BytesIO(data), encoding="utf-8")
+    def __init__(self, data: bytes | PickleWindow, path: Path, trusted: frozenset[str], legacy: bool = False) -> None:
+        super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data, encoding="utf-8")
         self._path = path
         self._trusted = trusted
+        self._legacy = legacy
+        """A legacy stream's persistent ids carry a sixth field, view metadata, always None."""
         self.storages: dict[str, Storage] = {}
         self.created: dict[str, tuple[Any, ...]] = {}
         """Each storage's fields as created: a BUILD on a storage record must not change them unseen."""
@@ -49,9 +52,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
     def persistent_load(self, pid: Any) -> Storage:
+        if self._legacy and isinstance(pid, tuple) and len(pid) == 6 and pid[5] is None:
+            pid = pid[:5]
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CheckpointFormatError(
-                f"Unexpected persistent id {short_repr(pid)} in '{self._path}': not a torch zip checkpoint storage. "
+                f"Unexpected persistent id {short_repr(pid)} in '{self._path}': not a torch checkpoint storage. "
                 "Re-save the file with torch.save.",
                 path=self._path,
             )
@@ -166,18 +171,9 @@ def _bind_one(obj: Any, file: RankFile, bind: Any) -> Any:
     return obj
 
 
-def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str] = frozenset()) -> tuple[Any, RankFile]:
-    """Parse a torch zip checkpoint without reading any tensor bytes.
-
-    Returns the object tree (tensors as :class:`TensorRef`) and the :class:`RankFile`
-    that reads them. Raises a :mod:`zeroio.errors` exception for anything that is
-    not a well-formed torch zip archive or asks for a global outside the allowlist.
-    """
-    archive = read_archive(Path(path))
-    path, records = archive.path, archive.records
-    unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
+def _unpickle(unpickler: _RestrictedUnpickler, path: Path) -> Any:
     try:
-        tree = unpickler.load()
+        return unpickler.load()
     except ZeroIOError as exc:
         if exc.path is not None:
             raise
@@ -189,7 +185,9 @@ def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str]
             "not written by torch.save; copy it again.",
             path=path,
         ) from exc
-    file = RankFile(path, records, size=archive.size)
+
+
+def _check_unchanged(unpickler: _RestrictedUnpickler, path: Path) -> None:
     for key, storage in unpickler.storages.items():
         if (storage.key, storage.dtype, storage.numel) != unpickler.created[key]:
             raise UnsafePickleError(
@@ -197,6 +195,54 @@ def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str]
                 "or corrupted; do not use it.",
                 path=path,
             )
+
+
+def _is_legacy(path: Path) -> bool:
+    try:
+        require_regular_file(path)
+        with open(path, "rb") as fh:
+            return is_legacy_head(fh.read(1))
+    except (OSError, ZeroIOError):
+        return False  # read_archive names the problem
+
+
+def _load_legacy(path: Path, trusted: frozenset[str]) -> tuple[Any, RankFile]:
+    """A legacy stream: header, object tree and key list read through a window; storages indexed by offset."""
+    with open(path, "rb") as fh:
+        fd, size = fh.fileno(), os.fstat(fh.fileno()).st_size
+        window = PickleWindow(fd, path, size)
+        read_legacy_header(window, path)
+        unpickler = _RestrictedUnpickler(window, path, trusted, legacy=True)
+        tree = _unpickle(unpickler, path)
+        _check_unchanged(unpickler, path)
+        keys = read_storage_keys(window, path)
+        declared = {k: (s.numel, itemsize(s.dtype)) for k, s in unpickler.storages.items()}
+        offsets = index_storages(fd, path, size, window.position, keys, declared)
+    file = RankFile(path, size=size, legacy_offsets=offsets)
+    return _bind(tree, file), file
+
+
+def load_pickle(
+    path: str | os.PathLike[str], *, trusted_globals: frozenset[str] = frozenset(), legacy: bool = False
+) -> tuple[Any, RankFile]:
+    """Parse a torch checkpoint without reading any tensor bytes.
+
+    ``legacy=True`` also reads torch's legacy non-zip stream (DeepSpeed's ``checkpoint_serialization: false``
+    rank files); otherwise such a file is refused with a re-save hint, as for consolidated files.
+
+    Returns the object tree (tensors as :class:`TensorRef`) and the :class:`RankFile`
+    that reads them. Raises a :mod:`zeroio.errors` exception for anything that is
+    not a well-formed torch checkpoint or asks for a global outside the allowlist.
+    """
+    if legacy and _is_legacy(Path(path)):
+        return _load_legacy(Path(path), trusted_globals)
+    archive = read_archive(Path(path))
+    path, records = archive.path, archive.records
+    unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
+    tree = _unpickle(unpickler, path)
+    file = RankFile(path, records, size=archive.size)
+    _check_unchanged(unpickler, path)
+    for storage in unpickler.storages.values():
         record = records.get(storage.key)
         needed = storage.numel * itemsize(storage.dtype)
         if record is None or record.file_size < needed:

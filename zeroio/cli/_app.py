@@ -55,6 +55,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("serialized", meta.get("serialization")),
         ("optimizer", meta.get("optimizer")),
     ]
+    if meta.get("serialization") == "legacy":
+        facts[-2] = ("serialized", "legacy (no CRC-32 in the files to check)")
     for label, value in facts:
         if value is not None:
             out.write(f"{label:<11} {value}\n")
