@@ -5,13 +5,15 @@ Adding a checkpoint layout takes one module (detect + open) and one line in ``FO
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .._checkpoint import Checkpoint
 from .._layout import is_zero_checkpoint
 from .._pickles import require_regular_file
+from .._remote import RemotePath, as_path
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
@@ -66,11 +68,12 @@ def open_checkpoint(path: Path, tag: str | None, trusted_globals: frozenset[str]
 
 
 def open(
-    path: StrPath,
+    path: StrPath | RemotePath,
     tag: str | None = None,
     *,
     trusted_globals: Iterable[str] = (),
     verify_crc: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -82,6 +85,9 @@ def open(
         verify_crc: check every zip record read (torch ``.pt``/``.bin`` files) against its stored CRC-32 and raise
             CheckpointFormatError on a mismatch (see :attr:`Checkpoint.verify_crc`). False reads corrupted bytes
             silently, as torch.load does. Safetensors files have no checksum to check.
+        storage_options: for a URL path (``s3://``, ``gs://``, ``hf://``, ``https://``), options of its fsspec
+            filesystem (credentials, ``endpoint_url``, ...); the standard environment variables apply otherwise
+            (docs/remote.md).
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -96,7 +102,7 @@ def open(
         ...     print(ckpt.metadata.zero_stage, ckpt.metadata.world_size, ckpt["emb.weight"].shape)
         3 2 torch.Size([13, 7])
     """
-    p = Path(path)
+    p = as_path(path, storage_options)
     if not p.exists():
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
     if not p.is_dir():

@@ -60,7 +60,7 @@ class ArchiveRecords:
 
 def archive_records(path: Path) -> ArchiveRecords:
     """Read ``path``'s zip central directory (no record data); the file was already parsed, so it is a zip."""
-    with zipfile.ZipFile(path) as archive:
+    with path.open("rb") as fh, zipfile.ZipFile(fh) as archive:
         infos = archive.infolist()
     root = next((i.filename[: -len("/data.pkl")] for i in infos if i.filename.endswith("/data.pkl")), None)
     prefix = f"{root}/data/"

@@ -13,6 +13,7 @@ from .. import _constants as C
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
+from .._remote import as_path
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .moe import Experts, insert_experts, parse_experts
 from .optimizer import optimizer_state
@@ -72,7 +73,7 @@ class ZeroCheckpoint(PlannedCheckpoint):
         Raises KeyError for a file that was not read (e.g. a later rank's model states at ZeRO-1/2).
         """
         self.ensure_open()
-        return self._trees[Path(path)]
+        return self._trees[as_path(path)]
 
     @property
     def parsed_files(self) -> tuple[Path, ...]:

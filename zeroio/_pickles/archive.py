@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .._integrity import CheckedFile
-from .._storage import ByteRange
+from .._storage import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .limits import MAX_PICKLE_BYTES
 
@@ -135,7 +135,7 @@ class RankFile:
     """The file's bytes; reads of storage records are checked against their CRC-32 (``zeroio._integrity``)."""
 
     def __post_init__(self) -> None:
-        self.source = CheckedFile(self.path, self.size or None)
+        self.source = CheckedFile(open_source(self.path, self.size or None))
 
     def close(self) -> None:
         """Release the file descriptor; idempotent."""
@@ -253,7 +253,7 @@ def read_archive(path: Path) -> Archive:
     try:
         require_regular_file(path)
         size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with path.open("rb") as fh:
             magic = fh.read(4)
             if magic[:2] != b"PK":
                 if magic[:1] == b"\x80":

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._remote import as_path
 from ..errors import CheckpointFormatError, UnsafePickleError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, itemsize, read_archive
@@ -173,7 +174,7 @@ def load_pickle(path: str | os.PathLike[str], *, trusted_globals: frozenset[str]
     that reads them. Raises a :mod:`zeroio.errors` exception for anything that is
     not a well-formed torch zip archive or asks for a global outside the allowlist.
     """
-    archive = read_archive(Path(path))
+    archive = read_archive(as_path(path))
     path, records = archive.path, archive.records
     unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
     try:
