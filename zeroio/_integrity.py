@@ -20,6 +20,7 @@ import bisect
 import threading
 import zlib
 from dataclasses import dataclass, field
+
 import torch
 
 from ._crc32 import crc32_combine

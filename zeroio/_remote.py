@@ -33,18 +33,29 @@ __all__ = ["RemotePath", "as_path", "is_url"]
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 # protocol -> (module fsspec needs, what to install, how to fix refused access)
+_S3_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), AWS_ENDPOINT_URL for an S3-compatible store, "
+    "or pass storage_options (e.g. {'anon': True} for a public bucket)."
+)
+_GCS_FIX = (
+    "set GOOGLE_APPLICATION_CREDENTIALS (or run `gcloud auth application-default login`), or pass storage_options "
+    "(e.g. {'token': 'anon'} for a public bucket)."
+)
+_HF_FIX = "set HF_TOKEN (or run `hf auth login`) with read access to the repository; HF_ENDPOINT for another Hub."
 _BACKENDS: dict[str, tuple[str, str, str]] = {
-    "s3": ("s3fs", "pip install 'zeroio[s3]'",
-           "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), AWS_ENDPOINT_URL for an S3-compatible "
-           "store, or pass storage_options (e.g. {'anon': True} for a public bucket)."),
-    "gs": ("gcsfs", "pip install 'zeroio[gcs]'",
-           "set GOOGLE_APPLICATION_CREDENTIALS (or run `gcloud auth application-default login`), or pass "
-           "storage_options (e.g. {'token': 'anon'} for a public bucket)."),
-    "hf": ("huggingface_hub", "pip install huggingface_hub",
-           "set HF_TOKEN (or run `hf auth login`) with read access to the repository; HF_ENDPOINT for another Hub."),
-    "http": ("aiohttp", "pip install aiohttp", "pass the headers the server needs in storage_options={'headers': ...}."),
-}  # fmt: skip
+    "s3": ("s3fs", "pip install 'zeroio[s3]'", _S3_FIX),
+    "gs": ("gcsfs", "pip install 'zeroio[gcs]'", _GCS_FIX),
+    "hf": ("huggingface_hub", "pip install huggingface_hub", _HF_FIX),
+    "http": (
+        "aiohttp",
+        "pip install aiohttp",
+        "pass the headers the server needs in storage_options={'headers': ...}.",
+    ),
+}
 _ALIASES = {"s3a": "s3", "gcs": "gs", "https": "http"}
+_CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_")
+_FILESYSTEMS: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
+_FS_LOCK = threading.Lock()
 
 
 def is_url(path: object) -> bool:
@@ -78,18 +89,28 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
             raise RemoteStorageError(
                 f"Reading '{url}' needs the '{needed}' package, which is not installed: {install}", path=url
             )
-    import fsspec.core
+    import fsspec.core  # type: ignore[import-untyped]
 
     options = dict(storage_options or {})
     if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             options["endpoint_url"] = endpoint
-    options.setdefault("skip_instance_cache", True)  # credentials may change between opens (env, profile)
+    # One filesystem per (URL scheme, options, credential variables): creating one (a botocore session) costs
+    # more than reading a small checkpoint, and a change of credentials in the environment must not be missed.
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CREDENTIAL_VARIABLES)))
+    cache_key = (protocol, repr(sorted(options.items())), env)
     try:
-        fs, key = fsspec.core.url_to_fs(url, **options)
+        with _FS_LOCK:
+            fs = _FILESYSTEMS.get(cache_key)
+            if fs is None:
+                fs, key = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+                _FILESYSTEMS[cache_key] = fs
+            else:
+                key = fs._strip_protocol(url)
     except (ImportError, ValueError) as exc:
         raise RemoteStorageError(f"Cannot open '{url}': {exc}. {install}", path=url) from exc
+    fs.invalidate_cache()  # zeroio lists once per open (RemoteTree); a listing cached by an earlier open may be stale
     return fs, str(key).rstrip("/"), protocol
 
 
@@ -105,6 +126,7 @@ class RemoteTree:
         self._sizes: dict[str, int | None] = {}  # key -> size, None for a folder
         self._children: dict[str, set[str]] = {}  # folder key -> child names, for listed folders
         self._deep: list[str] = []  # keys listed recursively
+        self._sources: dict[str, RemoteFile] = {}
 
     def url(self, key: str) -> str:
         return f"{self.protocol}://{key}"
@@ -170,6 +192,17 @@ class RemoteTree:
                 self._list_folder(key.rsplit("/", 1)[0])
             return self._sizes.get(key, "absent")
 
+    def source(self, key: str, size: int) -> RemoteFile:
+        """The one :class:`RemoteFile` of ``key`` (shared: what one reader fetched, the next need not)."""
+        with self._lock:
+            found = self._sources.get(key)
+            if found is None or found.size != size:
+                fs = self.fs
+                found = self._sources[key] = RemoteFile(
+                    self.url(key), lambda start, end: fs.cat_file(key, start=start, end=end), size, self.fix_auth
+                )
+            return found
+
     def children(self, key: str) -> list[str]:
         with self._lock:
             self._list_root()
@@ -205,6 +238,9 @@ class RemotePath:
 
     def __hash__(self) -> int:
         return hash(str(self))
+
+    def __lt__(self, other: RemotePath) -> bool:
+        return str(self) < str(other)
 
     def __truediv__(self, name: str) -> RemotePath:
         parts = [p for p in str(name).replace("\\", "/").split("/") if p not in ("", ".")]
@@ -261,7 +297,7 @@ class RemotePath:
     def stat(self) -> os.stat_result:
         """Mode and size only: an object is a regular file, a prefix a folder."""
         size = self._tree.size_of(self._key)
-        if size == "absent":
+        if isinstance(size, str):
             raise FileNotFoundError(2, "No such object", str(self))
         mode = stat_mod.S_IFDIR | 0o555 if size is None else stat_mod.S_IFREG | 0o444
         return os.stat_result((mode, 0, 0, 1, 0, 0, size or 0, 0, 0, 0))
@@ -269,11 +305,7 @@ class RemotePath:
     # ----------------------------------------------------------------- bytes
     def byte_source(self, size: int | None = None) -> RemoteFile:
         """A :class:`RemoteFile` reading this object with ranged requests."""
-        tree, key = self._tree, self._key
-        if size is None:
-            size = self.stat().st_size
-        return RemoteFile(str(self), lambda start, end: tree.fs.cat_file(key, start=start, end=end), size,
-                          tree.fix_auth)  # fmt: skip
+        return self._tree.source(self._key, size if size is not None else self.stat().st_size)
 
     def open(self, mode: str = "rb") -> io.BufferedIOBase:
         """A seekable binary reader (zipfile reads archive directories with it), each read one ranged request."""
@@ -289,6 +321,10 @@ class RemotePath:
         return self.read_bytes().decode(encoding, errors)
 
 
+_ZIP_END_BYTES = 22  # the end-of-central-directory record (no comment: torch writes none)
+_ZIP_TAIL_BYTES = 22 + 20 + 56  # ... plus the zip64 locator and end record, or the end of the central directory
+
+
 class _Reader(io.RawIOBase):
     """A file object over a :class:`RemoteFile`: exact ranged reads, no read-ahead (pickles and zip headers)."""
 
@@ -296,6 +332,7 @@ class _Reader(io.RawIOBase):
         super().__init__()
         self._source = source
         self._pos = 0
+        self._tail = False
 
     def readable(self) -> bool:
         return True
@@ -311,14 +348,26 @@ class _Reader(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
+    def prefetch(self, start: int, end: int) -> None:
+        """Fetch ``[start, end)`` at once: the reads that follow (a zip entry's header, name, extra, data) hit it."""
+        self._source.prefetch(start, end)
+
+    def _at_tail(self) -> None:
+        if self._pos >= self._source.size - _ZIP_END_BYTES and not self._tail:
+            # zipfile reads the end record, the zip64 locator and the zip64 end record one by one: one request.
+            self._tail = True
+            self._source.prefetch(self._source.size - _ZIP_TAIL_BYTES, self._source.size)
+
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
+        self._at_tail()
         data = self._source.read_bytes(self._pos, len(view))
         view[: len(data)] = data
         self._pos += len(data)
         return len(data)
 
     def readall(self) -> bytes:
+        self._at_tail()
         data = self._source.read_bytes(self._pos, max(0, self._source.size - self._pos))
         self._pos += len(data)
         return data

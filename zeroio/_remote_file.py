@@ -39,6 +39,8 @@ COALESCE_BYTES = 4 * 2**20
 """A read smaller than this fetches this much (up to the next fence), serving the reads that follow it."""
 MAX_IN_FLIGHT = 16
 """Parts fetched at once by the shared pool (plus one per reading thread)."""
+METADATA_CACHE_BYTES = 4 * 2**20
+"""Metadata bytes (zip directories, pickles) kept per file: parsers re-read them (e.g. the central directory)."""
 MAX_CACHED = 8
 """Fetched segments kept for reads still to come, per file; older ones are dropped."""
 ATTEMPTS = 6
@@ -124,6 +126,7 @@ class RemoteFile:
         self._lock = threading.Lock()
         self._segments: list[_Segment] = []  # sorted by start, disjoint
         self._fences: list[int] = []
+        self._metadata: list[tuple[int, bytes]] = []  # (start, bytes) read by read_bytes/prefetch, oldest first
         self.requests = 0
         """Ranged requests made (retries included): for tests and docs/remote.md's numbers."""
 
@@ -155,10 +158,32 @@ class RemoteFile:
     # ----------------------------------------------------------------- reads
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
+        """Exact bytes (metadata: zip directories, headers, pickles), served from :meth:`prefetch`ed ones if there."""
         end = min(self._size, offset + nbytes)
         if end <= offset:
             return b""
-        return self._fetch(offset, end)
+        with self._lock:
+            for start, data in self._metadata:
+                if start <= offset and end <= start + len(data):
+                    return data[offset - start : end - start]
+        data = self._fetch(offset, end)
+        if end - offset <= METADATA_CACHE_BYTES // 4:
+            self._remember(offset, data)
+        return data
+
+    def prefetch(self, start: int, end: int) -> None:
+        """Fetch ``[start, end)`` in one request for the :meth:`read_bytes` calls about to read it in pieces."""
+        start, end = max(0, start), min(self._size, end)
+        with self._lock:
+            if end <= start or any(s <= start and end <= s + len(d) for s, d in self._metadata):
+                return
+        self._remember(start, self._fetch(start, end))
+
+    def _remember(self, start: int, data: bytes) -> None:
+        with self._lock:
+            self._metadata.append((start, data))
+            while sum(len(d) for _, d in self._metadata) > METADATA_CACHE_BYTES and len(self._metadata) > 1:
+                self._metadata.pop(0)
 
     def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
         nbytes = out.numel() * out.element_size()
@@ -226,13 +251,20 @@ class RemoteFile:
     def _run(self, seg: _Segment) -> None:
         try:
             seg.data = self._fetch(seg.start, seg.end)
-        except BaseException as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to every reader of the segment, raised there
             seg.error = exc
-            with self._lock:
-                if seg in self._segments:
-                    self._segments.remove(seg)  # a later read tries again
+            self._forget(seg)
+        except BaseException as exc:  # an interrupt: the readers waiting on this segment fail too
+            seg.error = exc
+            self._forget(seg)
+            raise
         finally:
             seg.done.set()
+
+    def _forget(self, seg: _Segment) -> None:
+        with self._lock:
+            if seg in self._segments:
+                self._segments.remove(seg)  # a later read tries again
 
     def _fetch(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` in one ranged request, retried; a body of the wrong length is retried too."""
