@@ -107,7 +107,7 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
                 fs, key = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
                 _FILESYSTEMS[cache_key] = fs
             else:
-                key = fs._strip_protocol(url)
+                key = fsspec.core.strip_protocol(url)
     except (ImportError, ValueError) as exc:
         raise RemoteStorageError(f"Cannot open '{url}': {exc}. {install}", path=url) from exc
     fs.invalidate_cache()  # zeroio lists once per open (RemoteTree); a listing cached by an earlier open may be stale
