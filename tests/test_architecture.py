@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     # 0. vocabulary: no zeroio imports but each other
     ("errors", "_types", "_constants", "_text"),
     # 1. storage: byte sources to read from, primitives for files to write
-    ("_crc32", "_storage", "_integrity", "_fileio"),
+    ("_crc32", "_storage", "_remote_file", "_remote", "_integrity", "_fileio"),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
     ("_pickles",),
     # 3. metadata, partition arithmetic, layouts, the Checkpoint (reader contract) and its format readers

@@ -153,24 +153,24 @@ def test_existing_folder_with_a_file_like_name_is_still_a_folder(tmp_path):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["inspect", "s3://bucket/x"],
-        ["convert", "s3://bucket/x", "out"],
-        ["verify", "gs://bucket/a", "out"],
         ["push", "hf://bucket/x", "me/model"],
         ["reshard", "s3://bucket/x", "out", "--world-size", "2"],
     ],
-    ids=["inspect", "convert", "verify", "push", "reshard"],
+    ids=["push", "reshard"],
 )
 def test_remote_source_is_not_supported_yet(tmp_path, monkeypatch, capsys, argv):
-    """A URL is named as typed (not folded into 's3:/bucket/x') and said to be unsupported, in one line."""
+    """A URL is named as typed (not folded into 's3:/bucket/x') and said to be unsupported, in one line.
+
+    inspect, convert and verify read URLs: tests/test_remote_*.py."""
     monkeypatch.chdir(tmp_path)
     url = next(a for a in argv if "://" in a)
     assert main(argv) == 1
     assert capsys.readouterr() == (
         "",
         (
-            f"Unsupported checkpoint: '{url}' is a URL; remote storage is not supported yet. Download or mount it "
-            f"and pass a local path.\n{HINT}\n"
+            f"Unsupported checkpoint: '{url}' is a URL; this command reads local paths only (inspect, convert and "
+            f"verify read URLs). Convert it to a local folder first (zeroio convert URL DST), or download or mount "
+            f"it.\n{HINT}\n"
         ),
     )
     assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,6 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -14,6 +13,7 @@ from typing_extensions import Self
 
 from ._integrity import CheckedFile
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
+from ._remote import as_path
 from ._storage import ByteRange
 from .errors import CheckpointClosedError, TensorNotFoundError
 
@@ -395,7 +395,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                     "nbytes": info.nbytes,
                     "kind": info.kind,
                     "tied_to": info.tied_to,
-                    "files": [str(Path(f).name) for f in info.files],
+                    "files": [as_path(f).name for f in info.files],
                 }
             )
         distinct = [i for n, i in self._infos.items() if n not in self._tied]

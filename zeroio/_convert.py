@@ -19,6 +19,7 @@ from ._metadata import output_dtype, parse_dtype
 from ._model_card import card_facts
 from ._plan import WritePlan
 from ._progress import Progress, check_progress
+from ._remote import as_path
 from ._sharding import parse_size
 from ._types import StrPath
 from .errors import OutputError
@@ -93,7 +94,7 @@ def _convert_lightning(
     dst = Path(os.path.abspath(dst))
     if not dst.is_dir():
         AtomicDir(dst, overwrite=overwrite).check()
-    if overwrite and dst.is_file() and dst.resolve() == Path(src).resolve():
+    if overwrite and dst.is_file() and dst.resolve() == as_path(src).resolve():
         raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
     with zeroio_open(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc, tp_rules=tp_rules) as ckpt:
         # 2. Missing parent folders are created, as convert creates them for an output folder.

@@ -25,6 +25,7 @@ from ._fileio import naming, write_new_file
 from ._metadata import CheckpointMetadata
 from ._plan import WritePlan, plan_write
 from ._progress import Progress
+from ._remote import as_path
 from ._sharding import assign_shards
 from ._side_files import copy_side_files
 from ._types import StrPath
@@ -131,7 +132,7 @@ def _run(
         try:
             if rank == 0:
                 out.check()
-                if out.overwrite and os.path.lexists(out.dst) and _is_within(Path(src), out.dst):
+                if out.overwrite and os.path.lexists(out.dst) and _is_within(as_path(src), out.dst):
                     raise OutputError(
                         f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
                         path=out.dst,
@@ -208,7 +209,7 @@ def _run(
                     with naming(out.dst / plan.index_name):
                         write_new_file(tmp / plan.index_name, plan.index)
                 copied = list(
-                    copy_side_files(Path(src), tmp, dtype=target)
+                    copy_side_files(as_path(src), tmp, dtype=target)
                 )  # HF Trainer checkpoint-N: config, tokenizer
             except BaseException as exc:  # noqa: BLE001
                 error = exc

@@ -1,7 +1,7 @@
 """CRC-32 checks of the zip records zeroio reads: every byte read is folded into its record's CRC, in any order.
 
 A torch zip archive stores a CRC-32 per record that ``torch.load`` never checks, so a flipped bit in a tensor
-converts silently. :class:`CheckedFile` is a :class:`LocalFile` that knows the archive's records (registered as
+converts silently. :class:`CheckedFile` wraps a byte source (local or remote) and knows the archive's records (registered as
 their data offsets are looked up) and checks a record once every one of its bytes has been seen:
 
 * reads (``read_into``) are folded in as they happen, from any thread and in any order (CRCs of the pieces are
@@ -17,16 +17,14 @@ A mismatch raises :class:`CheckpointFormatError` naming the file and the record,
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ._crc32 import crc32_combine
-from ._storage import LocalFile, tensor_bytes
+from ._storage import ByteSource, Fenced, can_copy_in_kernel, tensor_bytes
 from .errors import CheckpointFormatError
 
 __all__ = ["CheckedFile"]
@@ -91,16 +89,17 @@ class _Record:
                 self.found = got
 
 
-class CheckedFile(LocalFile):
-    """A local zip archive whose record reads are checked against the records' CRC-32 (see the module doc).
+class CheckedFile:
+    """A zip archive (any :class:`ByteSource`) whose record reads are checked against the records' CRC-32 (see the module doc).
 
     Checks start once ``verify`` is set: ``zeroio.open`` sets it after parsing (``verify_crc=True``), so the few
     samples a format reader reads while opening are never checked, and ``verify_crc=False`` means no check at all.
     Records are registered with :meth:`expect` before they are read.
     """
 
-    def __init__(self, path: Path, size: int | None = None) -> None:
-        super().__init__(path, size)
+    def __init__(self, source: ByteSource) -> None:
+        self.source = source
+        """The bytes checked."""
         self.verify = False
         self._records: list[_Record] = []
         self._starts: list[int] = []
@@ -116,18 +115,41 @@ class CheckedFile(LocalFile):
                 return
             self._starts.insert(i, start)
             self._records.insert(i, _Record(name, start, size, crc & 0xFFFFFFFF))
+        if isinstance(self.source, Fenced):
+            self.source.fence(start + size)  # reading ahead past a record could fetch bytes never needed
+
+    # ----------------------------------------------------------------- the ByteSource protocol, delegated
+
+    def __repr__(self) -> str:
+        return f"CheckedFile({self.source!r})"
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def size(self) -> int:
+        return self.source.size
+
+    def read_bytes(self, offset: int, nbytes: int) -> bytes:
+        return self.source.read_bytes(offset, nbytes)
+
+    def close(self) -> None:
+        self.source.close()
 
     # ----------------------------------------------------------------- reads
 
     def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
-        super().read_into(offset, out, what)
+        self.source.read_into(offset, out, what)
         if self.verify and out.numel():
             self._saw(offset, tensor_bytes(out))
 
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
+        if not can_copy_in_kernel(self.source):
+            return None  # the caller streams through read_into, which checks as it reads
         if self.verify and self._unchecked(offset, offset + nbytes):
             self._read_and_check(offset, offset + nbytes)  # the copy below then reads from the page cache
-        return super().copy_to(fd, offset, nbytes, dst_offset)
+        return self.source.copy_to(fd, offset, nbytes, dst_offset)
 
     def finish(self) -> None:
         """Read what reads left out of each record read in part and check it; raise on the first mismatch."""
@@ -163,19 +185,13 @@ class CheckedFile(LocalFile):
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
         buffer = getattr(self._scratch, "buffer", None)
         if buffer is None:
-            buffer = self._scratch.buffer = bytearray(_SCRATCH_BYTES)
-        view = memoryview(buffer)
+            buffer = self._scratch.buffer = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
         at = lo
         while at < hi:
-            got = os.preadv(self.fileno(), [view[: min(_SCRATCH_BYTES, hi - at)]], at)
-            if got <= 0:
-                raise CheckpointFormatError(
-                    f"'{self.path}' ends after {at} bytes, inside a tensor record: the file is truncated. "
-                    "Copy it again from where it was saved.",
-                    path=self.path,
-                )
-            self._saw(at, view[:got])
-            at += got
+            piece = buffer[: min(_SCRATCH_BYTES, hi - at)]
+            self.source.read_into(at, piece, "a tensor record")  # a short source raises, naming itself
+            self._saw(at, tensor_bytes(piece))
+            at += piece.numel()
 
     def _saw(self, offset: int, data: memoryview) -> None:
         """Fold the bytes ``data`` read at file ``offset`` into the CRCs of the records they lie in."""
@@ -208,8 +224,8 @@ class CheckedFile(LocalFile):
     def _raise_if_bad(self, record: _Record) -> None:
         if record.found is not None:
             raise CheckpointFormatError(
-                f"'{self.path}': record '{record.name}' ({record.size} bytes) fails its CRC-32 check (stored "
+                f"'{self.name}': record '{record.name}' ({record.size} bytes) fails its CRC-32 check (stored "
                 f"{record.crc:08x}, read {record.found:08x}): the file is corrupted; copy it again from where it "
                 "was saved (or pass verify_crc=False / --no-verify-crc to read it anyway).",
-                path=self.path,
+                path=self.name,
             )

@@ -17,6 +17,7 @@ import torch
 from ._atomic import clean_stale, fsync_dir, temp_name, try_lock
 from ._checkpoint import Checkpoint
 from ._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
+from ._remote import as_path
 from ._types import DTypeLike, StrPath
 from .errors import OutputError, UnsupportedCheckpointError, ZeroIOError
 
@@ -115,9 +116,9 @@ def _client_state_file(ckpt: Checkpoint) -> Path | None:
     meta = ckpt.metadata
     if meta.format == "zero":
         model_files = meta.extra.get("model_files") or []
-        return Path(meta.path) / str(model_files[0]) if model_files else None
+        return as_path(meta.path) / str(model_files[0]) if model_files else None
     if meta.format == "torch" and meta.extra.get("index") is None and meta.extra.get("state_dict_key") == "state_dict":
-        return Path(meta.path)
+        return as_path(meta.path)
     return None
 
 

@@ -78,7 +78,7 @@ def copy_side_files(src: Path, dst: Path, *, dtype: torch.dtype | None = None) -
     """
     copied: list[str] = []
     for path in find_side_files(src):
-        with open(path, "rb") as fin, open(dst / path.name, "xb") as fout:
+        with path.open("rb") as fin, open(dst / path.name, "xb") as fout:
             if path.name == "config.json" and dtype is not None:
                 fout.write(config_with_dtype(fin.read(), dtype))
             else:

@@ -1,4 +1,4 @@
-"""Byte sources: the storage layer every format reader reads through (local files today)."""
+"""Byte sources: the storage layer every format reader reads through (local files; remote objects in _remote)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,16 @@ import torch
 
 from .errors import CheckpointFormatError
 
-__all__ = ["ByteRange", "ByteSource", "LocalFile", "kernel_copy_enabled", "tensor_bytes"]
+__all__ = [
+    "ByteRange",
+    "ByteSource",
+    "Fenced",
+    "LocalFile",
+    "can_copy_in_kernel",
+    "kernel_copy_enabled",
+    "open_source",
+    "tensor_bytes",
+]
 
 
 @runtime_checkable
@@ -52,6 +61,15 @@ class ByteSource(Protocol):
 
     def close(self) -> None:
         """Release handles; idempotent. A later read reopens."""
+        ...
+
+
+@runtime_checkable
+class Fenced(Protocol):
+    """A source that reads ahead (a remote object): told where reading ahead must stop (a zip record's end)."""
+
+    def fence(self, offset: int) -> None:
+        """Never read ahead across ``offset``."""
         ...
 
 
@@ -145,3 +163,20 @@ class LocalFile:
             if exc.errno in _NO_KERNEL_COPY:
                 return None
             raise
+
+
+def can_copy_in_kernel(source: ByteSource) -> bool:
+    """True when ``source.copy_to`` may copy without user space (a local file, kernel copies enabled)."""
+    return isinstance(source, LocalFile) and kernel_copy_enabled()
+
+
+def open_source(path: Path, size: int | None = None) -> ByteSource:
+    """The byte source of a file: a :class:`LocalFile`, or a remote path's own (``zeroio._remote.RemotePath``).
+
+    Format modules open every file through this (never ``LocalFile(path)``), so they read remote roots unchanged.
+    """
+    byte_source = getattr(path, "byte_source", None)
+    if byte_source is not None:
+        source: ByteSource = byte_source(size)
+        return source
+    return LocalFile(path, size)

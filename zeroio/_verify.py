@@ -12,6 +12,7 @@ import torch
 
 from ._checkpoint import Checkpoint
 from ._metadata import dtype_name, parse_dtype
+from ._remote import as_path
 from ._types import StrPath
 
 __all__ = ["Mismatch", "VerifyReport", "verify"]
@@ -228,8 +229,8 @@ def verify(
         ca.finish_crc_checks()  # records read in part (flat-group padding)
         cb.finish_crc_checks()
     report = VerifyReport(
-        a=Path(a),
-        b=Path(b),
+        a=as_path(a),
+        b=as_path(b),
         num_tensors=len(names),
         mismatches=tuple(mismatches),
         dtype=target,

@@ -11,6 +11,7 @@
     │   └── UnsafePickleError                                     a pickle global outside the allowlist
     ├── TensorNotFoundError(ZeroIOError, KeyError)                no tensor of that name
     ├── OutputError(ZeroIOError, OSError)                         destination exists, unwritable, disk full
+    ├── RemoteStorageError(ZeroIOError, OSError)                  a URL: missing extra, refused credentials, outage
     ├── HubError(ZeroIOError, RuntimeError)                       a push failed; the huggingface_hub error is __cause__
     ├── StateDictMismatchError(ZeroIOError, RuntimeError)         strict load: missing/unexpected/shape mismatch
     ├── InitHookError(ZeroIOError, RuntimeError)                  the model's sharded-init hook raised; __cause__ has it
@@ -22,8 +23,9 @@ Each exception carries the facts of the failure as attributes (``path``, ``name`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "CheckpointClosedError",
@@ -33,6 +35,7 @@ __all__ = [
     "InitHookError",
     "OutputError",
     "PartitionMismatchError",
+    "RemoteStorageError",
     "StateDictMismatchError",
     "TensorNotFoundError",
     "UnsafePickleError",
@@ -58,7 +61,8 @@ class ZeroIOError(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.path = Path(path) if path is not None else None
+        self.path = _error_path(path)
+        """The file or folder at fault; for a remote source, its URL (text or zeroio's remote path object)."""
         self.name = name
         self.rank = rank
         self.expected = expected
@@ -66,6 +70,14 @@ class ZeroIOError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def _error_path(path: object) -> Path | None:
+    if path is None:
+        return None
+    if isinstance(path, str) and "://" in path or not isinstance(path, (str, os.PathLike)):
+        return cast(Path, path)  # a URL stays as the user wrote it (Path() would fold its '//')
+    return Path(path)
 
 
 class CheckpointNotFoundError(ZeroIOError, FileNotFoundError):
@@ -104,6 +116,14 @@ class TensorNotFoundError(ZeroIOError, KeyError):
 
 class OutputError(ZeroIOError, OSError):
     """The destination cannot be written: it exists, is unwritable, or the disk is full."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class RemoteStorageError(ZeroIOError, OSError):
+    """A checkpoint URL cannot be read: its fsspec backend is not installed, access was refused, or the storage
+    kept failing after retries; the message names the URL and the fix."""
 
     def __str__(self) -> str:
         return self.message

@@ -5,7 +5,7 @@ Adding a checkpoint layout takes one module (detect + open) and one line in ``FO
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 from .._checkpoint import Checkpoint
 from .._layout import is_zero_checkpoint
 from .._pickles import require_regular_file
+from .._remote import RemotePath, as_path
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
@@ -76,13 +77,14 @@ def open_checkpoint(path: Path, tag: str | None, trusted_globals: frozenset[str]
 
 
 def open(
-    path: StrPath,
+    path: StrPath | RemotePath,
     tag: str | None = None,
     *,
     trusted_globals: Iterable[str] = (),
     verify_crc: bool = True,
     tp_rules: TPRules | None = None,
     ignore_recorded_tp: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -100,6 +102,9 @@ def open(
             Ignored by layouts that are not tensor parallel.
         ignore_recorded_tp: set the partitions recorded in the files (AutoTP's ``universal_checkpoint_info``)
             aside, so ``tp_rules`` alone decide.
+        storage_options: for a URL path (``s3://``, ``gs://``, ``hf://``, ``https://``), options of its fsspec
+            filesystem (credentials, ``endpoint_url``, ...); the standard environment variables apply otherwise
+            (docs/remote.md).
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -114,7 +119,7 @@ def open(
         ...     print(ckpt.metadata.zero_stage, ckpt.metadata.world_size, ckpt["emb.weight"].shape)
         3 2 torch.Size([13, 7])
     """
-    p = Path(path)
+    p = as_path(path, storage_options)
     if not p.exists():
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
     if not p.is_dir():

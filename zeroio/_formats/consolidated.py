@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .. import _constants as C
 from .._checkpoint import Checkpoint
+from .._remote import as_path
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from .index import read_index
 from .safetensors import open_safetensors
@@ -48,7 +49,7 @@ def open_consolidated(path: Path, *, trusted_globals: frozenset[str] = frozenset
         ...     ckpt.metadata.format, ckpt.tied
         ('safetensors', {'head.weight': 'emb.weight'})
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"Checkpoint path '{path}' does not exist.", path=path)
     if path.is_dir():
@@ -68,7 +69,7 @@ def open_consolidated(path: Path, *, trusted_globals: frozenset[str] = frozenset
         return open_torch(path, path, trusted_globals)
     if path.suffix == ".safetensors":
         return open_safetensors(path, None)
-    with open(path, "rb") as fh:
+    with path.open("rb") as fh:
         magic = fh.read(2)
     if magic != b"PK" and magic[:1] != b"\x80":
         # Not a torch zip (nor a legacy pickle): maybe a safetensors file under another name.

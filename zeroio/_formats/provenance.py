@@ -63,11 +63,12 @@ def archive_records(path: Path) -> ArchiveRecords:
 
     A legacy (non-zip) stream has neither a recorded name nor CRCs: nothing to compare, so its records are empty.
     """
-    with open(path, "rb") as fh:
+    with path.open("rb") as fh:
         if fh.read(2) != b"PK":
             return ArchiveRecords(None, {})
-    with zipfile.ZipFile(path) as archive:
-        infos = archive.infolist()
+        fh.seek(0)
+        with zipfile.ZipFile(fh) as archive:
+            infos = archive.infolist()
     root = next((i.filename[: -len("/data.pkl")] for i in infos if i.filename.endswith("/data.pkl")), None)
     prefix = f"{root}/data/"
     storages = {

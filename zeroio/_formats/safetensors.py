@@ -16,7 +16,7 @@ from .._checkpoint import Checkpoint
 from .._constants import SAFETENSORS_MAX_HEADER_SIZE
 from .._metadata import SAFETENSORS_DTYPES, CheckpointMetadata, TensorInfo
 from .._pickles import MAX_DIMS, require_regular_file
-from .._storage import LocalFile
+from .._storage import ByteSource, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .index import read_index, shard_paths
 
@@ -45,10 +45,10 @@ class _SafetensorsFile:
     path: Path
     entries: dict[str, _Entry]
     metadata: dict[str, str]
-    source: LocalFile = field(init=False, repr=False)
+    source: ByteSource = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.source = LocalFile(self.path)
+        self.source = open_source(self.path)
 
     def read(self, entry: _Entry, start: int, out: torch.Tensor) -> None:
         self.source.read_into(entry.begin + start * out.element_size(), out)
@@ -68,7 +68,7 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
     try:
         require_regular_file(path)  # a FIFO would block the read
         size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with path.open("rb") as fh:
             prefix = fh.read(8)
             if len(prefix) < 8:
                 raise _bad(path, f"it holds {size} bytes, fewer than the 8-byte header length")

@@ -14,6 +14,7 @@ from .. import _constants as C
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
+from .._remote import as_path
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .autoep import AutoEP, autoep_trainable, is_autoep
 from .moe import Experts, insert_experts, parse_experts
@@ -75,7 +76,7 @@ class ZeroCheckpoint(PlannedCheckpoint):
         Raises KeyError for a file that was not read (e.g. a later rank's model states at ZeRO-1/2).
         """
         self.ensure_open()
-        return self._trees[Path(path)]
+        return self._trees[as_path(path)]
 
     @property
     def parsed_files(self) -> tuple[Path, ...]:

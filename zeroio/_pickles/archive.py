@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .._integrity import CheckedFile
-from .._storage import ByteRange
+from .._storage import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .limits import MAX_PICKLE_BYTES
 
@@ -138,7 +138,7 @@ class RankFile:
     A legacy stream has no CRC: no record is registered, so nothing is checked."""
 
     def __post_init__(self) -> None:
-        self.source = CheckedFile(self.path, self.size or None)
+        self.source = CheckedFile(open_source(self.path, self.size or None))
 
     def close(self) -> None:
         """Release the file descriptor; idempotent."""
@@ -237,6 +237,17 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
+def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo]) -> None:
+    """A remote file (``zeroio._remote``) fetches the pickle's entry in one request instead of four; never past the
+    next record, so no tensor byte is fetched."""
+    prefetch = getattr(fh, "prefetch", None)
+    if prefetch is not None:
+        name_and_extra = len(record.filename.encode()) + len(record.extra) + 64  # the local extra may be padded more
+        upper = record.header_offset + 30 + name_and_extra + record.compress_size
+        after = [i.header_offset for i in infos if i.header_offset > record.header_offset]
+        prefetch(record.header_offset, min([upper, *after]))
+
+
 def check_pickle_record(info: zipfile.ZipInfo, path: Path) -> None:
     """Refuse a ``data.pkl`` record that would unpack to more than the file holds or :data:`MAX_PICKLE_BYTES`.
 
@@ -264,7 +275,7 @@ def read_archive(path: Path) -> Archive:
     try:
         require_regular_file(path)
         size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with path.open("rb") as fh:
             magic = fh.read(4)
             if magic[:2] != b"PK":
                 if magic[:1] == b"\x80":
@@ -300,6 +311,7 @@ def read_archive(path: Path) -> Archive:
                         )
                     records[info.filename[len(root) + len("data/") :]] = info
             check_pickle_record(pickles[0], path)
+            _prefetch(fh, pickles[0], infos)
             data = archive.read(pickles[0])
     except ZeroIOError:
         raise

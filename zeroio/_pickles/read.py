@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._remote import as_path
 from ..errors import CheckpointFormatError, UnsafePickleError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, itemsize, read_archive, require_regular_file
@@ -234,9 +235,9 @@ def load_pickle(
     that reads them. Raises a :mod:`zeroio.errors` exception for anything that is
     not a well-formed torch checkpoint or asks for a global outside the allowlist.
     """
-    if legacy and _is_legacy(Path(path)):
-        return _load_legacy(Path(path), trusted_globals)
-    archive = read_archive(Path(path))
+    if legacy and _is_legacy(as_path(path)):
+        return _load_legacy(as_path(path), trusted_globals)
+    archive = read_archive(as_path(path))
     path, records = archive.path, archive.records
     unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
     tree = _unpickle(unpickler, path)

@@ -73,7 +73,8 @@ def running_under_torchrun() -> bool:
 
 
 def refuse_remote(*paths: str | None, output: str | None = None) -> None:
-    """Raise for ``s3://``-style URLs: zeroio reads and writes local (or mounted) paths only, for now.
+    """Raise for ``s3://``-style URLs where a command needs a local path: every output, and the sources of
+    ``push`` and ``reshard`` (``inspect``, ``convert`` and ``verify`` read URLs: docs/remote.md).
 
     Without this, ``pathlib`` folds ``s3://bucket/x`` into ``s3:/bucket/x`` and the user is told that a path they
     never typed does not exist (or, for an output, a local folder named ``s3:`` appears).
@@ -81,7 +82,8 @@ def refuse_remote(*paths: str | None, output: str | None = None) -> None:
     for path in paths:
         if path is not None and _URL.match(path):
             raise errors.UnsupportedCheckpointError(
-                f"'{path}' is a URL; remote storage is not supported yet. Download or mount it and pass a local path.",
+                f"'{path}' is a URL; this command reads local paths only (inspect, convert and verify read URLs). "
+                "Convert it to a local folder first (zeroio convert URL DST), or download or mount it.",
                 path=path,
             )
     if output is not None and _URL.match(output):

@@ -1,0 +1,254 @@
+"""Checkpoints read straight from S3 URLs, against a real S3-protocol server (moto's server mode) on localhost.
+
+tests/s3_server.py puts a counting, fault-injecting proxy in front of moto; zeroio reaches it through s3fs over HTTP
+with the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from fixture_data import FIXTURES
+from s3_server import S3Server
+
+import zeroio
+from zeroio.cli import main
+from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
+
+pytest.importorskip("s3fs")
+
+FIXTURE_NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
+WORKER = Path(__file__).with_name("remote_ckpt_worker.py")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The server, with every fixture uploaded to s3://fixtures/<name> and the AWS variables pointing at it."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = S3Server()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env().items():
+            mp.setenv(key, value)
+        for name in FIXTURE_NAMES:
+            server.upload_tree(FIXTURES / name, "fixtures", name)
+        yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def big(s3, tmp_path_factory):
+    """A ~38 MB ZeRO-3 fp32 checkpoint written by DeepSpeed on CPU (Adam moments: two thirds of it), uploaded."""
+    out = tmp_path_factory.mktemp("big")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+    subprocess.run([sys.executable, str(WORKER), str(out)], env=env, check=True, capture_output=True, timeout=300)
+    return out, s3.upload_tree(out, "big", "run")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _sha256_tree(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _record_extents(path: Path) -> tuple[int, list[tuple[int, int]]]:
+    """(pickle bytes, [(start, end) of every tensor record's data]) of a torch zip file."""
+    pickle_bytes, extents = 0, []
+    with open(path, "rb") as fh, zipfile.ZipFile(fh) as archive:
+        for info in archive.infolist():
+            fh.seek(info.header_offset)
+            header = struct.unpack("<IHHHHHIIIHH", fh.read(30))
+            start = info.header_offset + 30 + header[9] + header[10]
+            if info.filename.endswith("data.pkl"):
+                pickle_bytes += info.file_size
+            elif "/data/" in info.filename:
+                extents.append((start, start + info.file_size))
+    return pickle_bytes, extents
+
+
+# --------------------------------------------------------------------------- every fixture, byte for byte
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixture_from_url_equals_local(s3, tmp_path, name):
+    """open, convert and verify from s3:// give exactly the local result (tensors and every output byte)."""
+    url = f"s3://fixtures/{name}"
+    with zeroio.open(FIXTURES / name) as local, zeroio.open(url) as remote:
+        assert str(remote.metadata.path) == url + str(local.metadata.path)[len(str(FIXTURES / name)) :]
+        assert list(remote.keys()) == list(local.keys())
+        assert remote.tied == local.tied
+        for key in local:
+            a, b = local[key], remote[key]
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a, b.view(torch.uint8) if
+                               b.is_floating_point() else b), key  # fmt: skip
+    zeroio.convert(FIXTURES / name, tmp_path / "local", progress=False)
+    zeroio.convert(url, tmp_path / "remote", progress=False)
+    assert _sha256_tree(tmp_path / "remote") == _sha256_tree(tmp_path / "local")
+    assert zeroio.verify(url, tmp_path / "local").ok
+
+
+def test_load_from_url_equals_local(s3):
+    """zeroio.load from a URL fills a model exactly as from the local folder."""
+    name = "z3_ws2_fp32"
+    engine = torch.load(FIXTURES / name / "expected" / "engine.pt", weights_only=True)
+    reference = engine.get("params", engine)
+    with zeroio.open(FIXTURES / name) as ckpt:
+        shapes = {k: v.shape for k, v in ckpt.items()}
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for key, shape in shapes.items():
+                self.register_parameter(key.replace(".", "__"), torch.nn.Parameter(torch.zeros(shape)))
+
+    def load_into(path: object) -> dict[str, torch.Tensor]:
+        model = Flat()
+        state = zeroio.open(path).state_dict()
+        model.load_state_dict({k.replace(".", "__"): v for k, v in state.items()})
+        return {k.replace("__", "."): v.detach() for k, v in model.state_dict().items()}
+
+    local, remote = load_into(FIXTURES / name), load_into(f"s3://fixtures/{name}")
+    assert local.keys() == remote.keys()
+    for key in local:
+        assert torch.equal(local[key], remote[key])
+    for key, value in reference.items():
+        if key in remote:
+            assert torch.equal(remote[key], value)
+
+
+# --------------------------------------------------------------------------- bytes fetched
+
+
+def test_convert_fetches_only_the_weights(s3, big, tmp_path):
+    """Bytes the server sends for a conversion <= 1.05 x (tensor bytes written + pickles): no Adam moments."""
+    local, url = big
+    pickles, tensor_records = 0, 0
+    for path in sorted((local / "step1").iterdir()):
+        p, extents = _record_extents(path)
+        pickles += p
+        tensor_records += sum(e - s for s, e in extents)
+    s3.accounting.reset()
+    result = zeroio.convert(url, tmp_path / "out", progress=False)
+    fetched = s3.accounting.body_bytes
+    assert fetched <= 1.05 * (result.total_size + pickles), (fetched, result.total_size, pickles)
+    assert result.total_size < 0.4 * tensor_records  # the moments are most of the data, and were not fetched
+    zeroio.convert(local, tmp_path / "ref", progress=False)
+    assert _sha256_tree(tmp_path / "out") == _sha256_tree(tmp_path / "ref")
+
+
+def test_inspect_reads_only_pickles(s3, big, capsys):
+    """``zeroio inspect URL`` fetches pickles and zip directories, never a byte of a tensor record."""
+    local, url = big
+    extents = {p.name: _record_extents(p)[1] for p in (local / "step1").iterdir()}
+    s3.accounting.reset()
+    assert main(["inspect", url]) == 0
+    assert "step1" in capsys.readouterr().out
+    assert s3.accounting.gets > 0
+    for path, header in s3.accounting.ranges:
+        if not header:  # a listing (ListObjectsV2 is a GET of the bucket)
+            continue
+        name = path.rsplit("/", 1)[-1].split("?")[0]
+        first, _, last = header.removeprefix("bytes=").partition("-")
+        start, end = int(first), int(last) if last else 2**62
+        for lo, hi in extents.get(name, []):
+            assert end < lo or start >= hi, (name, header, lo, hi)
+    assert s3.accounting.body_bytes < 200_000
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("faults", [["reset"], ["500", "503"], ["slow"], ["truncate"], ["503"] * 3])
+def test_transient_faults_are_retried(s3, faults):
+    """Connection resets, 5xx, slow and cut-short responses on ranged GETs: retried, same tensors."""
+    name = "z2_ws2_fp32"
+    with zeroio.open(FIXTURES / name) as ckpt:
+        expected = {k: v.clone() for k, v in ckpt.items()}
+    s3.slow_s = 1.0
+    s3.faults[:] = list(faults)
+    try:
+        with zeroio.open(f"s3://fixtures/{name}") as ckpt:
+            got = {k: v.clone() for k, v in ckpt.items()}
+    finally:
+        s3.faults.clear()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_wrong_credentials_name_the_url_and_the_fix(s3, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-the-key")
+    with pytest.raises(RemoteStorageError) as excinfo:
+        zeroio.open("s3://fixtures/z2_ws2_fp32")
+    message = str(excinfo.value)
+    assert "'s3://fixtures/z2_ws2_fp32" in message and "AWS_ACCESS_KEY_ID" in message
+    assert "\n" not in message
+
+
+def test_missing_credentials_name_the_url_and_the_fix(s3, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(RemoteStorageError) as excinfo:
+        zeroio.open("s3://fixtures/z2_ws2_fp32")
+    assert "'s3://fixtures/z2_ws2_fp32" in str(excinfo.value) and "AWS_PROFILE" in str(excinfo.value)
+
+
+def test_storage_options_give_the_credentials(s3, monkeypatch):
+    """storage_options= passes credentials and the endpoint to s3fs, without any AWS variable."""
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key)
+    env = s3.env()
+    options = {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"], "endpoint_url": s3.endpoint}
+    with zeroio.open("s3://fixtures/z3_ws2_fp32", storage_options=options) as ckpt:
+        assert ckpt["emb.weight"].shape == (13, 7)
+
+
+def test_truncated_object_is_a_format_error_naming_the_url(s3):
+    tag = next(p.name for p in (FIXTURES / "z2_ws2_fp32").iterdir() if p.is_dir() and p.name.startswith("global"))
+    rank = FIXTURES / "z2_ws2_fp32" / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    s3.upload_tree(FIXTURES / "z2_ws2_fp32", "cut", "z2")
+    s3.client.put_object(Bucket="cut", Key=f"z2/{tag}/{rank.name}", Body=rank.read_bytes()[: rank.stat().st_size // 2])
+    with pytest.raises(CheckpointFormatError) as excinfo, zeroio.open("s3://cut/z2") as ckpt:
+        ckpt.state_dict()
+    assert f"s3://cut/z2/{tag}/{rank.name}" in str(excinfo.value)
+
+
+def test_missing_object_is_not_found(s3):
+    with pytest.raises(CheckpointNotFoundError, match="s3://fixtures/no-such-run"):
+        zeroio.open("s3://fixtures/no-such-run")
+
+
+def test_missing_extra_names_the_pip_install():
+    pytest.importorskip("s3fs")
+    if __import__("importlib").util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(RemoteStorageError, match=r"pip install 'zeroio\[gcs\]'"):
+        zeroio.open("gs://bucket/run")
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def test_cli_inspect_convert_verify_accept_urls(s3, tmp_path, capsys):
+    url = "s3://fixtures/z3_ws2_bf16"
+    assert main(["inspect", url, "--json"]) == 0
+    assert url in capsys.readouterr().out
+    assert main(["convert", url, str(tmp_path / "out"), "--quiet"]) == 0
+    assert main(["verify", url, str(tmp_path / "out")]) == 0
+    assert main(["convert", str(FIXTURES / "z3_ws2_bf16"), "s3://fixtures/out"]) == 1
+    assert "writing to remote storage is not supported yet" in capsys.readouterr().err

@@ -1,0 +1,373 @@
+"""Checkpoints at URLs (``s3://``, ``gs://``, ``hf://``, ``https://``): a path object the format readers use as a Path.
+
+The readers find files with a small subset of :class:`pathlib.Path` (``/``, ``name``, ``parent``, ``exists``,
+``is_file``, ``is_dir``, ``iterdir``, ``glob``, ``read_text``, ``stat``, ``open``) and open byte sources with
+:func:`zeroio._storage.open_source`. :class:`RemotePath` implements exactly that subset over an fsspec filesystem
+(s3fs, gcsfs, huggingface_hub's ``HfFileSystem``, fsspec's HTTP), answering every name question from one listing
+made on first use (a recursive listing of the URL, and a one-level listing of any other folder asked about), so
+detecting a layout costs one or two list requests, not one per file. :func:`as_path` is what readers call instead
+of ``Path(...)``; it is typed as returning ``Path`` because a ``RemotePath`` stands in for one everywhere a
+reader reads (docs/architecture.md, "storage backends").
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import io
+import os
+import posixpath
+import re
+import stat as stat_mod
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+from ._remote_file import RemoteFile, call_with_retries
+from ._types import StrPath
+from .errors import RemoteStorageError
+
+__all__ = ["RemotePath", "as_path", "is_url"]
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+# protocol -> (module fsspec needs, what to install, how to fix refused access)
+_S3_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), AWS_ENDPOINT_URL for an S3-compatible store, "
+    "or pass storage_options (e.g. {'anon': True} for a public bucket)."
+)
+_GCS_FIX = (
+    "set GOOGLE_APPLICATION_CREDENTIALS (or run `gcloud auth application-default login`), or pass storage_options "
+    "(e.g. {'token': 'anon'} for a public bucket)."
+)
+_HF_FIX = "set HF_TOKEN (or run `hf auth login`) with read access to the repository; HF_ENDPOINT for another Hub."
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "s3": ("s3fs", "pip install 'zeroio[s3]'", _S3_FIX),
+    "gs": ("gcsfs", "pip install 'zeroio[gcs]'", _GCS_FIX),
+    "hf": ("huggingface_hub", "pip install huggingface_hub", _HF_FIX),
+    "http": (
+        "aiohttp",
+        "pip install aiohttp",
+        "pass the headers the server needs in storage_options={'headers': ...}.",
+    ),
+}
+_ALIASES = {"s3a": "s3", "gcs": "gs", "https": "http"}
+_CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_")
+_FILESYSTEMS: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
+_FS_LOCK = threading.Lock()
+
+
+def is_url(path: object) -> bool:
+    """True for ``scheme://...`` text (``file://`` included); a local path never matches."""
+    return isinstance(path, str) and bool(_URL.match(path))
+
+
+def as_path(path: StrPath | RemotePath, storage_options: Mapping[str, Any] | None = None) -> Path:
+    """``Path(path)`` for local paths; a :class:`RemotePath` (typed as a Path: the readers' subset) for URLs."""
+    if isinstance(path, RemotePath):
+        return cast(Path, path)
+    if is_url(path) and not str(path).startswith("file://"):
+        return cast(Path, RemotePath.from_url(str(path), storage_options))
+    if isinstance(path, str) and path.startswith("file://"):
+        return Path(path[len("file://") :])
+    if storage_options:
+        raise ValueError(f"storage_options apply to URLs only, but '{path}' is a local path.")
+    return Path(path)
+
+
+def _backend(protocol: str) -> tuple[str, str, str]:
+    return _BACKENDS.get(_ALIASES.get(protocol, protocol), ("fsspec", "pip install fsspec", "check the credentials."))
+
+
+def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str, str]:
+    """``(fs, key, protocol)`` for ``url``; a one-line error naming the package to install when it is missing."""
+    protocol = url.split("://", 1)[0].lower()
+    module, install, _ = _backend(protocol)
+    for needed in ("fsspec", module):
+        if importlib.util.find_spec(needed) is None:
+            raise RemoteStorageError(
+                f"Reading '{url}' needs the '{needed}' package, which is not installed: {install}", path=url
+            )
+    import fsspec.core  # type: ignore[import-untyped]
+
+    options = dict(storage_options or {})
+    if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["endpoint_url"] = endpoint
+    # One filesystem per (URL scheme, options, credential variables): creating one (a botocore session) costs
+    # more than reading a small checkpoint, and a change of credentials in the environment must not be missed.
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CREDENTIAL_VARIABLES)))
+    cache_key = (protocol, repr(sorted(options.items())), env)
+    try:
+        with _FS_LOCK:
+            fs = _FILESYSTEMS.get(cache_key)
+            if fs is None:
+                fs, key = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+                _FILESYSTEMS[cache_key] = fs
+            else:
+                key = fsspec.core.strip_protocol(url)
+    except (ImportError, ValueError) as exc:
+        raise RemoteStorageError(f"Cannot open '{url}': {exc}. {install}", path=url) from exc
+    fs.invalidate_cache()  # zeroio lists once per open (RemoteTree); a listing cached by an earlier open may be stale
+    return fs, str(key).rstrip("/"), protocol
+
+
+class RemoteTree:
+    """What is at and under one URL, listed once and shared by every :class:`RemotePath` derived from it."""
+
+    def __init__(self, fs: Any, protocol: str, root: str) -> None:
+        self.fs = fs
+        self.protocol = protocol
+        self.root = root
+        self.fix_auth = _backend(protocol)[2]
+        self._lock = threading.RLock()
+        self._sizes: dict[str, int | None] = {}  # key -> size, None for a folder
+        self._children: dict[str, set[str]] = {}  # folder key -> child names, for listed folders
+        self._deep: list[str] = []  # keys listed recursively
+        self._sources: dict[str, RemoteFile] = {}
+
+    def url(self, key: str) -> str:
+        return f"{self.protocol}://{key}"
+
+    def _call(self, key: str, what: str, fn: Any) -> Any:
+        return call_with_retries(self.url(key), what, self.fix_auth, fn)
+
+    def _record(self, key: str, size: int | None, stop: str) -> None:
+        self._sizes[key] = size
+        while key != stop and "/" in key:
+            parent, name = key.rsplit("/", 1)
+            self._children.setdefault(parent, set()).add(name)
+            if self._sizes.get(parent, "absent") is None:
+                break
+            self._sizes[parent] = None
+            key = parent
+
+    def _covered(self, key: str) -> bool:
+        return any(key == d or key.startswith(d + "/") for d in self._deep)
+
+    def _list_root(self) -> None:
+        """The one recursive listing of the URL the user gave (called on first use)."""
+        if self._deep or self.root in self._sizes:
+            return
+        found = self._call(self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True))
+        for key, info in found.items():
+            key = key.rstrip("/")
+            if key == self.root or key.startswith(self.root + "/"):
+                self._record(key, None if info.get("type") == "directory" else int(info.get("size") or 0), self.root)
+        if any(k.startswith(self.root + "/") for k in self._sizes):
+            self._sizes[self.root] = None
+            self._children.setdefault(self.root, set())
+            self._deep.append(self.root)
+        elif self.root not in self._sizes:  # a single object (or nothing) at the URL
+            try:
+                info = self._call(self.root, "object info", lambda: self.fs.info(self.root))
+            except FileNotFoundError:
+                return
+            if info.get("type") != "directory":
+                self._sizes[self.root] = int(info.get("size") or 0)
+
+    def _list_folder(self, key: str) -> None:
+        """One level of a folder outside the recursive listing (the parent of a tag folder or a file)."""
+        if key in self._children or self._covered(key):
+            return
+        try:
+            infos = self._call(key, "listing", lambda: self.fs.ls(key, detail=True))
+        except FileNotFoundError:
+            infos = []
+        self._children.setdefault(key, set())
+        for info in infos:
+            child = str(info["name"]).rstrip("/")
+            if child.startswith(key + "/") and "/" not in child[len(key) + 1 :]:
+                self._record(child, None if info.get("type") == "directory" else int(info.get("size") or 0), key)
+        if self._children[key]:
+            self._sizes[key] = None
+
+    def size_of(self, key: str) -> int | None | str:
+        """The object's size, None for a folder, ``"absent"`` when nothing is there."""
+        with self._lock:
+            self._list_root()
+            if key not in self._sizes and not self._covered(key) and "/" in key:
+                self._list_folder(key.rsplit("/", 1)[0])
+            return self._sizes.get(key, "absent")
+
+    def source(self, key: str, size: int) -> RemoteFile:
+        """The one :class:`RemoteFile` of ``key`` (shared: what one reader fetched, the next need not)."""
+        with self._lock:
+            found = self._sources.get(key)
+            if found is None or found.size != size:
+                fs = self.fs
+                found = self._sources[key] = RemoteFile(
+                    self.url(key), lambda start, end: fs.cat_file(key, start=start, end=end), size, self.fix_auth
+                )
+            return found
+
+    def children(self, key: str) -> list[str]:
+        with self._lock:
+            self._list_root()
+            if self._sizes.get(key, "absent") is None:
+                self._list_folder(key)
+            return sorted(self._children.get(key, ()))
+
+
+class RemotePath:
+    """A file or folder at a URL, with the subset of :class:`pathlib.Path` the format readers use."""
+
+    __slots__ = ("_key", "_tree")
+
+    def __init__(self, tree: RemoteTree, key: str) -> None:
+        self._tree = tree
+        self._key = key
+
+    @classmethod
+    def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> RemotePath:
+        """The path of ``url``; nothing is requested until a question is asked about it."""
+        fs, key, protocol = _filesystem(url, storage_options)
+        return cls(RemoteTree(fs, protocol, key), key)
+
+    # ----------------------------------------------------------------- names
+    def __str__(self) -> str:
+        return self._tree.url(self._key)
+
+    def __repr__(self) -> str:
+        return f"RemotePath('{self}')"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and str(other) == str(self)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __lt__(self, other: RemotePath) -> bool:
+        return str(self) < str(other)
+
+    def __truediv__(self, name: str) -> RemotePath:
+        parts = [p for p in str(name).replace("\\", "/").split("/") if p not in ("", ".")]
+        return RemotePath(self._tree, "/".join([self._key, *parts]))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self._key)
+
+    @property
+    def suffix(self) -> str:
+        return posixpath.splitext(self.name)[1]
+
+    @property
+    def stem(self) -> str:
+        return posixpath.splitext(self.name)[0]
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self._tree, posixpath.dirname(self._key) or self._key)
+
+    def as_posix(self) -> str:
+        return str(self)
+
+    def is_absolute(self) -> bool:
+        return True
+
+    def resolve(self, strict: bool = False) -> RemotePath:
+        return self  # object stores have no links
+
+    def is_relative_to(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and (str(self) + "/").startswith(str(other).rstrip("/") + "/")
+
+    # ----------------------------------------------------------------- questions, from the listing
+    def exists(self) -> bool:
+        return self._tree.size_of(self._key) != "absent"
+
+    def is_file(self) -> bool:
+        return isinstance(self._tree.size_of(self._key), int)
+
+    def is_dir(self) -> bool:
+        return self._tree.size_of(self._key) is None
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        for name in self._tree.children(self._key):
+            yield self / name
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        """Names of this folder matching ``pattern`` (one level: the readers glob no deeper)."""
+        for path in self.iterdir():
+            if fnmatch.fnmatchcase(path.name, pattern):
+                yield path
+
+    def stat(self) -> os.stat_result:
+        """Mode and size only: an object is a regular file, a prefix a folder."""
+        size = self._tree.size_of(self._key)
+        if isinstance(size, str):
+            raise FileNotFoundError(2, "No such object", str(self))
+        mode = stat_mod.S_IFDIR | 0o555 if size is None else stat_mod.S_IFREG | 0o444
+        return os.stat_result((mode, 0, 0, 1, 0, 0, size or 0, 0, 0, 0))
+
+    # ----------------------------------------------------------------- bytes
+    def byte_source(self, size: int | None = None) -> RemoteFile:
+        """A :class:`RemoteFile` reading this object with ranged requests."""
+        return self._tree.source(self._key, size if size is not None else self.stat().st_size)
+
+    def open(self, mode: str = "rb") -> io.BufferedIOBase:
+        """A seekable binary reader (zipfile reads archive directories with it), each read one ranged request."""
+        if mode != "rb":
+            raise ValueError(f"'{self}' can only be opened for reading ('rb'), not {mode!r}.")
+        return cast(io.BufferedIOBase, _Reader(self.byte_source()))
+
+    def read_bytes(self) -> bytes:
+        source = self.byte_source()
+        return source.read_bytes(0, source.size)
+
+    def read_text(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self.read_bytes().decode(encoding, errors)
+
+
+_ZIP_END_BYTES = 22  # the end-of-central-directory record (no comment: torch writes none)
+_ZIP_TAIL_BYTES = 22 + 20 + 56  # ... plus the zip64 locator and end record, or the end of the central directory
+
+
+class _Reader(io.RawIOBase):
+    """A file object over a :class:`RemoteFile`: exact ranged reads, no read-ahead (pickles and zip headers)."""
+
+    def __init__(self, source: RemoteFile) -> None:
+        super().__init__()
+        self._source = source
+        self._pos = 0
+        self._tail = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._source.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def prefetch(self, start: int, end: int) -> None:
+        """Fetch ``[start, end)`` at once: the reads that follow (a zip entry's header, name, extra, data) hit it."""
+        self._source.prefetch(start, end)
+
+    def _at_tail(self) -> None:
+        if self._pos >= self._source.size - _ZIP_END_BYTES and not self._tail:
+            # zipfile reads the end record, the zip64 locator and the zip64 end record one by one: one request.
+            self._tail = True
+            self._source.prefetch(self._source.size - _ZIP_TAIL_BYTES, self._source.size)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        self._at_tail()
+        data = self._source.read_bytes(self._pos, len(view))
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def readall(self) -> bytes:
+        self._at_tail()
+        data = self._source.read_bytes(self._pos, max(0, self._source.size - self._pos))
+        self._pos += len(data)
+        return data

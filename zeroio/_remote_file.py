@@ -1,0 +1,293 @@
+"""A remote object read with ranged requests: a :class:`~zeroio._storage.ByteSource` over an fsspec filesystem.
+
+How bytes are fetched (docs/remote.md has the measured numbers):
+
+* every fetch is one ranged request (``fs.cat_file(key, start, end)``), retried with exponential backoff and
+  jitter on transient errors (connection resets, 5xx, timeouts, short bodies); credentials and missing objects are
+  not retried but raised as :mod:`zeroio.errors` errors naming the URL and the fix;
+* a large read is split into parts of :data:`PART_BYTES` fetched in parallel by one process-wide pool of
+  :data:`MAX_IN_FLIGHT` threads, so requests in flight are bounded whatever the number of readers;
+* a small read (a bias, a norm weight) fetches :data:`COALESCE_BYTES` from its offset, so the tensors stored
+  after it are served from that one request (adjacent pieces coalesced). The read-ahead never crosses a *fence*
+  (:meth:`RemoteFile.fence`: the end of a zip record, set by ``_integrity``), so it never fetches the Adam
+  moments stored after the weights; concurrent reads of the same bytes wait for one request instead of
+  fetching twice, and a fetched segment is dropped once all its bytes were copied out (memory stays about
+  the chunks in flight).
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures as cf
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._storage import tensor_bytes
+from .errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
+
+__all__ = ["COALESCE_BYTES", "MAX_IN_FLIGHT", "PART_BYTES", "RemoteFile", "call_with_retries"]
+
+PART_BYTES = 8 * 2**20
+"""Largest single ranged request of a big read; its parts are fetched in parallel."""
+COALESCE_BYTES = 4 * 2**20
+"""A read smaller than this fetches this much (up to the next fence), serving the reads that follow it."""
+MAX_IN_FLIGHT = 16
+"""Parts fetched at once by the shared pool (plus one per reading thread)."""
+METADATA_CACHE_BYTES = 4 * 2**20
+"""Metadata bytes (zip directories, pickles) kept per file: parsers re-read them (e.g. the central directory)."""
+MAX_CACHED = 8
+"""Fetched segments kept for reads still to come, per file; older ones are dropped."""
+ATTEMPTS = 6
+"""Tries of one request before a transient error is raised."""
+BACKOFF_S = 0.2
+"""First retry delay; doubled each retry (with jitter), capped at :data:`BACKOFF_MAX_S`."""
+BACKOFF_MAX_S = 5.0
+
+_POOL: cf.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+_AUTH_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
+               "signaturedoesnotmatch", "unauthorized", "invalidtoken", "expiredtoken", "401", "403")  # fmt: skip
+
+
+def _pool() -> cf.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = cf.ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="zeroio-remote")
+        return _POOL
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    if isinstance(exc, PermissionError):
+        return True
+    text = f"{type(exc).__name__} {exc}".lower().replace(" ", "")
+    return any(word.replace(" ", "") in text for word in _AUTH_WORDS)
+
+
+def call_with_retries(url: str, what: str, fix_auth: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with retries on transient errors; zeroio errors (naming ``url``) for everything else.
+
+    ``fix_auth`` is the one-line fix for a credentials problem, worded for the URL's storage.
+    """
+    delay = BACKOFF_S
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return fn()
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"'{url}' does not exist ({what}).", path=url) from exc
+        except Exception as exc:  # fsspec backends raise many types; sort them into the three outcomes
+            if _is_auth_error(exc):
+                raise RemoteStorageError(
+                    f"Access to '{url}' was refused ({type(exc).__name__}: {str(exc)[:160]}): {fix_auth}",
+                    path=url,
+                ) from exc
+            if isinstance(exc, (ValueError, TypeError, NotImplementedError)) or attempt == ATTEMPTS:
+                raise RemoteStorageError(
+                    f"Cannot read '{url}' ({what}) after {attempt} attempt(s) ({type(exc).__name__}: "
+                    f"{str(exc)[:160]}). Check the endpoint and the network, then run again.",
+                    path=url,
+                ) from exc
+        time.sleep(min(BACKOFF_MAX_S, delay) * (0.5 + random.random()))
+        delay *= 2
+    raise AssertionError("unreachable")
+
+
+@dataclass(eq=False)
+class _Segment:
+    """Bytes ``[start, end)`` of the file: being fetched (``done`` unset), fetched, or failed."""
+
+    start: int
+    end: int
+    done: threading.Event = field(default_factory=threading.Event)
+    data: bytes = b""
+    error: BaseException | None = None
+    left: int = 0
+    """Bytes not yet copied out to a reader; the segment is dropped at 0."""
+
+    def __post_init__(self) -> None:
+        self.left = self.end - self.start
+
+
+class RemoteFile:
+    """One remote object read with bounded, coalesced, retried ranged requests (see the module doc)."""
+
+    def __init__(self, url: str, fetch: Callable[[int, int], bytes], size: int, fix_auth: str) -> None:
+        self._url = url
+        self._fetch_raw = fetch
+        self._size = size
+        self._fix_auth = fix_auth
+        self._lock = threading.Lock()
+        self._segments: list[_Segment] = []  # sorted by start, disjoint
+        self._fences: list[int] = []
+        self._metadata: list[tuple[int, bytes]] = []  # (start, bytes) read by read_bytes/prefetch, oldest first
+        self.requests = 0
+        """Ranged requests made (retries included): for tests and docs/remote.md's numbers."""
+
+    def __repr__(self) -> str:
+        return f"RemoteFile('{self._url}')"
+
+    @property
+    def name(self) -> str:
+        return self._url
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def fence(self, offset: int) -> None:
+        """Never read ahead across ``offset`` (a record end: the bytes after it may never be needed)."""
+        with self._lock:
+            i = bisect.bisect_left(self._fences, offset)
+            if i == len(self._fences) or self._fences[i] != offset:
+                self._fences.insert(i, offset)
+
+    def close(self) -> None:
+        with self._lock:
+            self._segments = [s for s in self._segments if not s.done.is_set()]
+
+    def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
+        return None  # no kernel path from a remote object: the engine streams through read_into
+
+    # ----------------------------------------------------------------- reads
+
+    def read_bytes(self, offset: int, nbytes: int) -> bytes:
+        """Exact bytes (metadata: zip directories, headers, pickles), served from :meth:`prefetch`ed ones if there."""
+        end = min(self._size, offset + nbytes)
+        if end <= offset:
+            return b""
+        with self._lock:
+            for start, data in self._metadata:
+                if start <= offset and end <= start + len(data):
+                    return data[offset - start : end - start]
+        data = self._fetch(offset, end)
+        if end - offset <= METADATA_CACHE_BYTES // 4:
+            self._remember(offset, data)
+        return data
+
+    def prefetch(self, start: int, end: int) -> None:
+        """Fetch ``[start, end)`` in one request for the :meth:`read_bytes` calls about to read it in pieces."""
+        start, end = max(0, start), min(self._size, end)
+        with self._lock:
+            if end <= start or any(s <= start and end <= s + len(d) for s, d in self._metadata):
+                return
+        self._remember(start, self._fetch(start, end))
+
+    def _remember(self, start: int, data: bytes) -> None:
+        with self._lock:
+            self._metadata.append((start, data))
+            while sum(len(d) for _, d in self._metadata) > METADATA_CACHE_BYTES and len(self._metadata) > 1:
+                self._metadata.pop(0)
+
+    def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
+        nbytes = out.numel() * out.element_size()
+        if nbytes == 0:
+            return
+        if offset + nbytes > self._size:
+            raise CheckpointFormatError(
+                f"'{self._url}' ends after {self._size} bytes, inside {what} (bytes {offset}..{offset + nbytes}): "
+                "the object is truncated. Upload it again from where it was saved.",
+                path=self._url,
+            )
+        view = tensor_bytes(out)
+        uses, mine = self._plan(offset, offset + nbytes)
+        futures = [_pool().submit(self._run, seg) for seg in mine[1:]]
+        if mine:
+            self._run(mine[0])
+        try:
+            for seg in uses:
+                seg.done.wait()
+                if seg.error is not None:
+                    raise seg.error
+                lo, hi = max(offset, seg.start), min(offset + nbytes, seg.end)
+                view[lo - offset : hi - offset] = seg.data[lo - seg.start : hi - seg.start]
+                self._consumed(seg, hi - lo)
+        finally:
+            cf.wait(futures)
+
+    def _plan(self, lo: int, hi: int) -> tuple[list[_Segment], list[_Segment]]:
+        """The segments covering ``[lo, hi)`` (existing ones reused), and those this call must fetch."""
+        uses: list[_Segment] = []
+        mine: list[_Segment] = []
+        with self._lock:
+            at = lo
+            while at < hi:
+                i = bisect.bisect_right([s.start for s in self._segments], at) - 1
+                if i >= 0 and self._segments[i].end > at:
+                    uses.append(self._segments[i])
+                    at = self._segments[i].end
+                    continue
+                nxt = self._segments[i + 1].start if i + 1 < len(self._segments) else self._size
+                f = bisect.bisect_right(self._fences, at)
+                stop = min(nxt, self._fences[f] if f < len(self._fences) else self._size, self._size)
+                want = min(hi, stop) if hi - at >= COALESCE_BYTES else min(max(hi, at + COALESCE_BYTES), stop)
+                want = max(want, min(hi, nxt))  # a fence inside the read itself does not shorten it
+                while at < want:
+                    seg = _Segment(at, min(want, at + PART_BYTES))
+                    bisect.insort(self._segments, seg, key=lambda s: s.start)
+                    uses.append(seg)
+                    mine.append(seg)
+                    at = seg.end
+            self._evict()
+        return uses, mine
+
+    def _evict(self) -> None:
+        done = [s for s in self._segments if s.done.is_set()]
+        for seg in done[: max(0, len(done) - MAX_CACHED)]:
+            self._segments.remove(seg)
+
+    def _consumed(self, seg: _Segment, nbytes: int) -> None:
+        with self._lock:
+            seg.left -= nbytes
+            if seg.left <= 0 and seg in self._segments:
+                self._segments.remove(seg)
+
+    def _run(self, seg: _Segment) -> None:
+        try:
+            seg.data = self._fetch(seg.start, seg.end)
+        except Exception as exc:  # noqa: BLE001 - handed to every reader of the segment, raised there
+            seg.error = exc
+            self._forget(seg)
+        except BaseException as exc:  # an interrupt: the readers waiting on this segment fail too
+            seg.error = exc
+            self._forget(seg)
+            raise
+        finally:
+            seg.done.set()
+
+    def _forget(self, seg: _Segment) -> None:
+        with self._lock:
+            if seg in self._segments:
+                self._segments.remove(seg)  # a later read tries again
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` in one ranged request, retried; a body of the wrong length is retried too."""
+
+        def once() -> bytes:
+            self.requests += 1
+            data = self._fetch_raw(start, end)
+            if len(data) != end - start:
+                raise _ShortBody(f"asked bytes {start}..{end}, got {len(data)}")
+            return data
+
+        try:
+            result: bytes = call_with_retries(self._url, f"bytes {start}..{end}", self._fix_auth, once)
+        except RemoteStorageError as exc:
+            if isinstance(exc.__cause__, _ShortBody):
+                raise CheckpointFormatError(
+                    f"'{self._url}' returns fewer bytes than its listed size ({exc.__cause__}): the object is "
+                    "truncated or being rewritten. Upload it again from where it was saved.",
+                    path=self._url,
+                ) from exc
+            raise
+        return result
+
+
+class _ShortBody(OSError):
+    """A response body shorter than the range asked (transient until the retries run out)."""
