@@ -169,6 +169,25 @@ def _sigterm_as_interrupt() -> Iterator[_SigtermAsInterrupt]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _warn_if_one_host(comm: _GlooComm) -> None:
+    """Say why several processes on one machine gain nothing: they share its one disk (issue 17's measurements)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if (
+        comm.rank == 0
+        and comm.world_size > 1
+        and local is not None
+        and local.isdigit()
+        and int(local) == comm.world_size
+    ):
+        logger.warning(
+            "All %d processes run on this one machine: conversion is bound by its disk, and on one host 2-8 processes "
+            "measured slower than one (docs/benchmarks.md: 1.31B parameters, 11.6 s in one process vs 17.9-18.9 s). "
+            "Use --distributed to spread the work over machines that share a filesystem; on one machine, plain "
+            "`zeroio convert` (with --workers for IO threads) is the faster choice.",
+            comm.world_size,
+        )
+
+
 def convert_distributed(
     src: StrPath,
     dst: Path,
@@ -205,6 +224,7 @@ def convert_distributed(
         f"set with {TIMEOUT_ENV}): check the other processes' logs and run the conversion again."
     )
     with _sigterm_as_interrupt() as sigterm, _process_group(out.dst, timeout) as comm:
+        _warn_if_one_host(comm)
         job = Job(comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
         return write_checkpoint(
             job, src, tag=tag, fmt=fmt, target=target, max_shard_size=limit, exclude_frozen=exclude_frozen,
