@@ -17,6 +17,7 @@ from .._pickles import RankFile, TensorRef, load_pickle
 from .._remote import as_path
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .autoep import AutoEP, autoep_trainable, is_autoep
+from .mics import check_mics_replicas, mics_shard_group, zero_variant_metadata
 from .moe import Experts, insert_experts, parse_experts
 from .optimizer import optimizer_state
 from .planned import PlannedCheckpoint
@@ -156,7 +157,12 @@ def open_zero(
             )
         contents = open_stage0(tag_dir, tag_name, states)
     else:
+        # MiCS: read the first shard group; the other groups' rank files must be its replicas.
+        layout, mics = mics_shard_group(layout, states.tree.get(C.DS_CONFIG), states.path)
         contents = _open_partitioned(tag_dir, tag_name, layout, states, rank_files)
+        if mics is not None:
+            check_mics_replicas(layout, mics, rank_files.trees, rank_files.parse)
+        contents = dataclasses.replace(contents, metadata=zero_variant_metadata(contents.metadata, mics))
     return ZeroCheckpoint(
         training_facts(contents.metadata, rank_files.opened, contents.optimizer_states),
         contents.infos,
