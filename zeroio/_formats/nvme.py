@@ -1,12 +1,13 @@
 """NVMe-offloaded ZeRO-3 optimizer state: the fp32 sub-groups DeepSpeed swapped to disk, read from its swap files.
 
 With ``zero_optimization.offload_optimizer.device: nvme`` DeepSpeed 0.19.8 keeps a ZeRO-3 sub-group's fp32 master
-partition and its per-element optimizer state (``exp_avg``, ``exp_avg_sq``) in raw files under
+partition and its per-element optimizer state (``exp_avg``, ``exp_avg_sq``) in raw fp32 files under
 ``<nvme_path>/zero_stage_3/optimizer/rank{N}/``: ``{ds_id}.tensor.swp`` and ``{key}-{ds_id}.tensor.swp``, where
 ``ds_id`` is ``{first}_{last}`` of the sub-group's parameters' ``ds_id`` (their index in ``module.parameters()``).
-``save_checkpoint`` copies none of it: the rank file keeps an empty fp32 tensor (and empty moments) in its place.
-Sub-groups under the swap threshold (1 MiB of fp32 a rank) stay in memory and are saved like CPU offload.
-"""
+The rank file keeps an empty fp32 tensor (and empty moments) in their place, and ``save_checkpoint`` copies the
+swap folder (gradient files left out) to ``<tag>/offloaded_tensors/rank{NN}/``, which is what this module reads:
+the live swap folder moves on with training. Sub-groups under the swap threshold (1 MiB of fp32 a rank) stay in
+memory and are saved like CPU offload."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class SwapFiles:
     optim: OptimizerPartitions
     files: tuple[RankFile, ...] = ()
     folder: Path | None = None
-    """The swap root (``nvme_path``) the files were read from; None when nothing was swapped."""
+    """The ``offloaded_tensors`` folder the swapped state was read from; None when nothing was swapped."""
 
 
 def _offload_section(ds_config: Any) -> dict[str, Any] | None:
@@ -51,30 +52,27 @@ def _offload_section(ds_config: Any) -> dict[str, Any] | None:
 def nvme_path(ds_config: Any) -> str | None:
     """The ``offload_optimizer.nvme_path`` the run swapped to, or None when the optimizer was not offloaded to NVMe."""
     section = _offload_section(ds_config)
-    value = section.get("nvme_path") if section is not None else None
-    return str(value) if isinstance(value, (str, Path)) and str(value) else None
+    if section is None:
+        return None
+    value = section.get("nvme_path")
+    return str(value) if isinstance(value, (str, Path)) and str(value) else "<nvme_path>"
 
 
-def swap_rank_folder(root: Path, rank: int) -> Path:
-    """Where DeepSpeed 0.19.8 swaps rank ``rank``'s ZeRO-3 optimizer state under ``nvme_path`` ``root``."""
-    return root / "zero_stage_3" / "optimizer" / f"rank{rank}"
+def swap_rank_folder(tag_dir: Path, rank: int) -> Path:
+    """Where ``save_checkpoint`` copies rank ``rank``'s swap folder: ``<tag>/offloaded_tensors/rank{rank:02d}``."""
+    return tag_dir / "offloaded_tensors" / f"rank{rank:02d}"
 
 
-def _find_root(recorded: str, tag_dir: Path) -> Path:
-    """The recorded nvme_path as given, else relative to the checkpoint folder, else its last part copied there."""
-    given = Path(recorded)
-    checkpoint_dir = tag_dir.parent
-    candidates = [given] if given.is_absolute() else [checkpoint_dir / given, tag_dir / given, given]
-    candidates.append(checkpoint_dir / given.name)
-    for root in candidates:
-        if (root / "zero_stage_3" / "optimizer").is_dir():
-            return root
+def _require_folder(folder: Path, recorded: str, rank: int) -> None:
+    if folder.is_dir():
+        return
+    live = Path(recorded) / "zero_stage_3" / "optimizer" / f"rank{rank}"
     raise CheckpointNotFoundError(
-        f"'{tag_dir}' was trained with its optimizer state swapped to NVMe (offload_optimizer.nvme_path="
-        f"'{recorded}'), and that swap folder ('{given / 'zero_stage_3' / 'optimizer'}') is not there: "
-        "save_checkpoint does not copy it. Copy the nvme_path folder (as it was right after the save) into "
-        f"'{checkpoint_dir}' under the name '{given.name}'.",
-        path=tag_dir,
+        f"'{folder}' is missing: DeepSpeed's save_checkpoint copies rank {rank}'s NVMe-swapped optimizer state "
+        f"there (from its live swap folder '{live}'). Copy the whole tag folder again; the live folder matches "
+        "this tag only if training stopped right after the save.",
+        path=folder,
+        rank=rank,
     )
 
 
@@ -196,13 +194,14 @@ def attach_swapped_state(
         swapped_by_rank.append([i for i, ref in enumerate(groups) if ref.numel == 0 and subs[i][1] > 0])
     if not any(swapped_by_rank):
         return SwapFiles(optim)
-    root = _find_root(recorded, tag_dir)
     ids = _module_param_ids(states, shapes)
     flat_groups: list[tuple[TensorRef, ...]] = []
     base_states = list(optim.base_states)
     files: list[RankFile] = []
     for rank, swapped in enumerate(swapped_by_rank):
-        folder = swap_rank_folder(root, rank)
+        folder = swap_rank_folder(tag_dir, rank)
+        if swapped:
+            _require_folder(folder, recorded, rank)
         stems = _ds_id_names(swapped, subs, ids, folder) if swapped else {}
         rank_groups = list(optim.flat_groups[rank])
         for i, stem in stems.items():
@@ -210,4 +209,8 @@ def attach_swapped_state(
             base_states[rank], moment_files = _swapped_moments(base_states[rank], i, stem, subs[i][1], folder, rank)
             files += [file, *moment_files]
         flat_groups.append(tuple(rank_groups))
-    return SwapFiles(dataclasses.replace(optim, flat_groups=flat_groups, base_states=base_states), tuple(files), root)
+    return SwapFiles(
+        dataclasses.replace(optim, flat_groups=flat_groups, base_states=base_states),
+        tuple(files),
+        tag_dir / "offloaded_tensors",
+    )
