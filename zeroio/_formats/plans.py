@@ -10,7 +10,7 @@ import torch
 
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._partition import Piece
-from .._pickles import TensorRef
+from .._pickles import RankFile, TensorRef
 from .._storage import ByteRange
 from .validate import tensor_ref
 
@@ -111,6 +111,8 @@ class ZeroContents:
     """Read plans of the stored names."""
     optimizer_states: tuple[Any, ...] = ()
     """Each rank's base optimizer state (moments as TensorRefs), partitioned like the fp32 flat groups."""
+    swap_files: tuple[RankFile, ...] = ()
+    """Raw NVMe swap files some of the plans read (``nvme.py``), closed with the checkpoint."""
 
 
 def buffer_plans(module: dict[Any, Any], buffer_names: list[str], path: Path) -> TensorPlans:

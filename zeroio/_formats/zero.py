@@ -19,6 +19,7 @@ from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .autoep import AutoEP, autoep_trainable, is_autoep
 from .mics import check_mics_replicas, mics_shard_group, zero_variant_metadata
 from .moe import Experts, insert_experts, parse_experts
+from .nvme import attach_swapped_state
 from .optimizer import optimizer_state
 from .planned import PlannedCheckpoint
 from .plans import (
@@ -168,7 +169,7 @@ def open_zero(
         contents.infos,
         contents.tied,
         contents.plans,
-        rank_files.opened,
+        [*rank_files.opened, *contents.swap_files],
         contents.optimizer_states,
         rank_files.trees,
     )
@@ -185,6 +186,8 @@ def _open_partitioned(
     model_trees = [states.tree] + [rank_files.parse(p) for p in layout.model_files[1:]]
     _check_one_save(layout, model_trees, optim_trees)
     optim = optimizer_partitions(layout, optim_trees, states.tree.get(C.DS_CONFIG), tag_dir)
+    swap = attach_swapped_state(optim, states, shapes, tag_dir)  # NVMe offload: swapped sub-groups' files
+    optim = swap.optim
 
     # 4. Buffers (whole tensors in rank 0's module) and MoE expert files.
     found = buffer_plans(states.module, states.buffer_names, states.path)
@@ -233,7 +236,10 @@ def _open_partitioned(
         extra = {**metadata.extra, "autoep_layers": autoep.describe()}
         metadata = dataclasses.replace(metadata, layout="autoep", parallel=parallel, extra=extra)
     logger.debug("opened %s: ZeRO-%d, world size %d, %d tensors", tag_dir, optim.stage, optim.world_size, len(infos))
-    return ZeroContents(metadata, infos, tied, found.plans, tuple(optim.base_states))
+    if swap.folder is not None:
+        extra = {**metadata.extra, "nvme_swap_folder": str(swap.folder)}
+        metadata = dataclasses.replace(metadata, offload="nvme", extra=extra)
+    return ZeroContents(metadata, infos, tied, found.plans, tuple(optim.base_states), swap.files)
 
 
 def _check_one_save(layout: ZeroLayout, model_trees: list[Any], optim_trees: list[Any]) -> None:
