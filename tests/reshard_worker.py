@@ -1,7 +1,7 @@
 """DeepSpeed worker for tests/test_reshard.py: resume ZeRO-3 checkpoints at this world size and take one step.
 
-Run by DeepSpeed's launcher (``DS_ACCELERATOR=cpu deepspeed --num_gpus M tests/reshard_worker.py --out F
-NAME=DIR ...``). For each ``NAME=DIR`` it builds the fixtures' TinyLM with the fixtures' ZeRO-3 fp32 config
+Run by torchrun or DeepSpeed's launcher (``DS_ACCELERATOR=cpu deepspeed --num_gpus M tests/reshard_worker.py
+--out F NAME=DIR ...``). For each ``NAME=DIR`` it builds the fixtures' TinyLM with the fixtures' ZeRO-3 fp32 config
 (imported from ``fixtures/generate.py``), loads ``DIR`` with ``engine.load_checkpoint`` (``NAME`` starting with
 ``universal`` loads a DeepSpeed universal checkpoint), records the loaded fp32 weights and Adam moments, trains
 one step on a fixed per-rank batch and records them again (``NAME`` ending in ``_subgroupsK`` sets ZeRO-3's

@@ -58,7 +58,7 @@ def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(f"needs 8 GB of free disk in {root}")
     make = _load("zeroio_bench_make_checkpoint", REPO / "benchmarks" / "make_checkpoint.py")
     path = root / "ckpt"
-    make.make_checkpoint(path, params=PARAMS, tied=True)
+    make.make_checkpoint(path, params=PARAMS, tied=True, launcher="torchrun")
     yield path
     shutil.rmtree(root, ignore_errors=True)  # gigabytes: free them as soon as the module is done
 
