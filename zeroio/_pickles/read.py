@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._remote import as_path
-from ..errors import CheckpointFormatError, UnsafePickleError, ZeroIOError
+from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, itemsize, read_archive, require_regular_file
 from .legacy import PickleWindow, index_storages, is_legacy_head, read_legacy_header, read_storage_keys
@@ -201,7 +201,7 @@ def _check_unchanged(unpickler: _RestrictedUnpickler, path: Path) -> None:
 def _is_legacy(path: Path) -> bool:
     try:
         require_regular_file(path)
-        with open(path, "rb") as fh:
+        with path.open("rb") as fh:
             return is_legacy_head(fh.read(1))
     except (OSError, ZeroIOError):
         return False  # read_archive names the problem
@@ -209,6 +209,12 @@ def _is_legacy(path: Path) -> bool:
 
 def _load_legacy(path: Path, trusted: frozenset[str]) -> tuple[Any, RankFile]:
     """A legacy stream: header, object tree and key list read through a window; storages indexed by offset."""
+    if not isinstance(path, Path):  # a RemotePath
+        raise UnsupportedCheckpointError(
+            f"'{path}' uses torch's legacy (non-zip) serialization, which zeroio reads from local files only: "
+            "download the tag folder and open it locally.",
+            path=path,
+        )
     with open(path, "rb") as fh:
         fd, size = fh.fileno(), os.fstat(fh.fileno()).st_size
         window = PickleWindow(fd, path, size)
