@@ -156,6 +156,20 @@ def test_missing_swap_folder_says_where_deepspeed_put_it(tmp_path: Path) -> None
         zeroio.open(root)
 
 
+def test_swap_files_numbered_after_other_parameters_are_found(tmp_path: Path) -> None:
+    """ds_ids count every parameter DeepSpeed converted in the process: a model built after 3 others' parameters
+    names its files 3_8; the shift is found from the folder (every swapped sub-group must fit it)."""
+    root = _copy(tmp_path)
+    for rank in range(2):
+        for path in _swap_folder(root, rank).iterdir():
+            path.rename(path.with_name(path.name.replace("0_5", "3_8")))
+    with zeroio.open(root) as ckpt:
+        assert torch.equal(ckpt["emb.weight"], expected(NAME)["emb.weight"])
+        assert torch.equal(
+            ckpt.optimizer_state("mlp_out.weight")["exp_avg"], expected(NAME, "optimizer")["mlp_out.weight"]["exp_avg"]
+        )
+
+
 def test_the_live_swap_folder_is_not_read(tmp_path: Path) -> None:
     """The nvme_path folder moves on with training: zeroio reads the copy the save made, never the live one."""
     root = _copy(tmp_path)
