@@ -27,11 +27,13 @@ from layout_checks import (
     expected,
     manifest,
 )
+from safetensors.torch import load_file
 
 import zeroio
 from zeroio import errors
 
 NAME = "nvme_z3_ws2_bf16"
+PARAM = "nvme_param_z3_ws2_bf16"  # offload_param: nvme as well; DeepSpeed swaps none of these tiny parameters
 SWAPPED_GROUP = 0  # the decay group's sub-group (emb.weight, mlp_in.weight, mlp_out.weight): 82 fp32 a rank
 MASTER = "0_5.tensor.swp"  # ds_ids 0 (emb.weight) .. 5 (mlp_out.weight)
 
@@ -79,22 +81,32 @@ def test_checkpoint_keeps_empty_placeholders_and_the_swap_folder_keeps_the_data(
 # --------------------------------------------------------------------------- zeroio reads it
 
 
-def test_open_load_convert_equal_engine(tmp_path: Path) -> None:
-    assert_open_equals_engine(NAME)
-    assert_load_equals_engine(NAME)
-    assert_convert_equals_engine(NAME, tmp_path)
+@pytest.mark.parametrize("name", [NAME, PARAM])
+def test_open_load_convert_equal_engine(tmp_path: Path, name: str) -> None:
+    assert_open_equals_engine(name)
+    assert_load_equals_engine(name)
+    assert_convert_equals_engine(name, tmp_path)
 
 
-def test_optimizer_state_equals_engine(tmp_path: Path) -> None:
-    assert_optimizer_state_equals_engine(NAME, ("exp_avg", "exp_avg_sq"))
+@pytest.mark.parametrize("name", [NAME, PARAM])
+def test_optimizer_state_equals_engine(tmp_path: Path, name: str) -> None:
+    assert_optimizer_state_equals_engine(name, ("exp_avg", "exp_avg_sq"))
     out = tmp_path / "out"
-    zeroio.convert(case(NAME), out, include_optimizer=True, progress=False)
-    from safetensors.torch import load_file
-
+    zeroio.convert(case(name), out, include_optimizer=True, progress=False)
     state = load_file(out / "optimizer.safetensors")
-    for param, states in expected(NAME, "optimizer").items():
+    for param, states in expected(name, "optimizer").items():
         for key, value in states.items():
             assert torch.equal(state[f"{param}.{key}"], value), f"{param}.{key}"
+
+
+def test_offload_param_nvme_swaps_no_tiny_parameter():
+    """With offload_param: nvme too, the parameters stay in memory (no file in the param swap folder) and the
+    checkpoint is laid out exactly like the optimizer-only case: the same files, the same swapped sub-group."""
+    zero = manifest(PARAM)["ds_config"]["zero_optimization"]
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": "nvme"}
+    assert not [p for p in (case(PARAM) / "nvme" / "zero_stage_3").rglob("*") if p.is_file() and "params" in str(p)]
+    names = sorted(f for f in manifest(PARAM)["files"] if f.startswith("global_step2/"))
+    assert names == sorted(f for f in manifest(NAME)["files"] if f.startswith("global_step2/"))
 
 
 def test_metadata_says_nvme_and_where_the_swap_folder_is():
@@ -144,6 +156,20 @@ def test_missing_swap_folder_says_where_deepspeed_put_it(tmp_path: Path) -> None
         zeroio.open(root)
 
 
+def test_swap_files_numbered_after_other_parameters_are_found(tmp_path: Path) -> None:
+    """ds_ids count every parameter DeepSpeed converted in the process: a model built after 3 others' parameters
+    names its files 3_8; the shift is found from the folder (every swapped sub-group must fit it)."""
+    root = _copy(tmp_path)
+    for rank in range(2):
+        for path in _swap_folder(root, rank).iterdir():
+            path.rename(path.with_name(path.name.replace("0_5", "3_8")))
+    with zeroio.open(root) as ckpt:
+        assert torch.equal(ckpt["emb.weight"], expected(NAME)["emb.weight"])
+        assert torch.equal(
+            ckpt.optimizer_state("mlp_out.weight")["exp_avg"], expected(NAME, "optimizer")["mlp_out.weight"]["exp_avg"]
+        )
+
+
 def test_the_live_swap_folder_is_not_read(tmp_path: Path) -> None:
     """The nvme_path folder moves on with training: zeroio reads the copy the save made, never the live one."""
     root = _copy(tmp_path)
@@ -157,16 +183,17 @@ def test_the_live_swap_folder_is_not_read(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- DeepSpeed's own tools
 
 
-def test_zero_to_fp32_recorded_outcome():
+@pytest.mark.parametrize("name", [NAME, PARAM])
+def test_zero_to_fp32_recorded_outcome(name: str) -> None:
     """DeepSpeed 0.19.8's zero_to_fp32 reads only the rank files, where the swapped group is empty."""
-    error = case(NAME) / "expected" / "zero_to_fp32.error"
-    assert manifest(NAME)["zero_to_fp32_fails"] is True
-    assert error.read_text().startswith(ZERO_TO_FP32_ERROR)
+    assert manifest(name)["zero_to_fp32_fails"] is True
+    assert (case(name) / "expected" / "zero_to_fp32.error").read_text() == ZERO_TO_FP32_ERROR + "\n"
 
 
-def test_ds_to_universal_recorded_outcome():
-    outcome = json.loads((case(NAME) / "expected" / "ds_to_universal.json").read_text())
-    assert outcome == DS_TO_UNIVERSAL
+@pytest.mark.parametrize("name", [NAME, PARAM])
+def test_ds_to_universal_recorded_outcome(name: str) -> None:
+    """ds_to_universal slices the empty fp32 group (emb.weight's 46 elements on rank 0) and fails."""
+    assert json.loads((case(name) / "expected" / "ds_to_universal.json").read_text()) == DS_TO_UNIVERSAL
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +226,7 @@ def live_deepspeed(tmp_path_factory):
 
 
 def test_live_zero_to_fp32_still_fails(live_deepspeed):
-    assert live_deepspeed.startswith(ZERO_TO_FP32_ERROR)
+    assert live_deepspeed == ZERO_TO_FP32_ERROR
 
 
 ZERO_TO_FP32_ERROR = "ValueError: consumed 186 numels out of 22 - something is wrong"

@@ -177,8 +177,8 @@ def attach_swapped_state(
     """
     ds_config = states.tree.get(C.DS_CONFIG)
     recorded = nvme_path(ds_config)
-    if optim.stage != 3 or recorded is None:
-        return SwapFiles(optim)
+    if optim.stage != 3 or recorded is None or not any(ref.numel == 0 for g in optim.flat_groups for ref in g):
+        return SwapFiles(optim)  # nothing swapped: read as plain ZeRO-3
     subs = _sub_groups(shapes, optim.world_size, ds_config)
     swapped_by_rank: list[list[int]] = []
     for rank, groups in enumerate(optim.flat_groups):
