@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,7 +19,7 @@ from ._metadata import output_dtype, parse_dtype
 from ._model_card import card_facts
 from ._plan import WritePlan
 from ._progress import Progress, check_progress
-from ._remote import as_path
+from ._remote import as_path, with_storage_options
 from ._sharding import parse_size
 from ._types import StrPath
 from .errors import OutputError
@@ -179,6 +179,7 @@ def convert(
     verify_crc: bool = True,
     trusted_globals: Iterable[str] = (),
     tp_rules: TPRules | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -250,6 +251,8 @@ def convert(
             (rebuilt as inert data, never called).
         tp_rules: how a tensor-parallel source's tensors are split where its files do not record it, as for
             :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
+        storage_options: options of the source URL's fsspec filesystem (``s3://``, ``gs://``, ``hf://``,
+            ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's environment credentials.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -286,6 +289,7 @@ def convert(
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
     check_progress(progress)
+    src = with_storage_options(src, storage_options)
     dst_path = Path(dst)
     if include_optimizer and (fmt != "safetensors" or distributed):
         raise ValueError(

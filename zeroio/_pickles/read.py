@@ -201,7 +201,7 @@ def _check_unchanged(unpickler: _RestrictedUnpickler, path: Path) -> None:
 def _is_legacy(path: Path) -> bool:
     try:
         require_regular_file(path)
-        with open(path, "rb") as fh:
+        with path.open("rb") as fh:  # a RemotePath too (docs/architecture.md, "Storage backends")
             return is_legacy_head(fh.read(1))
     except (OSError, ZeroIOError):
         return False  # read_archive names the problem
