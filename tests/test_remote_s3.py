@@ -327,3 +327,21 @@ def test_cli_inspect_convert_verify_accept_urls(s3, tmp_path, capsys):
     assert main(["verify", url, str(tmp_path / "out")]) == 0
     assert main(["convert", str(FIXTURES / "z3_ws2_bf16"), "s3://fixtures/out"]) == 1
     assert "writing to remote storage is not supported yet" in capsys.readouterr().err
+
+
+def test_http_url_of_one_file(hub_server, hub_api, xet_disabled, tmp_path):
+    """A plain-HTTP URL names one file (a web server has no listing): a safetensors file served with Range support
+    (here the Hub's resolve URL, redirected to its CDN) converts to the same bytes."""
+    pytest.importorskip("aiohttp")
+    zeroio.convert(FIXTURES / "z3_ws2_bf16", tmp_path / "ref", progress=False)
+    repo = f"{DEFAULT_USER}/converted"
+    hub_api.create_repo(repo)
+    hub_api.upload_folder(repo_id=repo, folder_path=tmp_path / "ref")
+    url = f"{hub_server.endpoint}/{repo}/resolve/main/model.safetensors"
+    with zeroio.open(url) as ckpt:
+        assert ckpt.metadata.format == "safetensors" and str(ckpt.metadata.path) == url
+    zeroio.convert(url, tmp_path / "out", progress=False)
+    ref = tmp_path / "ref" / "model.safetensors"
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == ref.read_bytes()
+    with pytest.raises(CheckpointNotFoundError):
+        zeroio.open(f"{hub_server.endpoint}/{repo}/resolve/main/no-such.safetensors")

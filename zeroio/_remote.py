@@ -143,9 +143,11 @@ class RemoteTree:
         self._children: dict[str, set[str]] = {}  # folder key -> child names, for listed folders
         self._deep: list[str] = []  # keys listed recursively
         self._sources: dict[str, RemoteFile] = {}
+        # A web server has no listing (fsspec would download a page and parse its links): a URL is one file there.
+        self._listable = _ALIASES.get(protocol, protocol) != "http"
 
     def url(self, key: str) -> str:
-        return f"{self.protocol}://{key}"
+        return key if "://" in key else f"{self.protocol}://{key}"  # fsspec's HTTP keys keep their scheme
 
     def _call(self, key: str, what: str, fn: Any) -> Any:
         return call_with_retries(self.url(key), what, self.fix_auth, fn)
@@ -167,6 +169,9 @@ class RemoteTree:
         """The one recursive listing of the URL the user gave (called on first use)."""
         if self._deep or self.root in self._sizes:
             return
+        if not self._listable:  # plain HTTP: one object, its size from a HEAD request
+            self._sizes[self.root] = int(self._call(self.root, "object info", lambda: self.fs.info(self.root))["size"])
+            return
         found = self._call(self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True))
         for key, info in found.items():
             key = key.rstrip("/")
@@ -186,7 +191,7 @@ class RemoteTree:
 
     def _list_folder(self, key: str) -> None:
         """One level of a folder outside the recursive listing (the parent of a tag folder or a file)."""
-        if key in self._children or self._covered(key):
+        if key in self._children or self._covered(key) or not self._listable:
             return
         try:
             infos = self._call(key, "listing", lambda: self.fs.ls(key, detail=True))
