@@ -325,8 +325,11 @@ def test_cli_inspect_convert_verify_accept_urls(s3, tmp_path, capsys):
     assert url in capsys.readouterr().out
     assert main(["convert", url, str(tmp_path / "out"), "--quiet"]) == 0
     assert main(["verify", url, str(tmp_path / "out")]) == 0
-    assert main(["convert", str(FIXTURES / "z3_ws2_bf16"), "s3://fixtures/out"]) == 1
-    assert "writing to remote storage is not supported yet" in capsys.readouterr().err
+    s3.upload_tree(tmp_path / "empty", "outputs", "") if (tmp_path / "empty").mkdir() is None else None
+    assert main(["convert", url, "s3://outputs/cli", "--quiet"]) == 0  # a URL destination: staged, then uploaded
+    assert _s3_tree(s3, "outputs", "cli") == _sha256_tree(tmp_path / "out")
+    assert main(["convert", url, "s3://outputs/cli", "--quiet"]) == 1  # an existing destination, without --overwrite
+    assert "already holds" in capsys.readouterr().err
 
 
 def test_http_url_of_one_file(hub_server, hub_api, xet_disabled, tmp_path):
@@ -345,3 +348,53 @@ def test_http_url_of_one_file(hub_server, hub_api, xet_disabled, tmp_path):
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == ref.read_bytes()
     with pytest.raises(CheckpointNotFoundError):
         zeroio.open(f"{hub_server.endpoint}/{repo}/resolve/main/no-such.safetensors")
+
+
+# --------------------------------------------------------------------------- outputs at URLs
+
+
+def _s3_tree(s3, bucket: str, prefix: str) -> dict[str, str]:
+    """name -> sha256 of every object under s3://bucket/prefix/ (read straight from moto)."""
+    listed = s3.client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
+    return {
+        o["Key"][len(prefix) + 1 :]: hashlib.sha256(
+            s3.client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+        ).hexdigest()
+        for o in listed
+    }
+
+
+def test_convert_to_s3_equals_local_and_refuses_existing(s3, tmp_path):
+    """convert to s3://: the same bytes as a local output; an existing prefix is refused unless overwrite, and
+    overwrite refuses a prefix holding files zeroio does not write."""
+    name = "z3_ws2_fp32"
+    s3.client.create_bucket(Bucket="outputs")
+    local = zeroio.convert(FIXTURES / name, tmp_path / "ref", progress=False, max_shard_size=200)
+    assert local.index_path is not None
+    result = zeroio.convert(f"s3://fixtures/{name}", "s3://outputs/model", progress=False, max_shard_size=200)
+    assert _s3_tree(s3, "outputs", "model") == _sha256_tree(tmp_path / "ref")
+    assert [str(p) for p in result.files] == [f"s3://outputs/model/{p.name}" for p in local.files]
+    assert str(result.index_path) == "s3://outputs/model/model.safetensors.index.json"
+    assert zeroio.verify(f"s3://fixtures/{name}", "s3://outputs/model").ok
+    with pytest.raises(zeroio.errors.OutputError, match="already holds"):
+        zeroio.convert(FIXTURES / name, "s3://outputs/model", progress=False)
+    zeroio.convert(FIXTURES / name, tmp_path / "one", progress=False)
+    zeroio.convert(FIXTURES / name, "s3://outputs/model", progress=False, overwrite=True)  # one file: shards go
+    assert _s3_tree(s3, "outputs", "model") == _sha256_tree(tmp_path / "one")
+    s3.client.put_object(Bucket="outputs", Key="model/notes.txt", Body=b"mine")
+    with pytest.raises(zeroio.errors.OutputError, match="notes.txt"):
+        zeroio.convert(FIXTURES / name, "s3://outputs/model", progress=False, overwrite=True)
+    assert "notes.txt" in _s3_tree(s3, "outputs", "model")
+
+
+def test_failed_upload_leaves_nothing_that_looks_complete(s3, tmp_path):
+    """A PUT refused mid-upload (the third shard): OutputError naming the URL, and every object zeroio uploaded is
+    removed, so no index and no shard are left at the destination."""
+    s3.client.create_bucket(Bucket="outputs")
+    s3.put_faults[:] = ["model-00003-of-"]
+    try:
+        with pytest.raises(zeroio.errors.OutputError, match="s3://outputs/failed"):
+            zeroio.convert(FIXTURES / "z3_ws2_fp32", "s3://outputs/failed", progress=False, max_shard_size=200)
+    finally:
+        s3.put_faults.clear()
+    assert _s3_tree(s3, "outputs", "failed") == {}

@@ -28,7 +28,7 @@ from ._remote_file import RemoteFile, call_with_retries
 from ._types import StrPath
 from .errors import RemoteStorageError
 
-__all__ = ["RemotePath", "as_path", "is_url", "with_storage_options"]
+__all__ = ["RemotePath", "as_path", "filesystem", "is_url", "with_storage_options"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -88,6 +88,12 @@ def with_storage_options(path: StrPath, storage_options: Mapping[str, Any] | Non
     if not storage_options:
         return path
     return as_path(path, storage_options)
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """``(fsspec filesystem, key)`` of ``url`` (the same cached filesystem readers use): for writing outputs."""
+    fs, key, _ = _filesystem(url, storage_options)
+    return fs, key
 
 
 def _backend(protocol: str) -> tuple[str, str, str]:
