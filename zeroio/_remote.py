@@ -90,10 +90,10 @@ def with_storage_options(path: StrPath, storage_options: Mapping[str, Any] | Non
     return as_path(path, storage_options)
 
 
-def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """``(fsspec filesystem, key)`` of ``url`` (the same cached filesystem readers use): for writing outputs."""
-    fs, key, _ = _filesystem(url, storage_options)
-    return fs, key
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str, str]:
+    """``(fsspec filesystem, key, how to fix refused credentials)`` of ``url``: for writing outputs."""
+    fs, key, protocol = _filesystem(url, storage_options)
+    return fs, key, _backend(protocol)[2]
 
 
 def _backend(protocol: str) -> tuple[str, str, str]:

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 
 from ._own_files import is_output_name
 from ._remote import as_path, filesystem
-from .errors import OutputError
+from ._remote_file import call_with_retries
+from .errors import CheckpointNotFoundError, OutputError
 
 __all__ = ["write_to_url"]
 
@@ -28,11 +29,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _existing(fs: Any, key: str) -> list[str]:
-    """Names (relative to ``key``) of every object under the destination prefix."""
+def _existing(fs: Any, key: str, url: str, fix_auth: str) -> list[str]:
+    """Names (relative to ``key``) of every object under the destination prefix (credentials checked here)."""
     try:
-        found = fs.find(key)
-    except FileNotFoundError:
+        found = call_with_retries(url, "listing the destination", fix_auth, lambda: fs.find(key))
+    except CheckpointNotFoundError:  # no bucket yet: the upload says so, naming the URL
         return []
     return sorted(str(k)[len(key) + 1 :] for k in found if str(k).startswith(key + "/"))
 
@@ -52,9 +53,9 @@ def write_to_url(
         OutputError: the destination holds files (without ``overwrite``), files zeroio does not write (with it),
             or an upload failed (what was uploaded is removed).
     """
-    fs, key = filesystem(url, storage_options)
+    fs, key, fix_auth = filesystem(url, storage_options)
     url = url.rstrip("/")
-    existing = _existing(fs, key)
+    existing = _existing(fs, key, url, fix_auth)
     if existing and not overwrite:
         raise OutputError(
             f"Refusing to write '{url}': it already holds {len(existing)} file(s) ({', '.join(existing[:3])}). "
