@@ -360,6 +360,8 @@ class HubServer:
         self.requests: list[tuple[str, str, bool]] = []
         """(method, path with query, whether an Authorization header was sent) for every request."""
         self.internal_errors: list[str] = []
+        self.body_bytes_sent = 0
+        """Response body bytes sent (every request but HEAD): what remote-read tests assert on."""
         self._lock = threading.RLock()
         self._repos: dict[tuple[str, str], _Repo] = {}
         self._xet_files: dict[str, _XetFile] = {}
@@ -801,6 +803,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         if self.command != "HEAD" and body:
+            with self.hub._lock:
+                self.hub.body_bytes_sent += len(body)
             try:
                 self.wfile.write(body)
             except OSError:

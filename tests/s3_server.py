@@ -59,6 +59,7 @@ class S3Server:
         self.accounting = Accounting()
         self.faults: list[str] = []  # actions for the next GETs with a Range header, in order
         self.slow_s = 0.0
+        self.put_faults: list[str] = []  # a PUT whose path contains one of these is refused (403), once
         self._faults_lock = threading.Lock()
         server = self
 
@@ -77,6 +78,10 @@ class S3Server:
                 if f"Credential={ACCESS_KEY}/" not in auth:
                     return self._error(403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist")
                 fault = None
+                for marker in list(server.put_faults) if self.command == "PUT" else []:
+                    if marker in self.path:
+                        server.put_faults.remove(marker)
+                        return self._error(403, "AccessDenied", "injected")
                 if self.command == "GET" and "Range" in self.headers:
                     with server._faults_lock:
                         fault = server.faults.pop(0) if server.faults else None

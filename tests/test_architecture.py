@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, ...]] = [
         "_universal_write",
         "_hub",
         "_model_card",
+        "_remote_output",
     ),
     # 6. the public namespace
     ("__init__",),

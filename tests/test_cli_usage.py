@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -176,7 +177,7 @@ def test_remote_source_is_not_supported_yet(tmp_path, monkeypatch, capsys, argv)
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", ["convert", "reshard"])
+@pytest.mark.parametrize("command", ["reshard"])  # convert writes to URLs (docs/remote.md): see the test below
 def test_remote_destination_is_not_supported_yet(tmp_path, monkeypatch, capsys, command):
     """Writing to a URL is refused before reading; no local folder named 's3:' appears."""
     monkeypatch.chdir(tmp_path)
@@ -189,4 +190,20 @@ def test_remote_destination_is_not_supported_yet(tmp_path, monkeypatch, capsys, 
             f"local path and upload it (zeroio push uploads to the Hugging Face Hub).\n{HINT}\n"
         ),
     )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_remote_destination_without_credentials(tmp_path, monkeypatch, capsys):
+    """convert to a URL checks the destination before reading: refused credentials are one line naming the URL and
+    the variables to set; no local folder named 's3:' appears."""
+    pytest.importorskip("s3fs")
+    monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert main(["convert", str(SRC), "s3://bucket/out"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("Error: Access to 's3://bucket/out' was refused") and "AWS_ACCESS_KEY_ID" in err
     assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixture_data import FIXTURES
+from hub_server import DEFAULT_TOKEN, DEFAULT_USER
 from s3_server import S3Server
 
 import zeroio
@@ -25,6 +26,7 @@ from zeroio.cli import main
 from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
 
 pytest.importorskip("s3fs")
+pytest_plugins = ["hub_fixtures"]
 
 FIXTURE_NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
 WORKER = Path(__file__).with_name("remote_ckpt_worker.py")
@@ -218,6 +220,79 @@ def test_storage_options_give_the_credentials(s3, monkeypatch):
         assert ckpt["emb.weight"].shape == (13, 7)
 
 
+def test_storage_options_reach_every_verb(s3, monkeypatch, tmp_path, hub_server, hub_api, xet_disabled):
+    """convert, verify, load, reshard and push_to_hub pass storage_options to the source URL's filesystem."""
+    env = s3.env()
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key)
+    options = {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"], "endpoint_url": s3.endpoint}
+    name = "z3_ws2_fp32"
+    url, local = f"s3://fixtures/{name}", FIXTURES / name
+    with pytest.raises(RemoteStorageError):  # without the options nothing is readable
+        zeroio.convert(url, tmp_path / "refused", progress=False)
+    zeroio.convert(local, tmp_path / "ref", progress=False)
+    zeroio.convert(url, tmp_path / "out", progress=False, storage_options=options)
+    assert _sha256_tree(tmp_path / "out") == _sha256_tree(tmp_path / "ref")
+    assert zeroio.verify(url, tmp_path / "ref", storage_options=options).ok
+    assert zeroio.verify(tmp_path / "ref", url, storage_options=options).ok
+    with pytest.raises(ValueError, match="URLs only"):
+        zeroio.verify(local, tmp_path / "ref", storage_options=options)
+    with pytest.raises(ValueError, match="URLs only"):
+        zeroio.convert(local, tmp_path / "never", storage_options=options)
+
+    with zeroio.open(local) as ckpt:
+        model = torch.nn.Module()
+        for key, info in ckpt.infos.items():
+            module = model
+            *parents, leaf = key.split(".")
+            for part in parents:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_buffer(leaf, torch.zeros(info.shape, dtype=info.dtype))
+        expected = ckpt.state_dict()
+    report = zeroio.load(url, model, storage_options=options)
+    assert not report.missing_keys
+    assert report.loaded_keys and all(torch.equal(model.get_buffer(k), v) for k, v in expected.items())
+
+    zeroio.reshard(local, tmp_path / "ws1_ref", world_size=1)
+    zeroio.reshard(url, tmp_path / "ws1", world_size=1, storage_options=options)
+    tag = (tmp_path / "ws1_ref" / "latest").read_text().strip()
+    assert _sha256_tree(tmp_path / "ws1" / tag) == _sha256_tree(tmp_path / "ws1_ref" / tag)
+
+    pushed = zeroio.push_to_hub(url, f"{DEFAULT_USER}/from-s3", token=DEFAULT_TOKEN, progress=False,
+                                storage_options=options)  # fmt: skip
+    assert "model.safetensors" in pushed.files
+    on_hub = hub_server.read_file(f"{DEFAULT_USER}/from-s3", "model.safetensors")
+    assert on_hub == (tmp_path / "ref" / "model.safetensors").read_bytes()
+
+
+def test_hf_url_reads_only_the_weights(big, hub_server, hub_api, xet_disabled, monkeypatch, tmp_path):
+    """A raw checkpoint folder on the (local) Hub: hf://user/repo@rev/path converts to the local result, byte for
+    byte, and the server sends the weights and pickles, not the Adam moments (HF_ENDPOINT/HF_TOKEN standard)."""
+    local, _ = big
+    repo = f"{DEFAULT_USER}/raw-run"
+    hub_api.create_repo(repo)
+    hub_api.upload_folder(repo_id=repo, folder_path=local, path_in_repo="ckpt")
+    monkeypatch.setenv("HF_TOKEN", DEFAULT_TOKEN)
+    pickles = sum(_record_extents(p)[0] for p in (local / "step1").iterdir())
+    folder = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    zeroio.convert(local, tmp_path / "ref", progress=False)
+
+    hub_server.body_bytes_sent = 0
+    result = zeroio.convert(f"hf://{repo}@main/ckpt", tmp_path / "out", progress=False)
+    served = hub_server.body_bytes_sent
+    assert _sha256_tree(tmp_path / "out") == _sha256_tree(tmp_path / "ref")
+    assert served <= 1.05 * (result.total_size + pickles), (served, result.total_size, pickles)
+    assert served < 0.4 * folder
+    with zeroio.open(f"hf://{repo}/ckpt") as ckpt:
+        assert str(ckpt.metadata.path) == f"hf://{repo}/ckpt/step1"
+    monkeypatch.delenv("HF_TOKEN")  # the repo is public on the test server, so a wrong token is what is refused
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    with pytest.raises((RemoteStorageError, CheckpointNotFoundError)):
+        zeroio.open(f"hf://{repo}/ckpt")
+
+
 def test_truncated_object_is_a_format_error_naming_the_url(s3):
     tag = next(p.name for p in (FIXTURES / "z2_ws2_fp32").iterdir() if p.is_dir() and p.name.startswith("global"))
     rank = FIXTURES / "z2_ws2_fp32" / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -250,5 +325,76 @@ def test_cli_inspect_convert_verify_accept_urls(s3, tmp_path, capsys):
     assert url in capsys.readouterr().out
     assert main(["convert", url, str(tmp_path / "out"), "--quiet"]) == 0
     assert main(["verify", url, str(tmp_path / "out")]) == 0
-    assert main(["convert", str(FIXTURES / "z3_ws2_bf16"), "s3://fixtures/out"]) == 1
-    assert "writing to remote storage is not supported yet" in capsys.readouterr().err
+    s3.upload_tree(tmp_path / "empty", "outputs", "") if (tmp_path / "empty").mkdir() is None else None
+    assert main(["convert", url, "s3://outputs/cli", "--quiet"]) == 0  # a URL destination: staged, then uploaded
+    assert _s3_tree(s3, "outputs", "cli") == _sha256_tree(tmp_path / "out")
+    assert main(["convert", url, "s3://outputs/cli", "--quiet"]) == 1  # an existing destination, without --overwrite
+    assert "already holds" in capsys.readouterr().err
+
+
+def test_http_url_of_one_file(hub_server, hub_api, xet_disabled, tmp_path):
+    """A plain-HTTP URL names one file (a web server has no listing): a safetensors file served with Range support
+    (here the Hub's resolve URL, redirected to its CDN) converts to the same bytes."""
+    pytest.importorskip("aiohttp")
+    zeroio.convert(FIXTURES / "z3_ws2_bf16", tmp_path / "ref", progress=False)
+    repo = f"{DEFAULT_USER}/converted"
+    hub_api.create_repo(repo)
+    hub_api.upload_folder(repo_id=repo, folder_path=tmp_path / "ref")
+    url = f"{hub_server.endpoint}/{repo}/resolve/main/model.safetensors"
+    with zeroio.open(url) as ckpt:
+        assert ckpt.metadata.format == "safetensors" and str(ckpt.metadata.path) == url
+    zeroio.convert(url, tmp_path / "out", progress=False)
+    ref = tmp_path / "ref" / "model.safetensors"
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == ref.read_bytes()
+    with pytest.raises(CheckpointNotFoundError):
+        zeroio.open(f"{hub_server.endpoint}/{repo}/resolve/main/no-such.safetensors")
+
+
+# --------------------------------------------------------------------------- outputs at URLs
+
+
+def _s3_tree(s3, bucket: str, prefix: str) -> dict[str, str]:
+    """name -> sha256 of every object under s3://bucket/prefix/ (read straight from moto)."""
+    listed = s3.client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
+    return {
+        o["Key"][len(prefix) + 1 :]: hashlib.sha256(
+            s3.client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+        ).hexdigest()
+        for o in listed
+    }
+
+
+def test_convert_to_s3_equals_local_and_refuses_existing(s3, tmp_path):
+    """convert to s3://: the same bytes as a local output; an existing prefix is refused unless overwrite, and
+    overwrite refuses a prefix holding files zeroio does not write."""
+    name = "z3_ws2_fp32"
+    s3.client.create_bucket(Bucket="outputs")
+    local = zeroio.convert(FIXTURES / name, tmp_path / "ref", progress=False, max_shard_size=200)
+    assert local.index_path is not None
+    result = zeroio.convert(f"s3://fixtures/{name}", "s3://outputs/model", progress=False, max_shard_size=200)
+    assert _s3_tree(s3, "outputs", "model") == _sha256_tree(tmp_path / "ref")
+    assert [str(p) for p in result.files] == [f"s3://outputs/model/{p.name}" for p in local.files]
+    assert str(result.index_path) == "s3://outputs/model/model.safetensors.index.json"
+    assert zeroio.verify(f"s3://fixtures/{name}", "s3://outputs/model").ok
+    with pytest.raises(zeroio.errors.OutputError, match="already holds"):
+        zeroio.convert(FIXTURES / name, "s3://outputs/model", progress=False)
+    zeroio.convert(FIXTURES / name, tmp_path / "one", progress=False)
+    zeroio.convert(FIXTURES / name, "s3://outputs/model", progress=False, overwrite=True)  # one file: shards go
+    assert _s3_tree(s3, "outputs", "model") == _sha256_tree(tmp_path / "one")
+    s3.client.put_object(Bucket="outputs", Key="model/notes.txt", Body=b"mine")
+    with pytest.raises(zeroio.errors.OutputError, match="notes.txt"):
+        zeroio.convert(FIXTURES / name, "s3://outputs/model", progress=False, overwrite=True)
+    assert "notes.txt" in _s3_tree(s3, "outputs", "model")
+
+
+def test_failed_upload_leaves_nothing_that_looks_complete(s3, tmp_path):
+    """A PUT refused mid-upload (the third shard): OutputError naming the URL, and every object zeroio uploaded is
+    removed, so no index and no shard are left at the destination."""
+    s3.client.create_bucket(Bucket="outputs")
+    s3.put_faults[:] = ["model-00003-of-"]
+    try:
+        with pytest.raises(zeroio.errors.OutputError, match="s3://outputs/failed"):
+            zeroio.convert(FIXTURES / "z3_ws2_fp32", "s3://outputs/failed", progress=False, max_shard_size=200)
+    finally:
+        s3.put_faults.clear()
+    assert _s3_tree(s3, "outputs", "failed") == {}

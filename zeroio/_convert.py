@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,7 +19,7 @@ from ._metadata import output_dtype, parse_dtype
 from ._model_card import card_facts
 from ._plan import WritePlan
 from ._progress import Progress, check_progress
-from ._remote import as_path
+from ._remote import as_path, is_url, with_storage_options
 from ._sharding import parse_size
 from ._types import StrPath
 from .errors import OutputError
@@ -179,6 +179,7 @@ def convert(
     verify_crc: bool = True,
     trusted_globals: Iterable[str] = (),
     tp_rules: TPRules | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -250,6 +251,10 @@ def convert(
             (rebuilt as inert data, never called).
         tp_rules: how a tensor-parallel source's tensors are split where its files do not record it, as for
             :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
+        storage_options: options of the fsspec filesystem of ``src`` and/or ``dst`` where they are URLs (``s3://``,
+            ``gs://``, ``hf://``, ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's
+            environment credentials. A URL ``dst`` (``s3://bucket/model``) is written locally, then uploaded,
+            the index last; a failed upload removes what it uploaded.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -286,6 +291,27 @@ def convert(
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
     check_progress(progress)
+    if is_url(str(dst)):
+        if fmt not in ("safetensors", "torch") or distributed:
+            raise ValueError(f"A URL destination takes fmt='safetensors' or 'torch' without distributed, not {fmt!r}.")
+
+        def write_local(local: Path) -> ConvertResult:
+            return convert(
+                src, local, fmt=fmt, dtype=dtype, max_shard_size=max_shard_size, tag=tag,
+                exclude_frozen=exclude_frozen, workers=workers, progress=progress, chunk_bytes=chunk_bytes,
+                include_optimizer=include_optimizer, verify_crc=verify_crc, trusted_globals=trusted,
+                tp_rules=tp_rules, storage_options=storage_options if is_url(str(src)) else None,
+            )  # fmt: skip
+
+        from ._remote_output import write_to_url
+
+        local, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
+        at = {p.name: p for p in uploaded}
+        return replace(
+            local, files=tuple(at[p.name] for p in local.files), copied=tuple(at[p.name] for p in local.copied),
+            index_path=at[local.index_path.name] if local.index_path is not None else None,
+        )  # fmt: skip
+    src = with_storage_options(src, storage_options)
     dst_path = Path(dst)
     if include_optimizer and (fmt != "safetensors" or distributed):
         raise ValueError(

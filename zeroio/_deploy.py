@@ -249,6 +249,7 @@ def load(
     progress: Progress | None = False,
     verify_crc: bool = True,
     tp_rules: TPRules | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -282,6 +283,8 @@ def load(
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
         tp_rules: how a tensor-parallel checkpoint's tensors are split where its files do not record it, as for
             :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
+        storage_options: options of the URL's fsspec filesystem (``s3://``, ``gs://``, ``hf://``,
+            ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's environment credentials.
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -317,7 +320,7 @@ def load(
     else:
         from ._formats import open as open_checkpoint
 
-        ckpt = open_checkpoint(path, tag, verify_crc=verify_crc, tp_rules=tp_rules)
+        ckpt = open_checkpoint(path, tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
     try:
         report = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
         ckpt.finish_crc_checks()  # records read in part (flat-group padding)

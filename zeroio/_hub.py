@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._model_card import default_commit_message, render_model_card
 from ._progress import check_progress
+from ._remote import as_path, is_url
 from .errors import HubError
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def push_to_hub(
     model_card: bool = True,
     progress: Progress = True,
     verify_crc: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> PushResult:
     """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
 
@@ -119,6 +121,8 @@ def push_to_hub(
             or pass ``callable(done, total)`` to receive conversion progress in bytes (uploads then stay silent).
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
+        storage_options: options of the fsspec filesystem of a URL ``src`` (``s3://``, ``gs://``, ``hf://``; keys,
+            endpoint, token; docs/remote.md); a URL source is converted locally, then pushed.
 
     Returns:
         A :class:`PushResult`: repo, ref, commit URL and hash, pull request URL, and the files pushed.
@@ -143,7 +147,7 @@ def push_to_hub(
             "create_pr to add a commit to an open pull request."
         )
     check_progress(progress)
-    src_path = Path(src)
+    src_path = as_path(src, storage_options)
     if not src_path.exists():
         from .errors import CheckpointNotFoundError
 
@@ -152,7 +156,7 @@ def push_to_hub(
             "checkpoint folder.",
             path=src_path,
         )
-    converted = _is_converted(src_path) and dtype is None
+    converted = _is_converted(src_path) and dtype is None and not is_url(str(src_path))  # a URL: converted here
     _check_source(src_path, converted=converted, dtype=dtype, max_shard_size=max_shard_size, tag=tag)
     try:
         from huggingface_hub import HfApi

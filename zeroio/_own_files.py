@@ -23,7 +23,7 @@ from pathlib import Path
 from . import _constants as C
 from ._side_files import SIDE_FILES
 
-__all__ = ["LOCK_NAME", "foreign_entries"]
+__all__ = ["LOCK_NAME", "foreign_entries", "is_output_name"]
 
 LOCK_NAME = ".zeroio-lock"
 """The file in a temporary output folder that its writer holds an ``flock`` on (see :mod:`zeroio._atomic`)."""
@@ -94,3 +94,8 @@ def foreign_entries(folder: Path) -> list[str]:
         else:
             foreign.append(name + "/" if path.is_dir() else name)
     return foreign
+
+
+def is_output_name(name: str) -> bool:
+    """True for a top-level file name some zeroio writer produces (weights, indexes, side files, ``latest``)."""
+    return bool(_OUTPUT_FILE.match(name)) or name in _TOP_FILES

@@ -21,14 +21,14 @@ import re
 import stat as stat_mod
 import threading
 from collections.abc import Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from ._remote_file import RemoteFile, call_with_retries
 from ._types import StrPath
 from .errors import RemoteStorageError
 
-__all__ = ["RemotePath", "as_path", "is_url"]
+__all__ = ["RemotePath", "as_path", "filesystem", "is_url", "with_storage_options"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -54,6 +54,9 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 _ALIASES = {"s3a": "s3", "gcs": "gs", "https": "http"}
 _CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_")
+# HfFileSystem inherits fsspec's cat_file, which opens a file with a read-ahead cache (5 MB past each read, the
+# Adam moments after the weights); without a cache each read is one request for exactly its range.
+_EXACT_READS: dict[str, dict[str, Any]] = {"hf": {"cache_type": "none"}}
 _FILESYSTEMS: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _FS_LOCK = threading.Lock()
 
@@ -76,6 +79,23 @@ def as_path(path: StrPath | RemotePath, storage_options: Mapping[str, Any] | Non
     return Path(path)
 
 
+def with_storage_options(path: StrPath, storage_options: Mapping[str, Any] | None) -> StrPath:
+    """``path`` as given, or for a URL with ``storage_options`` its path carrying them (the verbs pass it on).
+
+    Raises:
+        ValueError: ``storage_options`` given for a local path (they configure a URL's filesystem only).
+    """
+    if not storage_options:
+        return path
+    return as_path(path, storage_options)
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str, str]:
+    """``(fsspec filesystem, key, how to fix refused credentials)`` of ``url``: for writing outputs."""
+    fs, key, protocol = _filesystem(url, storage_options)
+    return fs, key, _backend(protocol)[2]
+
+
 def _backend(protocol: str) -> tuple[str, str, str]:
     return _BACKENDS.get(_ALIASES.get(protocol, protocol), ("fsspec", "pip install fsspec", "check the credentials."))
 
@@ -96,6 +116,8 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             options["endpoint_url"] = endpoint
+    if protocol == "hf" and "endpoint" not in options and os.environ.get("HF_ENDPOINT"):
+        options["endpoint"] = os.environ["HF_ENDPOINT"]  # huggingface_hub reads it once, at import
     # One filesystem per (URL scheme, options, credential variables): creating one (a botocore session) costs
     # more than reading a small checkpoint, and a change of credentials in the environment must not be missed.
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CREDENTIAL_VARIABLES)))
@@ -127,9 +149,11 @@ class RemoteTree:
         self._children: dict[str, set[str]] = {}  # folder key -> child names, for listed folders
         self._deep: list[str] = []  # keys listed recursively
         self._sources: dict[str, RemoteFile] = {}
+        # A web server has no listing (fsspec would download a page and parse its links): a URL is one file there.
+        self._listable = _ALIASES.get(protocol, protocol) != "http"
 
     def url(self, key: str) -> str:
-        return f"{self.protocol}://{key}"
+        return key if "://" in key else f"{self.protocol}://{key}"  # fsspec's HTTP keys keep their scheme
 
     def _call(self, key: str, what: str, fn: Any) -> Any:
         return call_with_retries(self.url(key), what, self.fix_auth, fn)
@@ -151,6 +175,9 @@ class RemoteTree:
         """The one recursive listing of the URL the user gave (called on first use)."""
         if self._deep or self.root in self._sizes:
             return
+        if not self._listable:  # plain HTTP: one object, its size from a HEAD request
+            self._sizes[self.root] = int(self._call(self.root, "object info", lambda: self.fs.info(self.root))["size"])
+            return
         found = self._call(self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True))
         for key, info in found.items():
             key = key.rstrip("/")
@@ -170,7 +197,7 @@ class RemoteTree:
 
     def _list_folder(self, key: str) -> None:
         """One level of a folder outside the recursive listing (the parent of a tag folder or a file)."""
-        if key in self._children or self._covered(key):
+        if key in self._children or self._covered(key) or not self._listable:
             return
         try:
             infos = self._call(key, "listing", lambda: self.fs.ls(key, detail=True))
@@ -197,9 +224,12 @@ class RemoteTree:
         with self._lock:
             found = self._sources.get(key)
             if found is None or found.size != size:
-                fs = self.fs
+                fs, exact = self.fs, _EXACT_READS.get(self.protocol, {})
                 found = self._sources[key] = RemoteFile(
-                    self.url(key), lambda start, end: fs.cat_file(key, start=start, end=end), size, self.fix_auth
+                    self.url(key),
+                    lambda start, end: fs.cat_file(key, start=start, end=end, **exact),
+                    size,
+                    self.fix_auth,
                 )
             return found
 
@@ -270,6 +300,11 @@ class RemotePath:
 
     def resolve(self, strict: bool = False) -> RemotePath:
         return self  # object stores have no links
+
+    def relative_to(self, other: object) -> PurePosixPath:
+        if not self.is_relative_to(other):
+            raise ValueError(f"'{self}' is not inside '{other}'")
+        return PurePosixPath(str(self)[len(str(other).rstrip("/")) + 1 :])
 
     def is_relative_to(self, other: object) -> bool:
         return isinstance(other, RemotePath) and (str(self) + "/").startswith(str(other).rstrip("/") + "/")

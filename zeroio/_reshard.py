@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,6 +61,7 @@ def reshard(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Progress = False,
     verify_crc: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ReshardResult:
     """Write a DeepSpeed ZeRO-3 checkpoint of ``src`` partitioned for ``world_size`` data-parallel ranks.
 
@@ -86,6 +89,8 @@ def reshard(
         progress: ``True`` draws a tqdm bar (bytes), or pass ``callable(done, total)``.
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
+        storage_options: options of the source URL's fsspec filesystem (``s3://``, ``gs://``, ``hf://``,
+            ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's environment credentials.
 
     Returns:
         A :class:`ReshardResult`: output folder, tag, world sizes, files and bytes written.
@@ -121,7 +126,7 @@ def reshard(
     from ._formats import open as zeroio_open
     from ._formats.zero import ZeroCheckpoint
 
-    with zeroio_open(src, tag, verify_crc=verify_crc) as ckpt:
+    with zeroio_open(src, tag, verify_crc=verify_crc, storage_options=storage_options) as ckpt:
         # 2. The source: ZeRO-3 with optimizer state (fails here, before anything is written).
         meta = ckpt.metadata
         if not isinstance(ckpt, ZeroCheckpoint) or meta.zero_stage != 3:

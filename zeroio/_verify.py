@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from ._checkpoint import Checkpoint
 from ._metadata import dtype_name, parse_dtype
-from ._remote import as_path
+from ._remote import as_path, is_url, with_storage_options
 from ._types import StrPath
 
 __all__ = ["Mismatch", "VerifyReport", "verify"]
@@ -165,6 +165,7 @@ def verify(
     tag: str | None = None,
     max_report: int = 10,
     verify_crc: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Compare every tensor of two checkpoints of any kinds :func:`zeroio.open` reads, streaming.
 
@@ -182,6 +183,7 @@ def verify(
         max_report: mismatches listed by :meth:`VerifyReport.summary`.
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
+        storage_options: options of the fsspec filesystem of whichever of ``a`` and ``b`` is a URL (docs/remote.md).
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when everything matches.
@@ -195,6 +197,11 @@ def verify(
     from ._formats import open as zeroio_open
 
     target = parse_dtype(dtype)
+    if storage_options:
+        if not (is_url(a) or is_url(b)):
+            raise ValueError(f"storage_options apply to URLs only, but '{a}' and '{b}' are local paths.")
+        a = with_storage_options(a, storage_options) if is_url(a) else a
+        b = with_storage_options(b, storage_options) if is_url(b) else b
     if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:
         raise ValueError(f"max_report must be a non-negative int, got {max_report!r}.")
     with zeroio_open(a, tag, verify_crc=verify_crc) as ca, zeroio_open(b, verify_crc=verify_crc) as cb:

@@ -89,7 +89,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a checkpoint to safetensors / torch files (streaming, atomic)."""
-    _args.refuse_remote(output=args.dst)  # the source may be a URL (docs/remote.md)
     try:
         result = zeroio.convert(
             args.src,

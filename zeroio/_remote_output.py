@@ -1,0 +1,107 @@
+"""Outputs at URLs (``s3://bucket/model``): built in a local staging folder, then uploaded, the index last.
+
+Object stores have no rename, so the local all-or-nothing engine cannot commit there. Instead the output is
+written locally (the atomic engine, unchanged), then each file is uploaded with the backend's ``put_file``
+(s3fs switches to a multipart upload for large files), side files and weights first and the
+``*.index.json`` last: nothing at the destination looks complete until every shard is there. On any failure
+the files zeroio uploaded (and only those) are removed. A destination prefix holding files is refused unless
+``overwrite``, and then only zeroio's own output names may be there and are replaced (as a local
+``overwrite`` does, ``_own_files.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ._own_files import is_output_name
+from ._remote import as_path, filesystem
+from ._remote_file import call_with_retries
+from .errors import CheckpointNotFoundError, OutputError
+
+__all__ = ["write_to_url"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _existing(fs: Any, key: str, url: str, fix_auth: str) -> list[str]:
+    """Names (relative to ``key``) of every object under the destination prefix (credentials checked here)."""
+    try:
+        found = call_with_retries(url, "listing the destination", fix_auth, lambda: fs.find(key))
+    except CheckpointNotFoundError:  # no bucket yet: the upload says so, naming the URL
+        return []
+    return sorted(str(k)[len(key) + 1 :] for k in found if str(k).startswith(key + "/"))
+
+
+def _upload_order(staging: Path) -> list[Path]:
+    """Side files and weights first, then the indexes: an index names shards that are already there."""
+    files = sorted(p for p in staging.rglob("*") if p.is_file())
+    return sorted(files, key=lambda p: (p.name.endswith(".index.json"), p.relative_to(staging).as_posix()))
+
+
+def write_to_url(
+    url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, write: Callable[[Path], T]
+) -> tuple[T, list[Path]]:
+    """Run ``write(local_folder)``, then upload the folder to ``url``; returns its result and the uploaded paths.
+
+    Raises:
+        OutputError: the destination holds files (without ``overwrite``), files zeroio does not write (with it),
+            or an upload failed (what was uploaded is removed).
+    """
+    fs, key, fix_auth = filesystem(url, storage_options)
+    url = url.rstrip("/")
+    existing = _existing(fs, key, url, fix_auth)
+    if existing and not overwrite:
+        raise OutputError(
+            f"Refusing to write '{url}': it already holds {len(existing)} file(s) ({', '.join(existing[:3])}). "
+            "Pass overwrite=True (--overwrite) to replace zeroio's outputs there, or choose another prefix.",
+            path=url,
+        )
+    foreign = [name for name in existing if "/" in name or not is_output_name(name)]
+    if foreign:
+        raise OutputError(
+            f"Refusing to overwrite '{url}': it holds files zeroio does not write ({', '.join(foreign[:5])}). "
+            "Remove them or choose another prefix.",
+            path=url,
+        )
+    with tempfile.TemporaryDirectory(prefix="zeroio-upload-") as tmp:
+        staging = Path(tmp) / "out"
+        result = write(staging)  # before anything at the destination changes
+        files = _upload_order(staging)
+        names = [p.relative_to(staging).as_posix() for p in files]
+        uploaded: list[str] = []
+        try:
+            # Old outputs go first (an old index must not name a mix of old and new shards), indexes first of all.
+            stale = sorted(existing, key=lambda n: not n.endswith(".index.json"))
+            for name in stale:
+                fs.rm_file(f"{key}/{name}")
+            for path, name in zip(files, names, strict=True):
+                logger.debug("uploading %s to %s/%s", path, url, name)
+                uploaded.append(name)
+                fs.put_file(str(path), f"{key}/{name}")
+        except BaseException as exc:
+            _remove(fs, key, uploaded)
+            if isinstance(exc, Exception):
+                raise OutputError(
+                    f"Cannot write '{url}': uploading '{uploaded[-1] if uploaded else url}' failed ({exc}); the "
+                    "files uploaded so far were removed. Check the credentials and the destination, then retry.",
+                    path=url,
+                ) from exc
+            raise
+    return result, [as_path(f"{url}/{name}", storage_options) for name in names]
+
+
+def _remove(fs: Any, key: str, names: list[str]) -> None:
+    """Remove what this upload wrote, index first; a failure to remove is logged (the upload error is raised)."""
+    for name in sorted(names, key=lambda n: not n.endswith(".index.json")):
+        try:
+            fs.rm_file(f"{key}/{name}")
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the upload's error is the one to report
+            logger.warning("could not remove '%s/%s' after a failed upload: %s", key, name, exc)
