@@ -185,7 +185,9 @@ class CheckedFile:
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
         buffer = getattr(self._scratch, "buffer", None)
         if buffer is None:
-            buffer = self._scratch.buffer = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device="cpu")  # any caller context
+            buffer = self._scratch.buffer = torch.empty(
+                _SCRATCH_BYTES, dtype=torch.uint8, device="cpu"
+            )  # any caller context
         at = lo
         while at < hi:
             piece = buffer[: min(_SCRATCH_BYTES, hi - at)]
