@@ -23,6 +23,8 @@ from ._formats.optimizer import (
     optimizer_state,
     param_group_of,
     require_partitioned,
+    state_dtype,
+    state_keys_of,
     step_of,
     trainable_source,
 )
@@ -94,7 +96,7 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
         the errors of :func:`optimizer_layout`, before anything is written.
     """
     zckpt = require_partitioned(ckpt, "include_optimizer=True")
-    layout = optimizer_layout(zckpt, what="include_optimizer=True")
+    layout = optimizer_layout(zckpt, what="include_optimizer=True", by_name=True)
     wanted = set(names)
     tensors: dict[str, tuple[str, str]] = {}
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -107,10 +109,9 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
         g = param_group_of(layout, source)
         members[g].append(name)
         steps[g][name] = _step_json(step_of(layout, source))
-        for key, refs in layout.moments.items():
-            dtype = next((r.dtype for rank in refs for r in rank if r is not None), torch.float32)
+        for key in state_keys_of(layout, source):  # each param group's own keys (Muon: two halves)
             tensors[f"{name}.{key}"] = (name, key)
-            shapes[f"{name}.{key}"] = (dtype, info.shape)
+            shapes[f"{name}.{key}"] = (state_dtype(layout, key), info.shape)
     sizes = {k: math.prod(shape) * dtype.itemsize for k, (dtype, shape) in shapes.items()}
     shards = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern=OPTIMIZER_FILE_PATTERN)
     meta = {"format": "pt"}
