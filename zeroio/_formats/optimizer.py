@@ -437,7 +437,7 @@ def step_of(layout: OptimizerLayout, source: FlatPlan) -> Any:
     return layout.param_groups[param_group_of(layout, source)].get("step")
 
 
-def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict[str, Any]:
+def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str, *, meta: bool = False) -> dict[str, Any]:
     """The consolidated optimizer state of one trainable parameter, reading only its bytes.
 
     The moments of every rank are gathered with the same piece plan as the parameter's fp32 master weight
@@ -449,6 +449,7 @@ def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict
     Args:
         ckpt: an open DeepSpeed ZeRO-1/2/3 checkpoint.
         name: a trainable parameter (a tied alias gives its source's state).
+        meta: put the state tensors on the ``meta`` device instead of reading them (keys, dtypes, shapes only).
 
     Returns:
         ``{"exp_avg": Tensor, "exp_avg_sq": Tensor, ..., "step": ..., "lr": ..., "betas": ..., "eps": ...,
@@ -474,8 +475,8 @@ def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict
     info = zckpt.info(name)
     result: dict[str, Any] = {}
     for key in state_keys_of(layout, source):
-        out = torch.empty(info.numel, dtype=state_dtype(layout, key))
-        if info.numel:
+        out = torch.empty(info.numel, dtype=state_dtype(layout, key), device="meta" if meta else None)
+        if info.numel and not meta:
             read_plan_into(moment_source(layout, source, key), 0, out)
         result[key] = out.view(info.shape)
     result["step"] = step_of(layout, source)
