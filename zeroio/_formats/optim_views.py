@@ -132,7 +132,9 @@ def stage_of(views: dict[str, StageView], info: TensorInfo, path: Path) -> Stage
     """The stage view holding trainable parameter ``info`` (resolved name), or TensorNotFoundError saying why not."""
     view = views.get(info.name)
     if view is None:
-        what = {"frozen": "a frozen parameter", "buffer": "a buffer"}.get(info.kind, "not a parameter the optimizer owns")
+        what = {"frozen": "a frozen parameter", "buffer": "a buffer"}.get(
+            info.kind, "not a parameter the optimizer owns"
+        )
         raise TensorNotFoundError(
             f"No optimizer state for '{info.name}' in '{path}': it is {what}, which the optimizer does not own. "
             f"Parameters with optimizer state: {', '.join(list(views)[:8])}{' ...' if len(views) > 8 else ''}.",

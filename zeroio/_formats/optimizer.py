@@ -139,7 +139,7 @@ def optimizer_layout(
         path = files[rank] if rank < len(files) else zckpt.metadata.path
         state, pgroups = _torch_state_dict(base, path, rank, no_state)
         ranks.append((path, state, pgroups, _flat_group_ids(pgroups, groups, path, rank), groups))
-    path0, state0, pgroups0, ids0, _ = ranks[0]
+    path0, _, pgroups0, ids0, _ = ranks[0]
     whole_keys: set[tuple[int, str]] = set()
     whole = None
     if by_name:

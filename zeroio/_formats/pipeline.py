@@ -20,8 +20,8 @@ from .._layout import ZeroLayout, find_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require_dict
 from .._pickles import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, UnsupportedCheckpointError
-from .pipeline_files import PipelineFiles, has_layer_files, layer_file_name, scan_pipeline_dir
 from .optim_views import StageView, stage_of, stage_views
+from .pipeline_files import PipelineFiles, has_layer_files, layer_file_name, scan_pipeline_dir
 from .planned import PlannedCheckpoint
 from .plans import TensorPlans, WholePlan, buffer_plans, casts_to
 from .provenance import (
