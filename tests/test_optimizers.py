@@ -156,6 +156,27 @@ def test_muon_include_optimizer_writes_each_half(tmp_path: Path) -> None:
     assert groups[1]["step"] == 2 and groups[1]["params"] == ["mlp_in.bias", "norm.weight", "norm.bias"]
 
 
+def test_muon_buffer_of_the_wrong_size_is_named(tmp_path: Path) -> None:
+    """A momentum buffer that is not the whole matrices its partition touches (rank 1's cut to 160 of 161
+    elements) is a typed PartitionMismatchError naming the file, never a shifted read."""
+    import shutil
+
+    import torch
+
+    from zeroio.errors import PartitionMismatchError
+
+    folder = tmp_path / "muon"
+    shutil.copytree(case(MUON), folder)
+    path = folder / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    tree = torch.load(path, weights_only=False)  # DeepSpeed classes inside: the test environment has DeepSpeed
+    state = tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    state["momentum_buffer"] = state["momentum_buffer"][:160].clone()
+    torch.save(tree, path)
+    with zeroio.open(folder) as ckpt, pytest.raises(PartitionMismatchError, match="hold 161") as info:
+        ckpt.optimizer_state("mlp_in.weight")
+    assert "bf16_zero_pp_rank_1" in str(info.value) and "momentum_buffer" in str(info.value)
+
+
 def test_muon_universal_export_is_refused_by_name(tmp_path: Path) -> None:
     """A universal checkpoint stores partition-free fp32 fragments keyed exp_avg/exp_avg_sq: Muon's whole-matrix
     momentum is refused there with a typed error naming it (91 elements against an 82-element partition)."""

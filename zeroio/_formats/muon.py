@@ -4,7 +4,7 @@ DeepSpeed 0.19.8 (``stage_1_and_2.py``, ``_muon_momentum_buffer`` / ``get_flat_p
 of every param group (``use_muon: True``) one momentum tensor per rank, sized ``sum(p.numel() for p in
 params_in_partition)``: the *whole* matrix of every parameter whose elements lie (even partly) in that rank's
 fp32 partition, concatenated in flat-group order, in the gradient dtype (bf16 under bf16 training), without
-padding. A matrix that straddles two partitions is held whole by both ranks (DeepSpeed all-gathers its full
+padding (ZeRO-3 partitions it like the fp32 sub-groups). A matrix that straddles two partitions is held whole by both ranks (DeepSpeed all-gathers its full
 gradient to both; the copies are equal). With CPU offload (``_apply_muon_updates_cpu_offload``) the buffer is
 instead partitioned like the fp32 master, which the ordinary piece plan reads.
 
@@ -34,9 +34,13 @@ class WholeMatrices:
     """``(rank, flat group) -> elements`` of the whole matrices that rank's partition touches."""
 
 
-def uses_whole_matrices(param_group: object, offloaded: bool) -> bool:
-    """True for the Muon half of a param group trained without CPU offload: its buffer covers whole matrices."""
-    return isinstance(param_group, dict) and param_group.get("use_muon") is True and not offloaded
+def uses_whole_matrices(param_group: object, zero_stage: int | None, offloaded: bool) -> bool:
+    """True for the Muon half of a ZeRO-1/2 param group trained without offload: its buffer covers whole matrices.
+
+    (ZeRO-3's Muon, ``stage3.py`` ``_create_momentum_buffer``, sizes it like the fp32 sub-group partition.)
+    """
+    muon = isinstance(param_group, dict) and param_group.get("use_muon") is True
+    return muon and zero_stage in (1, 2) and not offloaded
 
 
 def whole_matrices(sources: Iterable[FlatPlan]) -> WholeMatrices:

@@ -148,7 +148,7 @@ def optimizer_layout(
             (j, key)
             for _, state, pgroups, ids, _ in ranks
             for j, (pid, g) in enumerate(ids)
-            if uses_whole_matrices(pgroups[g], offloaded)
+            if uses_whole_matrices(pgroups[g], zckpt.metadata.zero_stage, offloaded)
             for key in _per_element_keys(state.get(pid))
         }
         whole = whole_matrices(_trainable_sources(zckpt)) if whole_keys else None
