@@ -15,6 +15,7 @@ import torch
 
 from ._checkpoint import Checkpoint
 from ._fileio import create_new, preallocate, pwrite_all, write_new_file
+from ._formats.optim_views import ComposedOptimizerState
 from ._formats.optimizer import (
     OptimizerLayout,
     PartitionedCheckpoint,
@@ -23,6 +24,8 @@ from ._formats.optimizer import (
     optimizer_state,
     param_group_of,
     require_partitioned,
+    state_dtype,
+    state_keys_of,
     step_of,
     trainable_source,
 )
@@ -56,7 +59,8 @@ _FORMAT = "zeroio.optimizer.v1"
 class OptimizerFiles:
     """The optimizer files :func:`zeroio.convert` writes beside the weights, planned from metadata."""
 
-    layout: OptimizerLayout
+    layout: OptimizerLayout | None
+    """None for pipeline and tensor-parallel checkpoints: each parameter's state comes from ``optimizer_state``."""
     shards: ShardPlan
     """``optimizer.safetensors`` (or ``optimizer-0000K-of-0000N.safetensors``) and their tensors."""
     files: tuple[tuple[str, SafetensorsLayout], ...]
@@ -93,8 +97,10 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
     Raises:
         the errors of :func:`optimizer_layout`, before anything is written.
     """
+    if isinstance(ckpt, ComposedOptimizerState) and not isinstance(ckpt, PartitionedCheckpoint):
+        return _plan_composed(ckpt, names, max_shard_size=max_shard_size)
     zckpt = require_partitioned(ckpt, "include_optimizer=True")
-    layout = optimizer_layout(zckpt, what="include_optimizer=True")
+    layout = optimizer_layout(zckpt, what="include_optimizer=True", by_name=True)
     wanted = set(names)
     tensors: dict[str, tuple[str, str]] = {}
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -107,10 +113,9 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
         g = param_group_of(layout, source)
         members[g].append(name)
         steps[g][name] = _step_json(step_of(layout, source))
-        for key, refs in layout.moments.items():
-            dtype = next((r.dtype for rank in refs for r in rank if r is not None), torch.float32)
+        for key in state_keys_of(layout, source):  # each param group's own keys (Muon: two halves)
             tensors[f"{name}.{key}"] = (name, key)
-            shapes[f"{name}.{key}"] = (dtype, info.shape)
+            shapes[f"{name}.{key}"] = (state_dtype(layout, key), info.shape)
     sizes = {k: math.prod(shape) * dtype.itemsize for k, (dtype, shape) in shapes.items()}
     shards = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern=OPTIMIZER_FILE_PATTERN)
     meta = {"format": "pt"}
@@ -148,6 +153,69 @@ def plan_optimizer_files(ckpt: Checkpoint, names: Sequence[str], *, max_shard_si
     return OptimizerFiles(layout, shards, files, index, tensors, json.dumps(summary, indent=2) + "\n")
 
 
+def _plan_composed(ckpt: Checkpoint, names: Sequence[str], *, max_shard_size: int) -> OptimizerFiles:
+    """Plan the optimizer files of a pipeline or tensor-parallel checkpoint from each parameter's state spec
+    (keys, dtypes, merged shapes; nothing read). Param groups are the distinct hyper-parameter sets."""
+    assert isinstance(ckpt, ComposedOptimizerState)
+    wanted = set(names)
+    tensors: dict[str, tuple[str, str]] = {}
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    steps: dict[str, dict[str, Any]] = {}
+    keys: dict[str, None] = {}
+    for name, info in ckpt.infos.items():
+        if name not in wanted or name in ckpt.tied or info.kind != "trainable":
+            continue
+        spec = ckpt.optimizer_state_spec(name)
+        state = [k for k, v in spec.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+        hyper = {k: _jsonable(v) for k, v in spec.items() if k not in state and k != "step"}
+        group = groups.setdefault(json.dumps(hyper, sort_keys=True), {"params": [], **hyper})
+        group["params"].append(name)
+        steps.setdefault(json.dumps(hyper, sort_keys=True), {})[name] = _step_json(spec.get("step"))
+        for key in state:
+            keys[key] = None
+            tensors[f"{name}.{key}"] = (name, key)
+            shapes[f"{name}.{key}"] = (spec[key].dtype, tuple(spec[key].shape))
+    sizes = {k: math.prod(shape) * dtype.itemsize for k, (dtype, shape) in shapes.items()}
+    shards = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern=OPTIMIZER_FILE_PATTERN)
+    files = tuple(
+        (filename, plan_file([(k, *shapes[k]) for k in ks], metadata={"format": "pt"}))
+        for filename, ks in shards.shards
+    )
+    param_groups = []
+    for key, group in groups.items():
+        distinct = {json.dumps(v) for v in steps[key].values()}
+        step = next(iter(steps[key].values())) if len(distinct) <= 1 else steps[key]
+        param_groups.append({"params": group.pop("params"), "step": step, **group})
+    meta = ckpt.metadata
+    summary = {
+        "format": _FORMAT,
+        "state_keys": list(keys),
+        "tensor_key": "<parameter name>.<state key>",
+        "files": [filename for filename, _ in shards.shards],
+        "param_groups": param_groups,
+        "tied": {a: s for a, s in ckpt.tied.items() if a in wanted and s in {n for n, _ in tensors.values()}},
+        "source": {
+            "tag": meta.tag,
+            "zero_stage": meta.zero_stage,
+            "world_size": meta.world_size,
+            "layout": meta.layout,
+            "parallel": meta.parallel,
+            "global_step": meta.global_step,
+            "ds_version": meta.ds_version,
+        },
+    }
+    index = index_json(shards) if shards.is_sharded else None
+    return OptimizerFiles(None, shards, files, index, tensors, json.dumps(summary, indent=2) + "\n")
+
+
+def _state_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
+    flat = tensor.reshape(-1)
+    step = max(1, chunk_bytes // tensor.dtype.itemsize)
+    for start in range(0, flat.numel(), step):
+        yield flat[start : start + step]
+
+
 def _chunks(
     ckpt: PartitionedCheckpoint, source: FlatPlan, numel: int, dtype: torch.dtype, chunk_bytes: int
 ) -> Iterator[torch.Tensor]:
@@ -162,9 +230,11 @@ def _chunks(
 def write_optimizer_files(
     ckpt: Checkpoint, plan: OptimizerFiles, folder: Path, *, chunk_bytes: int
 ) -> tuple[Path, ...]:
-    """Stream the planned optimizer files into ``folder`` (memory: one chunk); index and JSON last."""
-    zckpt = require_partitioned(ckpt, "include_optimizer=True")
+    """Stream the planned optimizer files into ``folder`` (memory: one chunk; for a pipeline or tensor-parallel
+    checkpoint one parameter's state); index and JSON last."""
+    zckpt = None if plan.layout is None else require_partitioned(ckpt, "include_optimizer=True")
     written = []
+    held: tuple[str, dict[str, Any]] = ("", {})
     for filename, layout in plan.files:
         fd = create_new(folder / filename)
         try:
@@ -172,6 +242,11 @@ def write_optimizer_files(
             pwrite_all(fd, layout.header, 0)
             for slot in layout.slots:
                 name, key = plan.tensors[slot.name]
+                if zckpt is None or plan.layout is None:
+                    if held[0] != name:
+                        held = (name, ckpt.optimizer_state(name))
+                    write_chunks(fd, slot, _state_chunks(held[1][key], chunk_bytes))
+                    continue
                 _, source = trainable_source(zckpt, name)
                 zckpt.ensure_open(name)
                 chunks = _chunks(

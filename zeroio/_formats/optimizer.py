@@ -14,6 +14,7 @@ from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import TensorRef, to_plain
 from .._text import listing
 from ..errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoundError, UnsupportedCheckpointError
+from .muon import WholeMatrices, uses_whole_matrices, whole_matrices, whole_matrix_source
 from .plans import FlatPlan, ReadPlan, read_plan_into
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "optimizer_state",
     "param_group_of",
     "require_partitioned",
+    "state_dtype",
+    "state_keys_of",
     "step_of",
     "trainable_source",
 ]
@@ -87,6 +90,12 @@ class OptimizerLayout:
     """Rank 0's other state values (``step``) per flat group."""
     param_groups: tuple[dict[str, Any], ...]
     """Rank 0's param groups without ``params``: the hyper-parameters (lr, betas, eps, weight_decay, ...)."""
+    group_keys: tuple[tuple[str, ...], ...] = ()
+    """Per-element state keys of each flat group (differ between the Muon and Adam halves of a Muon run)."""
+    whole_keys: frozenset[tuple[int, str]] = frozenset()
+    """``(flat group, key)`` whose state covers whole matrices (:mod:`.muon`), not the fp32 partition."""
+    whole: WholeMatrices | None = None
+    """Where each parameter's whole matrix sits in those buffers."""
 
 
 def require_partitioned(ckpt: Checkpoint | PartitionedCheckpoint, what: str) -> PartitionedCheckpoint:
@@ -107,8 +116,14 @@ def require_partitioned(ckpt: Checkpoint | PartitionedCheckpoint, what: str) -> 
     return ckpt
 
 
-def optimizer_layout(ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "optimizer state") -> OptimizerLayout:
+def optimizer_layout(
+    ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "optimizer state", by_name: bool = False
+) -> OptimizerLayout:
     """Check every rank's base optimizer state against the fp32 flat groups; no tensor byte is read.
+
+    ``by_name`` (readers that take each parameter's state by its own keys: ``optimizer_state``,
+    ``include_optimizer``) also accepts param groups with different state keys and Muon's whole-matrix
+    ``momentum_buffer``; without it (reshard, universal) those are refused.
 
     Raises:
         UnsupportedCheckpointError: not a ZeRO-1/2/3 checkpoint, or an elastic (list-form) optimizer state.
@@ -119,34 +134,66 @@ def optimizer_layout(ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "o
     files = tuple(zckpt.metadata.path / name for name in zckpt.metadata.extra.get("optim_files", ()))
     flat = _trainable_flat_groups(zckpt)
     no_state = _NO_STATE.replace("{what}", what)
-    moments: dict[str, list[tuple[TensorRef | None, ...]]] = {}
-    entries: tuple[Any, ...] = ()
-    param_group: tuple[int, ...] = ()
-    scalars: list[dict[str, Any]] = []
-    param_groups: tuple[dict[str, Any], ...] = ()
+    ranks = []
     for rank, (base, groups) in enumerate(zip(zckpt.optimizer_states, flat)):
         path = files[rank] if rank < len(files) else zckpt.metadata.path
         state, pgroups = _torch_state_dict(base, path, rank, no_state)
-        ids = _flat_group_ids(pgroups, groups, path, rank)
-        _require_partition_aligned(state, ids, groups, path, rank, what)
-        if rank == 0:
-            entries = tuple(pid for pid, _ in ids)
-            param_group = tuple(g for _, g in ids)
-            param_groups = tuple({k: to_plain(v) for k, v in group.items() if k != "params"} for group in pgroups)
-            moments = {key: [] for key in _moment_keys(state, path, no_state)}
-        rank_moments, rank_scalars = _rank_moments(state, ids, groups, list(moments), path, rank, no_state)
+        ranks.append((path, state, pgroups, _flat_group_ids(pgroups, groups, path, rank), groups))
+    path0, _, pgroups0, ids0, _ = ranks[0]
+    whole_keys: set[tuple[int, str]] = set()
+    whole = None
+    if by_name:
+        offloaded = zckpt.metadata.offload is not None
+        whole_keys = {
+            (j, key)
+            for _, state, pgroups, ids, _ in ranks
+            for j, (pid, g) in enumerate(ids)
+            if uses_whole_matrices(pgroups[g], zckpt.metadata.zero_stage, offloaded)
+            for key in _per_element_keys(state.get(pid))
+        }
+        whole = whole_matrices(_trainable_sources(zckpt)) if whole_keys else None
+    for rank, (path, state, _, ids, groups) in enumerate(ranks):
+        _require_laid_out(state, ids, groups, whole_keys, whole, path, rank, what)
+    group_keys = _group_keys([(state, ids) for _, state, _, ids, _ in ranks], len(ids0))
+    if not by_name:
+        _require_same_keys(group_keys, path0, what)
+    keys = list(dict.fromkeys(k for g in group_keys for k in g))
+    if not keys:
+        raise CheckpointFormatError(
+            no_state.format(path=f"'{path0}'", why="its state has no per-element tensors"), path=path0, rank=0
+        )
+    moments: dict[str, list[tuple[TensorRef | None, ...]]] = {key: [] for key in keys}
+    scalars: list[dict[str, Any]] = []
+    for rank, (path, state, _, ids, groups) in enumerate(ranks):
+        rank_moments, rank_scalars = _rank_moments(state, ids, groups, group_keys, keys, path, rank, no_state)
         for key, refs in rank_moments.items():
             moments[key].append(refs)
         if rank == 0:
             scalars = rank_scalars
     return OptimizerLayout(
         files=files,
-        entries=entries,
-        param_group=param_group,
+        entries=tuple(pid for pid, _ in ids0),
+        param_group=tuple(g for _, g in ids0),
         moments={k: tuple(v) for k, v in moments.items()},
         scalars=tuple(scalars),
-        param_groups=param_groups,
+        param_groups=tuple({k: to_plain(v) for k, v in group.items() if k != "params"} for group in pgroups0),
+        group_keys=group_keys,
+        whole_keys=frozenset(whole_keys),
+        whole=whole,
     )
+
+
+def _trainable_sources(zckpt: PartitionedCheckpoint) -> list[FlatPlan]:
+    return [s for n, s in zckpt.plans.items() if isinstance(s, FlatPlan) and zckpt.info(n).kind == "trainable"]
+
+
+def _group_keys(ranks: list[tuple[dict[Any, Any], list[tuple[Any, int]]]], count: int) -> tuple[tuple[str, ...], ...]:
+    """Each flat group's per-element state keys, over every rank (a rank with an empty partition has none)."""
+    keys: list[dict[str, None]] = [{} for _ in range(count)]
+    for state, ids in ranks:
+        for j, (pid, _) in enumerate(ids):
+            keys[j].update(dict.fromkeys(_per_element_keys(state.get(pid))))
+    return tuple(tuple(k) for k in keys)
 
 
 _NO_STATE = (
@@ -220,15 +267,21 @@ def _per_element_keys(entry: Any) -> tuple[str, ...]:
     return tuple(k for k, v in entry.items() if isinstance(v, TensorRef) and len(v.shape) >= 1)
 
 
-def _require_partition_aligned(
-    state: dict[Any, Any], ids: list[tuple[Any, int]], groups: tuple[TensorRef, ...], path: Path, rank: int, what: str
+def _require_laid_out(
+    state: dict[Any, Any],
+    ids: list[tuple[Any, int]],
+    groups: tuple[TensorRef, ...],
+    whole_keys: set[tuple[int, str]],
+    whole: WholeMatrices | None,
+    path: Path,
+    rank: int,
+    what: str,
 ) -> None:
-    """Refuse state that is not laid out like the fp32 partitions: reading it by their pieces would be wrong.
+    """Refuse state laid out neither like the fp32 partitions nor (Muon) over whole matrices: never misread it.
 
     DeepSpeed's Muon keeps each rank's ``momentum_buffer`` over the whole matrices its partition touches (bf16,
-    not partition-sized) and splits every param group into a Muon half and an Adam half with different state keys.
+    not partition-sized); readers that do not take it by name (reshard, universal) refuse it here.
     """
-    seen: dict[tuple[str, ...], int] = {}
     for j, ((pid, _), group) in enumerate(zip(ids, groups)):
         entry = state.get(pid)
         keys = _per_element_keys(entry)
@@ -236,51 +289,62 @@ def _require_partition_aligned(
             continue
         for key in keys:
             ref = entry[key]
+            if (j, key) in whole_keys and whole is not None:
+                expected = whole.totals.get((rank, j), 0)
+                if ref.numel == expected and len(ref.shape) == 1:
+                    continue
+                raise PartitionMismatchError(
+                    f"'{path}': Muon's '{key}' of flat group {j} holds {ref.numel} elements (shape "
+                    f"{list(ref.shape)}); the whole matrices its fp32 partition touches hold {expected}. The file "
+                    "is corrupted or comes from another save.",
+                    path=path,
+                    rank=rank,
+                    expected=expected,
+                    found=ref.numel,
+                )
             # The last rank's partition is read without its padding: its state may hold the padded size.
             if ref.numel not in (group.numel, group.storage.numel) or len(ref.shape) != 1:
                 raise UnsupportedCheckpointError(
                     f"'{path}': optimizer state '{key}' of flat group {j} holds {ref.numel} elements (shape "
                     f"{list(ref.shape)}), its fp32 partition {group.numel}: it is not partitioned like the weights "
                     f"(DeepSpeed's Muon keeps whole matrices), so {what} cannot consolidate it without wrong values. "
-                    "The weights can still be read (zeroio.open, zeroio.convert without include_optimizer).",
+                    "The weights can still be read (zeroio.open, zeroio.convert without include_optimizer); "
+                    "optimizer_state() and convert(include_optimizer=True) read Muon's momentum.",
                     path=path,
                     rank=rank,
                     name=key,
                 )
-        seen.setdefault(keys, j)
+
+
+def _require_same_keys(group_keys: tuple[tuple[str, ...], ...], path: Path, what: str) -> None:
+    seen: dict[tuple[str, ...], int] = {}
+    for j, keys in enumerate(group_keys):
+        if keys:
+            seen.setdefault(keys, j)
     if len(seen) > 1:
         (a, i), (b, k) = list(seen.items())[:2]
         raise UnsupportedCheckpointError(
             f"'{path}': flat group {i} holds optimizer state {list(a)} and flat group {k} {list(b)}: param groups "
             f"with different optimizers, which {what} does not consolidate yet. The weights can still be read "
-            "(zeroio.open, zeroio.convert without include_optimizer).",
+            "(zeroio.open, zeroio.convert without include_optimizer); optimizer_state() and "
+            "convert(include_optimizer=True) read each group's state by name.",
             path=path,
-            rank=rank,
             name=b[0],
         )
-
-
-def _moment_keys(state: dict[Any, Any], path: Path, no_state: str) -> list[str]:
-    """The per-element state keys (1-D tensors: ``exp_avg``, ``exp_avg_sq``, ...) of rank 0's first entry."""
-    first = next((e for e in state.values() if isinstance(e, dict) and e), {})
-    keys = [key for key, value in first.items() if isinstance(value, TensorRef) and len(value.shape) == 1]
-    if not keys:
-        raise CheckpointFormatError(
-            no_state.format(path=f"'{path}'", why="its state has no per-element tensors"), path=path, rank=0
-        )
-    return keys
 
 
 def _rank_moments(
     state: dict[Any, Any],
     ids: list[tuple[Any, int]],
     groups: tuple[TensorRef, ...],
+    group_keys: tuple[tuple[str, ...], ...],
     keys: list[str],
     path: Path,
     rank: int,
     no_state: str,
 ) -> tuple[dict[str, tuple[TensorRef | None, ...]], list[dict[str, Any]]]:
-    """One rank's moment tensors per key and flat group (None for an empty group), and its other state values."""
+    """One rank's state tensors per key and flat group (None for an empty group or a key the group lacks), and
+    its other state values."""
     moments: dict[str, list[TensorRef | None]] = {key: [] for key in keys}
     scalars: list[dict[str, Any]] = []
     for j, ((pid, _), group) in enumerate(zip(ids, groups)):
@@ -296,7 +360,10 @@ def _rank_moments(
             )
         for key, refs in moments.items():
             ref = entry.get(key)
-            if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.numel < group.numel:
+            if key not in group_keys[j]:
+                refs.append(None)
+                continue
+            if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.numel < min(group.numel, 1):
                 found = (
                     "nothing"
                     if ref is None
@@ -335,9 +402,26 @@ def trainable_source(ckpt: PartitionedCheckpoint, name: str) -> tuple[str, FlatP
 
 
 def moment_source(layout: OptimizerLayout, source: FlatPlan, key: str) -> FlatPlan:
-    """The read plan of a parameter's ``key`` state: its fp32 master pieces, pointed at the moment tensors."""
+    """The read plan of a parameter's ``key`` state: its fp32 master pieces, pointed at the moment tensors
+    (or, for Muon's whole-matrix momentum, one run in the first holding rank's buffer)."""
     refs = layout.moments[key]
+    g = source.pieces[0].group if source.pieces else 0
+    if (g, key) in layout.whole_keys and layout.whole is not None:
+        return whole_matrix_source(layout.whole, source, refs)
     return FlatPlan(source.pieces, refs)  # type: ignore[arg-type]  # None only where no piece reads
+
+
+def state_keys_of(layout: OptimizerLayout, source: FlatPlan) -> tuple[str, ...]:
+    """The per-element state keys of a parameter's flat group (all keys for layouts read without ``by_name``)."""
+    g = source.pieces[0].group if source.pieces else 0
+    if layout.group_keys and g < len(layout.group_keys) and layout.group_keys[g]:
+        return tuple(k for k in layout.moments if k in layout.group_keys[g])
+    return tuple(layout.moments)
+
+
+def state_dtype(layout: OptimizerLayout, key: str) -> torch.dtype:
+    """The stored dtype of state ``key`` (fp32 moments; Muon's momentum follows the gradient dtype)."""
+    return next((r.dtype for rank in layout.moments[key] for r in rank if r is not None), torch.float32)
 
 
 def param_group_of(layout: OptimizerLayout, source: FlatPlan) -> int:
@@ -353,16 +437,19 @@ def step_of(layout: OptimizerLayout, source: FlatPlan) -> Any:
     return layout.param_groups[param_group_of(layout, source)].get("step")
 
 
-def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict[str, Any]:
+def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str, *, meta: bool = False) -> dict[str, Any]:
     """The consolidated optimizer state of one trainable parameter, reading only its bytes.
 
     The moments of every rank are gathered with the same piece plan as the parameter's fp32 master weight
     (DeepSpeed partitions them identically), so ``exp_avg`` and ``exp_avg_sq`` come back with the parameter's
-    full shape, in their stored dtype (fp32).
+    full shape, in their stored dtype (fp32). Each parameter gets its own param group's keys: under DeepSpeed's
+    Muon the matrices get ``momentum_buffer`` (read from the whole-matrix buffer, in its stored bf16 or fp32)
+    and the rest the Adam half's ``exp_avg``, ``exp_avg_sq`` and ``step``.
 
     Args:
         ckpt: an open DeepSpeed ZeRO-1/2/3 checkpoint.
         name: a trainable parameter (a tied alias gives its source's state).
+        meta: put the state tensors on the ``meta`` device instead of reading them (keys, dtypes, shapes only).
 
     Returns:
         ``{"exp_avg": Tensor, "exp_avg_sq": Tensor, ..., "step": ..., "lr": ..., "betas": ..., "eps": ...,
@@ -383,14 +470,13 @@ def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict
     zckpt = require_partitioned(ckpt, "optimizer_state()")
     zckpt.ensure_open(name)
     _, source = trainable_source(zckpt, name)
-    layout = optimizer_layout(zckpt, what="optimizer_state()")
+    layout = optimizer_layout(zckpt, what="optimizer_state()", by_name=True)
 
     info = zckpt.info(name)
     result: dict[str, Any] = {}
-    for key, refs in layout.moments.items():
-        dtype = next((r.dtype for rank in refs for r in rank if r is not None), torch.float32)
-        out = torch.empty(info.numel, dtype=dtype)
-        if info.numel:
+    for key in state_keys_of(layout, source):
+        out = torch.empty(info.numel, dtype=state_dtype(layout, key), device="meta" if meta else None)
+        if info.numel and not meta:
             read_plan_into(moment_source(layout, source, key), 0, out)
         result[key] = out.view(info.shape)
     result["step"] = step_of(layout, source)

@@ -20,6 +20,7 @@ from .._layout import ZeroLayout, find_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require_dict
 from .._pickles import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, UnsupportedCheckpointError
+from .optim_views import StageView, stage_of, stage_views
 from .pipeline_files import PipelineFiles, has_layer_files, layer_file_name, scan_pipeline_dir
 from .planned import PlannedCheckpoint
 from .plans import TensorPlans, WholePlan, buffer_plans, casts_to
@@ -51,6 +52,23 @@ _TIED = "tied_modules."
 
 class PipelineCheckpoint(PlannedCheckpoint):
     """A DeepSpeed pipeline-parallel checkpoint, its stages merged lazily; build it with :func:`zeroio.open`."""
+
+    # ---- optimizer state (zeroio/_formats/optim_views.py): each stage is a ZeRO-1 checkpoint of its own.
+    _stages: dict[str, StageView] | None = None
+
+    def optimizer_state(self, name: str) -> dict[str, Any]:
+        """The Adam moments, step and hyper-parameters of a trainable parameter, from the stage that holds it."""
+        return self._stage_of(name).optimizer_state(self.source_name(name))
+
+    def optimizer_state_spec(self, name: str) -> dict[str, Any]:
+        """As :meth:`optimizer_state` with meta tensors (keys, dtypes, shapes): nothing read."""
+        return self._stage_of(name).optimizer_state(self.source_name(name), meta=True)
+
+    def _stage_of(self, name: str) -> StageView:
+        info = self.info(name)
+        if self._stages is None:
+            self._stages = stage_views(self.metadata, self.infos, self._sources, self.ensure_open, self._files)
+        return stage_of(self._stages, self.info(self.source_name(info.name)), self.metadata.path)
 
 
 class _Parsed:

@@ -28,6 +28,8 @@ from .._metadata import CheckpointMetadata, TensorInfo
 from .._storage import ByteRange
 from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
+from .optim_views import merge_tp_states
+from .optimizer import optimizer_state
 from .plans import sample_ranges
 from .tensor_parallel_rules import (
     REPLICATED,
@@ -114,15 +116,21 @@ class TensorParallelCheckpoint(Checkpoint):
         for rank in self._ranks:
             rank.close()
 
+    # ---- optimizer state (zeroio/_formats/optim_views.py): each tp rank's shard state, merged like the weight.
+
     def optimizer_state(self, name: str) -> dict[str, Any]:
-        """Not merged for tensor-parallel checkpoints (the moments are split like the weights)."""
-        self._resolve(name)
-        raise UnsupportedCheckpointError(
-            f"'{self.metadata.path}' is a tensor-parallel checkpoint; zeroio does not merge its optimizer state yet. "
-            "Use DeepSpeed's ds_to_universal.py for the optimizer state.",
-            path=self.metadata.path,
-            name=name,
-        )
+        """The Adam moments, step and hyper-parameters of a trainable parameter, merged over the tp ranks."""
+        return self._merged_optimizer_state(name, meta=False)
+
+    def optimizer_state_spec(self, name: str) -> dict[str, Any]:
+        """As :meth:`optimizer_state` with meta tensors (keys, dtypes, merged shapes): nothing read."""
+        return self._merged_optimizer_state(name, meta=True)
+
+    def _merged_optimizer_state(self, name: str, *, meta: bool) -> dict[str, Any]:
+        source = self.source_name(self.info(name).name)
+        rule = self._merges[source].rule
+        states = [optimizer_state(rank, source, meta=meta) for rank in self._ranks]
+        return merge_tp_states(source, states, None if rule == REPLICATED else int(rule), self.metadata.path)
 
 
 # --------------------------------------------------------------------------- detection
