@@ -4,8 +4,9 @@ Each readable case under ``fixtures/layouts/`` (pipeline, tensor parallel, AutoE
 optimizers, hpZ/MiCS) is pushed with ``zeroio.push_to_hub`` straight from its DeepSpeed folder to the repo's
 local Hub-protocol server, downloaded back through the real huggingface_hub client, and compared with its
 ``expected/engine.pt``. Cases whose manifest records no tag are error-only records (nothing to read) and are left
-out. The verb takes no layout-specific argument, except ``tp_rules`` for layouts whose files do not record how
-their tensor-parallel shards split (its manifest names the preset).
+out. The verb takes no layout-specific argument. A layout whose files do not record how its tensor-parallel shards
+split (pipeline + tensor parallel: its manifest names the ``tp_rules`` preset) is converted with those rules first,
+and the converted folder is pushed: ``push_to_hub`` takes no ``tp_rules``.
 """
 
 from __future__ import annotations
@@ -77,10 +78,13 @@ def test_every_readable_layout_is_covered() -> None:
 def test_push_to_hub_equals_the_engine(name: str, server: HubServer, tmp_path: Path) -> None:
     case = LAYOUTS / name
     kwargs: dict[str, Any] = {}
+    src = case
     if rules := _manifest(case).get("tp_rules"):
         kwargs["tp_rules"] = rules
+        src = tmp_path / "converted"
+        zeroio.convert(case, src, progress=False, **kwargs)
     repo_id = f"tester/{name.replace('_', '-')}"
-    result = zeroio.push_to_hub(case, repo_id, token=DEFAULT_TOKEN, endpoint=server.endpoint, progress=False, **kwargs)
+    result = zeroio.push_to_hub(src, repo_id, token=DEFAULT_TOKEN, endpoint=server.endpoint, progress=False)
     assert result.commit_oid == server.refs(repo_id)["main"]
 
     got = _downloaded(server, repo_id, tmp_path / "cache")
