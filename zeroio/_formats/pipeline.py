@@ -25,8 +25,6 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMi
 from .pipeline_files import PipelineFiles, has_layer_files, layer_file_name, scan_pipeline_dir
 from .planned import PlannedCheckpoint
 from .plans import TensorPlans, WholePlan, buffer_plans, casts_to
-from .tensor_parallel import TensorParallelCheckpoint, plan_tp_merges
-from .tensor_parallel_rules import Rule, TPRules, describe_rule, parse_tp_rules
 from .provenance import (
     MIXED_SAVES,
     archive_records,
@@ -34,6 +32,8 @@ from .provenance import (
     check_distinct_partitions,
     check_optimizer_steps,
 )
+from .tensor_parallel import TensorParallelCheckpoint, plan_tp_merges
+from .tensor_parallel_rules import Rule, TPRules, describe_rule, parse_tp_rules
 from .validate import (
     ModelStates,
     OptimizerPartitions,

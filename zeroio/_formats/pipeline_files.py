@@ -19,7 +19,15 @@ from .._pickles import require_regular_file
 from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 
-__all__ = ["LAYER_FILE", "LAYER_TP_FILE", "PipelineFiles", "has_layer_files", "is_pipeline", "layer_file_name", "scan_pipeline_dir"]
+__all__ = [
+    "LAYER_FILE",
+    "LAYER_TP_FILE",
+    "PipelineFiles",
+    "has_layer_files",
+    "is_pipeline",
+    "layer_file_name",
+    "scan_pipeline_dir",
+]
 
 LAYER_FILE = re.compile(r"^layer_(?P<layer>\d+)-model_states\.pt$")
 """A pipeline layer's weights (``PipelineModule.ckpt_layer_path`` without tensor/model parallelism)."""
