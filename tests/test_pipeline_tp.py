@@ -190,3 +190,19 @@ def test_deepspeed_zero_to_fp32_fails_on_it():
     assert not (CASE / "expected" / "zero_to_fp32.pt").exists()
     error = (CASE / "expected" / "zero_to_fp32.error").read_text()
     assert error == "AttributeError: 'NoneType' object has no attribute 'items'\n"
+
+
+def test_deepspeed_ds_to_universal_refuses_it_or_merges_it_wrong(engine):
+    """ds_to_universal (run at fixture time) asserts on the missing ``universal_checkpoint_info``; with
+    ``--inject_missing_state`` it concatenates every tensor on dim 0: the column-parallel ones come out right, the
+    row-parallel weights and the replicated tensors doubled into wrong shapes, and the buffer is dropped."""
+    manifest = json.loads((CASE / "manifest.json").read_text())
+    assert manifest["ds_to_universal_refuses"] is True
+    error = (CASE / "expected" / "ds_to_universal.error").read_text()
+    assert error.startswith("AssertionError: Required universal_checkpoint_info state is missing")
+    theirs = torch.load(CASE / "expected" / "ds_to_universal.pt", weights_only=True)
+    assert sorted(theirs) == sorted(set(engine) - BUFFERS)
+    right = {name for name, value in theirs.items() if torch.equal(value, engine[name])}
+    assert right == {name for name, rule in SPLIT.items() if rule == "dim 0"}
+    assert theirs["5.attention.dense.weight"].shape == (16, 6)  # [8, 12] in the engine
+    assert theirs["3.input_layernorm.weight"].shape == (16,)  # a replicated [8], doubled
