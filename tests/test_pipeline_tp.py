@@ -112,10 +112,19 @@ def test_convert_equals_the_engine(engine, tmp_path):
     _assert_bits(load_file(str(result.files[0])), engine, ordered=False)
 
 
-def test_cli_convert_with_a_preset(engine, tmp_path):
+def test_cli_convert_and_inspect_with_a_preset(engine, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["convert", str(CASE), str(out), "--quiet", "--tp-rules", "megatron"]) == 0
     _assert_bits(load_file(str(out / "model.safetensors")), engine, ordered=False)
+    capsys.readouterr()
+    assert main(["inspect", str(CASE), "--tp-rules", "megatron"]) == 0
+    text = capsys.readouterr().out
+    assert "layout      pipeline" in text and "parallel    dp=1 pp=2 tp=2" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in SPLIT}
+    assert rows["5.attention.dense.weight"].endswith(
+        "mp_rank_02_optim_states.pt, zero_pp_rank_0_mp_rank_03_optim_states.pt"
+    )
+    assert rows["5.attention.dense.calls"].endswith("layer_05-model_00-model_states.pt")
 
 
 def test_user_rules_alone_rebuild_it(engine):
