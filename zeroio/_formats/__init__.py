@@ -60,7 +60,7 @@ FORMATS: list[Format] = [
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
     # Pipeline folders hold several mp_rank files too: named layer files tell them apart, so they go first.
-    Format("pipeline", is_pipeline, open_pipeline),
+    Format("pipeline", is_pipeline, open_pipeline, ("tp_rules",)),
     Format("tensor-parallel", is_tensor_parallel, open_tensor_parallel, ("tp_rules", "ignore_recorded_tp")),
     # Last, and takes any path: its errors say what a DeepSpeed checkpoint folder should hold.
     Format("zero", _anything, _open_zero),

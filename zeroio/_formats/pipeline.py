@@ -9,16 +9,18 @@ names (``tied_modules.<key>.<param>`` for a ``TiedLayerSpec``, ``<layer index>.<
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import _constants as C
+from .._checkpoint import Checkpoint
 from .._layout import ZeroLayout, find_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require_dict
 from .._pickles import RankFile, TensorRef, load_pickle
+from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, UnsupportedCheckpointError
 from .optim_views import StageView, stage_of, stage_views
 from .pipeline_files import PipelineFiles, has_layer_files, layer_file_name, scan_pipeline_dir
@@ -31,6 +33,8 @@ from .provenance import (
     check_distinct_partitions,
     check_optimizer_steps,
 )
+from .tensor_parallel import TensorParallelCheckpoint, plan_tp_merges
+from .tensor_parallel_rules import Rule, TPRules, describe_rule, parse_tp_rules
 from .validate import (
     ModelStates,
     OptimizerPartitions,
@@ -84,19 +88,67 @@ class _Parsed:
         return tree
 
 
-def open_pipeline(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> PlannedCheckpoint:
-    """Open a pipeline checkpoint; a tag folder without layer files is a plain ZeRO one."""
+def open_pipeline(
+    path: Path, tag: str | None, trusted_globals: frozenset[str], *, tp_rules: TPRules | None = None
+) -> Checkpoint:
+    """Open a pipeline checkpoint; a tag folder without layer files is a plain ZeRO one.
+
+    With tensor parallelism (``layer_XX-model_YY`` files) each tp rank's stages are merged as a pipeline, then the
+    tp ranks' shards are merged by ``tp_rules``: ``PipelineModule`` records no partition, so the rules decide and a
+    tensor they do not describe is refused by name.
+    """
     tag_dir, tag_name = find_tag_dir(path, tag)
     if not has_layer_files(tag_dir):
         return open_zero(path, tag, trusted_globals=trusted_globals)
-    files = scan_pipeline_dir(tag_dir)
+    per_tp = scan_pipeline_dir(tag_dir)
+    opened: list[PipelineCheckpoint] = []
     parsed = _Parsed(trusted_globals)
     try:
-        return _open(files, tag_name, parsed)
+        for files in per_tp:
+            parsed = _Parsed(trusted_globals)
+            opened.append(_open(files, tag_name, parsed))
+        if len(opened) == 1:
+            return opened[0]
+        return _merge_tp(per_tp, opened, parse_tp_rules(tp_rules))
     except BaseException:
         for file in parsed.opened:
             file.close()
+        for ckpt in opened:
+            ckpt.close()
         raise
+
+
+def _merge_tp(
+    per_tp: tuple[PipelineFiles, ...], ranks: list[PipelineCheckpoint], rules: dict[str, Rule] | None
+) -> TensorParallelCheckpoint:
+    """One checkpoint from the tp ranks' merged pipelines, each tensor concatenated or replicated by ``rules``."""
+    files0, meta0 = per_tp[0], ranks[0].metadata
+    for files, rank in zip(per_tp[1:], ranks[1:]):
+        if list(rank.infos) != list(ranks[0].infos):
+            differ = sorted(set(rank.infos) ^ set(ranks[0].infos))
+            raise CheckpointFormatError(
+                f"'{files.model_files[0]}' holds other tensors than tensor-parallel rank 0 "
+                f"({listing(differ) or 'another order'}): {MIXED_SAVES}",
+                path=files.model_files[0],
+                found=differ,
+            )
+        if rank.metadata.global_step != meta0.global_step:
+            raise CheckpointFormatError(
+                f"'{files.model_files[0]}' records global step {rank.metadata.global_step}, tensor-parallel rank 0 "
+                f"{meta0.global_step}: {MIXED_SAVES}",
+                path=files.model_files[0],
+            )
+    tp = len(ranks)
+    kind = f"pipeline + tensor parallel (pp={files0.pp}, tp={tp}; PipelineModule records no partition)"
+    plan = plan_tp_merges(files0.tag_dir, ranks, rules, {}, kind)
+    extra = dict(meta0.extra)
+    for key in ("model_files", "optim_files", "layer_files"):
+        extra[key] = sorted(name for rank in ranks for name in rank.metadata.extra.get(key, []))
+    extra["tp_partition"] = {name: describe_rule(merge.rule) for name, merge in plan.merges.items()}
+    extra["tp_rule_source"] = dict(plan.sources)
+    metadata = replace(meta0, parallel={"dp": files0.dp, "pp": files0.pp, "tp": tp}, extra=extra)
+    logger.debug("opened %s: pipeline pp=%d tp=%d dp=%d", files0.tag_dir, files0.pp, tp, files0.dp)
+    return TensorParallelCheckpoint(metadata, plan.infos, plan.tied, ranks, plan.merges)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@
 DeepSpeed's ``PipelineEngine`` (0.19.8) writes ``layer_XX-model_states.pt`` per layer that has a ``state_dict``
 (``PipelineModule.save_state_dict``), ``mp_rank_SS_model_states.pt`` per stage (``mp_rank`` is the pipeline
 stage, ``module`` is None), and ``{bf16_}zero_pp_rank_D_mp_rank_SS_optim_states.pt`` per stage and data-parallel
-rank. Nothing here is unpickled.
+rank. With tensor parallelism (a topology with a ``model`` axis) the layer files are
+``layer_XX-model_YY-model_states.pt`` (``YY`` the tp rank) and ``mp_rank_XX`` numbers (stage, tp rank) pipe-major.
+Nothing here is unpickled.
 """
 
 from __future__ import annotations
@@ -17,15 +19,25 @@ from .._pickles import require_regular_file
 from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 
-__all__ = ["LAYER_FILE", "PipelineFiles", "has_layer_files", "is_pipeline", "layer_file_name", "scan_pipeline_dir"]
+__all__ = [
+    "LAYER_FILE",
+    "LAYER_TP_FILE",
+    "PipelineFiles",
+    "has_layer_files",
+    "is_pipeline",
+    "layer_file_name",
+    "scan_pipeline_dir",
+]
 
 LAYER_FILE = re.compile(r"^layer_(?P<layer>\d+)-model_states\.pt$")
 """A pipeline layer's weights (``PipelineModule.ckpt_layer_path`` without tensor/model parallelism)."""
+LAYER_TP_FILE = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<tp>\d+)-model_states\.pt$")
+"""One tensor-parallel rank's shard of a pipeline layer (the topology's ``model`` axis: ``-model_YY``)."""
 
 
-def layer_file_name(layer: int) -> str:
-    """The file DeepSpeed writes for layer ``layer``."""
-    return f"layer_{layer:02d}-model_states.pt"
+def layer_file_name(layer: int, tp_rank: int = 0, tp: int = 1) -> str:
+    """The file DeepSpeed writes for layer ``layer`` (of tensor-parallel rank ``tp_rank`` when ``tp > 1``)."""
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt" if tp > 1 else f"layer_{layer:02d}-model_states.pt"
 
 
 def _names(folder: Path) -> list[str]:
@@ -36,12 +48,9 @@ def _names(folder: Path) -> list[str]:
 
 
 def has_layer_files(folder: Path) -> bool:
-    """True when ``folder`` holds pipeline layer files of a data-parallel pipeline.
-
-    Layer files named with a tensor-parallel rank alone (``layer_XX-model_YY-model_states.pt``) are left to the
-    ZeRO reader, which refuses them.
-    """
-    return any(LAYER_FILE.match(n) for n in _names(folder))
+    """True when ``folder`` holds pipeline layer files (``layer_XX-model_states.pt``, or ``layer_XX-model_YY-...``
+    with tensor parallelism)."""
+    return any(LAYER_FILE.match(n) or LAYER_TP_FILE.match(n) for n in _names(folder))
 
 
 def is_pipeline(path: Path) -> bool:
@@ -90,27 +99,49 @@ def _missing(tag_dir: Path, name: str, what: str) -> CheckpointNotFoundError:
     )
 
 
-def scan_pipeline_dir(tag_dir: Path) -> PipelineFiles:
-    """Group the files of a pipeline tag folder by stage; refuse missing stage or rank files by name."""
-    names = _names(tag_dir)
-    with_tp = [n for n in names if C.PIPELINE_LAYER_FILE.match(n)]
-    if with_tp:
+def _layer_files(tag_dir: Path, names: list[str]) -> tuple[dict[int, dict[int, Path]], int]:
+    """``({tp rank: {layer: file}}, tp)`` from the layer file names; refuses a mix or a missing tp rank by name."""
+    plain = [n for n in names if LAYER_FILE.match(n)]
+    with_tp = [n for n in names if LAYER_TP_FILE.match(n)]
+    if plain and with_tp:
         raise UnsupportedCheckpointError(
-            f"'{tag_dir}' is a pipeline checkpoint with tensor parallelism ({listing(with_tp, limit=3)}); zeroio "
-            "merges pipeline stages of data-parallel runs only. Use DeepSpeed's ds_to_universal.py for this one.",
+            f"'{tag_dir}' mixes pipeline layer files with and without a tensor parallelism rank "
+            f"({listing(with_tp, limit=3)} next to {listing(plain, limit=3)}): the folder mixes saves; copy the "
+            "whole tag folder again.",
             path=tag_dir,
             found=with_tp,
         )
-    layers: dict[int, Path] = {}
+    by_tp: dict[int, dict[int, Path]] = {}
+    for name in plain or with_tp:
+        m = LAYER_FILE.match(name) or LAYER_TP_FILE.match(name)
+        assert m is not None
+        require_regular_file(tag_dir / name)
+        by_tp.setdefault(int(m.groupdict().get("tp") or 0), {})[int(m["layer"])] = tag_dir / name
+    tp = max(by_tp) + 1
+    layers = sorted({layer for files in by_tp.values() for layer in files})
+    for rank in range(tp):
+        for layer in layers:
+            if layer not in by_tp.get(rank, {}):
+                name = layer_file_name(layer, rank, tp)
+                raise _missing(tag_dir, name, f"layer {layer} of tensor-parallel rank {rank}")
+    return by_tp, tp
+
+
+def scan_pipeline_dir(tag_dir: Path) -> tuple[PipelineFiles, ...]:
+    """The files of a pipeline tag folder, one :class:`PipelineFiles` per tensor-parallel rank (one without tp).
+
+    With tensor parallelism (Megatron-DeepSpeed / GPT-NeoX 3D), stage ``s`` of tp rank ``t`` is model-parallel rank
+    ``s * tp + t`` (``mp_rank_XX``): DeepSpeed's ``PipelineParallelGrid`` numbers the model ranks pipe-major.
+    Missing stage or rank files are refused by name.
+    """
+    names = _names(tag_dir)
+    by_tp, tp = _layer_files(tag_dir, names)
     models: dict[int, Path] = {}
     optim: dict[int, dict[int, Path]] = {}
     prefixes: dict[Path, str] = {}
     for name in names:
         path = tag_dir / name
-        if m := LAYER_FILE.match(name):
-            require_regular_file(path)
-            layers[int(m["layer"])] = path
-        elif m := C.MODEL_FILE.match(name):
+        if m := C.MODEL_FILE.match(name):
             require_regular_file(path)
             models[int(m["mp"])] = path
         elif m := C.ZERO_OPTIM_FILE.match(name):
@@ -123,15 +154,18 @@ def scan_pipeline_dir(tag_dir: Path) -> PipelineFiles:
                 "with ZeRO stage 0 or 1 only, so the folder mixes checkpoints.",
                 path=path,
             )
-    stages = sorted(set(models) | set(optim))
-    if not stages:
+    mp_ranks = sorted(set(models) | set(optim))
+    if not mp_ranks:
         raise CheckpointNotFoundError(
             f"'{tag_dir}' holds pipeline layer files but no 'mp_rank_XX_model_states.pt'; copy the whole tag folder.",
             path=tag_dir,
         )
-    for stage in range(max(stages) + 1):
-        if stage not in models:
-            raise _missing(tag_dir, f"mp_rank_{stage:02d}_model_states.pt", f"pipeline stage {stage}'s model states")
+    count = -(-(max(mp_ranks) + 1) // tp) * tp  # whole stages of tp ranks
+    for mp in range(count):
+        if mp not in models:
+            stage, rank = divmod(mp, tp)
+            what = f"pipeline stage {stage}'s model states" + (f" (tensor-parallel rank {rank})" if tp > 1 else "")
+            raise _missing(tag_dir, f"mp_rank_{mp:02d}_model_states.pt", what)
     if not optim:
         raise UnsupportedCheckpointError(
             f"'{tag_dir}' is a pipeline checkpoint without ZeRO optimizer files ('*_optim_states.pt'); zeroio reads "
@@ -141,14 +175,16 @@ def scan_pipeline_dir(tag_dir: Path) -> PipelineFiles:
     dp = max(len(ranks) for ranks in optim.values())
     values = list(prefixes.values())
     one_prefix = max(sorted(set(values)), key=values.count)  # the odd file out is the one named
-    per_stage = []
-    for stage in range(len(models)):
-        ranks = optim.get(stage, {})
+    per_mp = []
+    for mp in range(count):
+        ranks = optim.get(mp, {})
         for rank in range(max([dp - 1, *ranks]) + 1):
             if rank not in ranks:
-                name = f"{one_prefix}zero_pp_rank_{rank}_mp_rank_{stage:02d}_optim_states.pt"
-                raise _missing(tag_dir, name, f"data-parallel rank {rank}'s optimizer state of pipeline stage {stage}")
-        per_stage.append(tuple(ranks[r] for r in range(len(ranks))))
+                name = f"{one_prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+                stage, tp_rank = divmod(mp, tp)
+                of = f"pipeline stage {stage}" + (f", tensor-parallel rank {tp_rank}" if tp > 1 else "")
+                raise _missing(tag_dir, name, f"data-parallel rank {rank}'s optimizer state of {of}")
+        per_mp.append(tuple(ranks[r] for r in range(len(ranks))))
     for path, prefix in prefixes.items():
         if prefix != one_prefix:
             raise CheckpointFormatError(
@@ -156,5 +192,13 @@ def scan_pipeline_dir(tag_dir: Path) -> PipelineFiles:
                 "optimizer files: the folder mixes files from different saves; copy the whole tag folder again.",
                 path=path,
             )
-    return PipelineFiles(tag_dir, dict(sorted(layers.items())), tuple(models[s] for s in range(len(models))),
-                         tuple(per_stage))  # fmt: skip
+    stages = range(count // tp)
+    return tuple(
+        PipelineFiles(
+            tag_dir,
+            dict(sorted(by_tp[rank].items())),
+            tuple(models[s * tp + rank] for s in stages),
+            tuple(per_mp[s * tp + rank] for s in stages),
+        )
+        for rank in range(tp)
+    )

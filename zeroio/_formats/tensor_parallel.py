@@ -43,7 +43,14 @@ from .tensor_parallel_rules import (
 )
 from .zero import ZeroCheckpoint, open_zero
 
-__all__ = ["TensorParallelCheckpoint", "is_tensor_parallel", "open_tensor_parallel"]
+__all__ = [
+    "Merge",
+    "MergePlan",
+    "TensorParallelCheckpoint",
+    "is_tensor_parallel",
+    "open_tensor_parallel",
+    "plan_tp_merges",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +80,7 @@ class TensorParallelCheckpoint(Checkpoint):
         metadata: CheckpointMetadata,
         infos: dict[str, TensorInfo],
         tied: dict[str, str],
-        ranks: Sequence[ZeroCheckpoint],
+        ranks: Sequence[Checkpoint],
         merges: dict[str, Merge],
     ) -> None:
         super().__init__(metadata, infos, tied)
@@ -300,7 +307,7 @@ def _merged_shape(rule: Rule, infos: Sequence[TensorInfo]) -> tuple[int, ...] | 
     return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1 :]
 
 
-def _replicas_agree(name: str, ranks: Sequence[ZeroCheckpoint], info: TensorInfo) -> bool:
+def _replicas_agree(name: str, ranks: Sequence[Checkpoint], info: TensorInfo) -> bool:
     """True when every tp rank holds the same bits for a replicated tensor (compared at both ends)."""
     dtype = ranks[0].stored_dtype(name)
     for start, count in sample_ranges(info.numel):
@@ -314,16 +321,30 @@ def _replicas_agree(name: str, ranks: Sequence[ZeroCheckpoint], info: TensorInfo
     return True
 
 
-def _merge_ranks(
-    tag_dir: Path,
-    tag_name: str | None,
-    ranks: Sequence[ZeroCheckpoint],
+@dataclass(frozen=True, slots=True)
+class MergePlan:
+    """Every tensor of a tp-sharded checkpoint planned from its ranks: full infos (in rank 0's order), ties, merges."""
+
+    infos: dict[str, TensorInfo]
+    tied: dict[str, str]
+    merges: dict[str, Merge]
+    sources: dict[str, str]
+    """Where each tensor's rule came from: ``recorded``, ``tp_rules`` or ``buffer``."""
+
+
+def plan_tp_merges(
+    path0: Path,
+    ranks: Sequence[Checkpoint],
     rules: Mapping[str, Rule] | None,
-    ignore_recorded: bool,
-) -> TensorParallelCheckpoint:
-    path0, uc_info = _check_ranks(tag_dir, ranks)
-    if ignore_recorded:
-        uc_info = {}
+    uc_info: Mapping[str, Any],
+    kind: str | None = None,
+) -> MergePlan:
+    """Decide how each tensor is rebuilt from ``ranks`` (one reader per tp rank, same names); refuse the undecided.
+
+    ``uc_info`` is what the files record (AutoTP's ``universal_checkpoint_info``; empty when nothing is), ``rules``
+    the user's; a tensor neither decides, or whose shards do not fit its rule, is refused by name (``path0`` is
+    the file the message names, ``kind`` what the checkpoint is, default ``N-way tensor-parallel``).
+    """
     tied = ranks[0].tied
     merges: dict[str, Merge] = {}
     merged: dict[str, TensorInfo] = {}
@@ -352,8 +373,8 @@ def _merge_ranks(
         names = list(problems)
         detail = "; ".join(f"{n}: {problems[n]}" for n in names[:5]) + (" ..." if len(names) > 5 else "")
         raise UnsupportedCheckpointError(
-            f"'{path0}': cannot tell how {len(names)} tensor(s) of this {len(ranks)}-way tensor-parallel checkpoint "
-            f"are split ({detail}). Pass tp_rules={{regex: dim or 'replicated'}} (or a preset: megatron, neox) "
+            f"'{path0}': cannot tell how {len(names)} tensor(s) of this "
+            f"{kind or f'{len(ranks)}-way tensor-parallel'} checkpoint are split ({detail}). Pass tp_rules={{regex: dim or 'replicated'}} (or a preset: megatron, neox) "
             "covering them.",
             path=path0,
             found=names,
@@ -367,11 +388,23 @@ def _merge_ranks(
             )
         else:
             ordered[name] = merged[name]
-    metadata = _metadata(tag_dir, tag_name, ranks, merges, sources)
+    return MergePlan(ordered, dict(tied), merges, sources)
+
+
+def _merge_ranks(
+    tag_dir: Path,
+    tag_name: str | None,
+    ranks: Sequence[ZeroCheckpoint],
+    rules: Mapping[str, Rule] | None,
+    ignore_recorded: bool,
+) -> TensorParallelCheckpoint:
+    path0, uc_info = _check_ranks(tag_dir, ranks)
+    plan = plan_tp_merges(path0, ranks, rules, {} if ignore_recorded else uc_info)
+    metadata = _metadata(tag_dir, tag_name, ranks, plan.merges, plan.sources)
     logger.debug(
-        "opened %s: tensor parallel tp=%d, dp=%s, %d tensors", tag_dir, len(ranks), metadata.world_size, len(ordered)
+        "opened %s: tensor parallel tp=%d, dp=%s, %d tensors", tag_dir, len(ranks), metadata.world_size, len(plan.infos)
     )
-    return TensorParallelCheckpoint(metadata, ordered, tied, ranks, merges)
+    return TensorParallelCheckpoint(metadata, plan.infos, plan.tied, ranks, plan.merges)
 
 
 def _metadata(
