@@ -5,8 +5,7 @@ optimizers, hpZ/MiCS) is pushed with ``zeroio.push_to_hub`` straight from its De
 local Hub-protocol server, downloaded back through the real huggingface_hub client, and compared with its
 ``expected/engine.pt``. Cases whose manifest records no tag are error-only records (nothing to read) and are left
 out. The verb takes no layout-specific argument. A layout whose files do not record how its tensor-parallel shards
-split (pipeline + tensor parallel: its manifest names the ``tp_rules`` preset) is converted with those rules first,
-and the converted folder is pushed: ``push_to_hub`` takes no ``tp_rules``.
+split (pipeline + tensor parallel: its manifest names the ``tp_rules`` preset) is pushed with those rules.
 """
 
 from __future__ import annotations
@@ -78,13 +77,10 @@ def test_every_readable_layout_is_covered() -> None:
 def test_push_to_hub_equals_the_engine(name: str, server: HubServer, tmp_path: Path) -> None:
     case = LAYOUTS / name
     kwargs: dict[str, Any] = {}
-    src = case
     if rules := _manifest(case).get("tp_rules"):
-        kwargs["tp_rules"] = rules
-        src = tmp_path / "converted"
-        zeroio.convert(case, src, progress=False, **kwargs)
+        kwargs["tp_rules"] = rules  # pipeline + tensor parallel: the files record no split, the preset decides
     repo_id = f"tester/{name.replace('_', '-')}"
-    result = zeroio.push_to_hub(src, repo_id, token=DEFAULT_TOKEN, endpoint=server.endpoint, progress=False)
+    result = zeroio.push_to_hub(case, repo_id, token=DEFAULT_TOKEN, endpoint=server.endpoint, progress=False, **kwargs)
     assert result.commit_oid == server.refs(repo_id)["main"]
 
     got = _downloaded(server, repo_id, tmp_path / "cache")

@@ -21,6 +21,7 @@ from .errors import HubError
 if TYPE_CHECKING:
     import torch
 
+    from ._formats.tensor_parallel_rules import TPRules
     from ._progress import Progress
     from ._types import StrPath
 
@@ -84,6 +85,7 @@ def push_to_hub(
     progress: Progress = True,
     verify_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    tp_rules: TPRules | None = None,
 ) -> PushResult:
     """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
 
@@ -123,6 +125,8 @@ def push_to_hub(
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
         storage_options: options of the fsspec filesystem of a URL ``src`` (``s3://``, ``gs://``, ``hf://``; keys,
             endpoint, token; docs/remote.md); a URL source is converted locally, then pushed.
+        tp_rules: how a tensor-parallel source's tensors are split where its files do not record it, as for
+            :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
 
     Returns:
         A :class:`PushResult`: repo, ref, commit URL and hash, pull request URL, and the files pushed.
@@ -157,7 +161,7 @@ def push_to_hub(
             path=src_path,
         )
     converted = _is_converted(src_path) and dtype is None and not is_url(str(src_path))  # a URL: converted here
-    _check_source(src_path, converted=converted, dtype=dtype, max_shard_size=max_shard_size, tag=tag)
+    _check_source(src_path, converted=converted, dtype=dtype, max_shard_size=max_shard_size, tag=tag, tp_rules=tp_rules)
     try:
         from huggingface_hub import HfApi
     except ImportError as e:  # pragma: no cover - a declared dependency
@@ -204,6 +208,7 @@ def push_to_hub(
                 tag=tag,
                 progress=progress,
                 verify_crc=verify_crc,
+                tp_rules=tp_rules,
             )
             card_facts = dict(result.card_facts)
 
@@ -284,7 +289,13 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def _check_source(
-    src: Path, *, converted: bool, dtype: str | torch.dtype | None, max_shard_size: int | str, tag: str | None
+    src: Path,
+    *,
+    converted: bool,
+    dtype: str | torch.dtype | None,
+    max_shard_size: int | str,
+    tag: str | None,
+    tp_rules: TPRules | None,
 ) -> None:
     """Everything push can check locally, before it creates a repo: conversion arguments and a readable source."""
     from ._formats import open as open_checkpoint
@@ -293,7 +304,9 @@ def _check_source(
 
     parse_dtype(dtype)
     parse_size(max_shard_size)
-    with open_checkpoint(src, None if converted else tag):  # metadata only: headers, rank-file layout
+    with open_checkpoint(
+        src, None if converted else tag, tp_rules=tp_rules
+    ):  # metadata only: headers, rank-file layout
         pass
 
 

@@ -186,6 +186,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         model_card=not args.no_model_card,
         progress=not args.quiet,
         verify_crc=not args.no_verify_crc,
+        tp_rules=args.tp_rules,
     )
     print(f"Pushed to {result.pr_url or result.commit_url}")
     return 0
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
+    _add_tp_rules(p)
     p.set_defaults(func=cmd_push, validate=_validate_push)
 
     p = sub.add_parser("reshard", help="rewrite a ZeRO-3 checkpoint for another number of GPUs (DeepSpeed resumes it)")
