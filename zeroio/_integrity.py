@@ -20,12 +20,14 @@ import bisect
 import threading
 import zlib
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ._crc32 import crc32_combine
 from ._storage import ByteSource, Fenced, can_copy_in_kernel, tensor_bytes
 from .errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CheckedFile"]
 
@@ -185,6 +187,8 @@ class CheckedFile:
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
         buffer = getattr(self._scratch, "buffer", None)
         if buffer is None:
+            import torch
+
             buffer = self._scratch.buffer = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
         at = lo
         while at < hi:

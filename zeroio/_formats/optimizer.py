@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 from .._checkpoint import Checkpoint
+from .._dtypes import FLOAT32
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import TensorRef, to_plain
 from .._text import listing
@@ -385,11 +384,13 @@ def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str) -> dict
     _, source = trainable_source(zckpt, name)
     layout = optimizer_layout(zckpt, what="optimizer_state()")
 
+    import torch
+
     info = zckpt.info(name)
     result: dict[str, Any] = {}
     for key, refs in layout.moments.items():
-        dtype = next((r.dtype for rank in refs for r in rank if r is not None), torch.float32)
-        out = torch.empty(info.numel, dtype=dtype)
+        dtype = next((r.dtype_spec for rank in refs for r in rank if r is not None), FLOAT32)
+        out = torch.empty(info.numel, dtype=dtype.torch)
         if info.numel:
             read_plan_into(moment_source(layout, source, key), 0, out)
         result[key] = out.view(info.shape)
