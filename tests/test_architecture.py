@@ -93,6 +93,8 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._fileio": "pwrite/preallocate/fsync helpers and chunk buffers",
     "zeroio._crc32": "CRC-32 arithmetic (crc32_combine), checked against zlib",
     "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
+    "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
+    "zeroio._formats.bits": "fp32 -> fp16/bf16 rounding on raw bytes, checked against torch's casts",
 }
 
 

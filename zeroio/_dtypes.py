@@ -65,6 +65,10 @@ class DType:
     def __hash__(self) -> int:
         return hash(str(self))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by name (Python's pickle, e.g. to a worker process): unpickled as the one shared instance."""
+        return (as_dtype, (self.name,))
+
 
 _TABLE: tuple[DType, ...] = (
     # name, itemsize, kind, safetensors code, legacy storage class; safetensors' enum order (see SAFETENSORS_ORDER)
