@@ -3,7 +3,7 @@
 Every command runs ``--repeats`` times (after one untimed warm-up that fills the page cache and writes .pyc
 files), in an order rotated per repeat so a change in machine load hits all of them alike; the table reports
 the median wall time and its ratio to the median of ``python -c "import torch"``. The target: ``zeroio
---version`` and ``--help`` at most 0.3x. ``--before TREE`` adds the same zeroio rows for another source tree
+--version``, ``--help`` and ``inspect`` at most 0.3x. ``--before TREE`` adds the same zeroio rows for another source tree
 (e.g. a ``git worktree`` of an older commit) so a change is measured against the old code in the same run.
 
     python benchmarks/startup.py --repeats 10
@@ -35,6 +35,10 @@ ZEROIO_COMMANDS: list[tuple[str, list[str]]] = [
     ("zeroio inspect --help", ["inspect", "--help"]),
     ("python -m zeroio --version", ["-m", "zeroio", "--version"]),
     ('python -c "import zeroio"', ["-c", "import zeroio"]),
+    # Reading metadata (issue 17, second part): no torch either; paths relative to the tree measured.
+    ("zeroio inspect fixtures/z3_ws2_bf16", ["inspect", "fixtures/z3_ws2_bf16"]),
+    ("zeroio inspect --json fixtures/z3_ws2_bf16", ["inspect", "--json", "fixtures/z3_ws2_bf16"]),
+    ("zeroio inspect fixtures/layouts/pipe_z1_ws2_pp2_bf16", ["inspect", "fixtures/layouts/pipe_z1_ws2_pp2_bf16"]),
 ]
 BASELINE = ('python -c "import torch"', ["-c", "import torch"])
 INTERPRETER = ('python -c "pass"', ["-c", "pass"])  # the floor: what any Python command costs here
@@ -87,11 +91,11 @@ def main() -> None:
 
     base = statistics.median(times[BASELINE[0]])
     print(f"{args.repeats} runs each, median wall time; ratio to {BASELINE[0]}\n")
-    print(f"| {'command':<38} | median (s) | min (s) | ratio |")
-    print(f"|{'-' * 40}|-----------:|--------:|------:|")
+    print(f"| {'command':<62} | median (s) | min (s) | ratio |")
+    print(f"|{'-' * 64}|-----------:|--------:|------:|")
     for label, values in times.items():
         median = statistics.median(values)
-        print(f"| {label:<38} | {median:>10.3f} | {min(values):>7.3f} | {median / base:>5.2f} |")
+        print(f"| {label:<62} | {median:>10.3f} | {min(values):>7.3f} | {median / base:>5.2f} |")
     if args.json is not None:
         record: dict[str, Any] = {
             "python": sys.version.split()[0],

@@ -20,7 +20,7 @@ TESTS = ROOT / "tests"
 # a new one fails test_every_module_has_a_layer until it is placed here.
 LAYERS: list[tuple[str, ...]] = [
     # 0. vocabulary: no zeroio imports but each other
-    ("errors", "_types", "_constants", "_text"),
+    ("errors", "_types", "_constants", "_text", "_dtypes"),
     # 1. storage: byte sources to read from, primitives for files to write
     ("_crc32", "_storage", "_remote_file", "_remote", "_integrity", "_fileio"),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
@@ -94,6 +94,8 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._fileio": "pwrite/preallocate/fsync helpers and chunk buffers",
     "zeroio._crc32": "CRC-32 arithmetic (crc32_combine), checked against zlib",
     "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
+    "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
+    "zeroio._formats.bits": "fp32 -> fp16/bf16 rounding on raw bytes, checked against torch's casts",
 }
 
 

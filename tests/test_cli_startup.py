@@ -1,4 +1,5 @@
-"""``zeroio --version`` / ``--help`` and ``import zeroio`` start without the heavy libraries (issue 17).
+"""``zeroio --version`` / ``--help``, ``import zeroio``, ``zeroio inspect`` and ``zeroio verify``'s metadata part
+start without the heavy libraries (issue 17).
 
 Each case runs in a fresh interpreter whose import system refuses torch, safetensors, huggingface_hub and tqdm: an
 import of any of them fails the command loudly instead of only costing seconds. Timing is measured by
@@ -7,6 +8,8 @@ benchmarks/startup.py (docs/benchmarks.md, "CLI start-up"), not asserted here.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -16,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "z2_ws2_fp32"
+ZERO3 = ROOT / "fixtures" / "z3_ws2_bf16"
+PIPELINE = ROOT / "fixtures" / "layouts" / "pipe_z1_ws2_pp2_bf16"
 
 HEAVY = ("torch", "safetensors", "huggingface_hub", "tqdm")
 
@@ -137,3 +142,83 @@ def test_unknown_attribute_is_an_attribute_error():
         zeroio.convret  # noqa: B018
     assert not hasattr(zeroio, "convret")
     assert getattr(zeroio, "convret", None) is None
+
+
+# --------------------------------------------------------------------------- inspect and verify (metadata only)
+
+
+def _run_in_this_process(argv: list[str]) -> tuple[int, str]:
+    """What the command prints here, where torch may be imported: the output the torch-free run must equal."""
+    from zeroio.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def metadata_commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], int, str]]:
+    """Each command (by id) with its expected exit code and stdout, recorded in this (torch-importing) process."""
+    import torch
+    from safetensors.torch import save_file
+
+    import zeroio
+
+    tmp = tmp_path_factory.mktemp("startup")
+    zeroio.convert(ZERO3, tmp / "converted")
+    single = tmp / "converted" / "model.safetensors"
+    # B shares no tensor with A by name, shape and dtype: verify finds every mismatch from metadata alone.
+    other = tmp / "other.safetensors"
+    save_file({"emb.weight": torch.zeros(13, 7, dtype=torch.float16), "extra.bias": torch.zeros(3)}, str(other))
+    argvs = {
+        "inspect zero3": ["inspect", str(ZERO3)],
+        "inspect zero3 --json": ["inspect", str(ZERO3), "--json"],
+        "inspect pipeline": ["inspect", str(PIPELINE)],
+        "inspect pipeline --json": ["inspect", str(PIPELINE), "--json"],
+        "inspect safetensors": ["inspect", str(single)],
+        "inspect safetensors --json": ["inspect", str(single), "--json"],
+        "verify metadata": ["verify", str(ZERO3), str(other), "--max-report", "20"],
+    }
+    return {key: (argv, *_run_in_this_process(argv)) for key, argv in argvs.items()}
+
+
+METADATA_IDS = [
+    "inspect zero3",
+    "inspect zero3 --json",
+    "inspect pipeline",
+    "inspect pipeline --json",
+    "inspect safetensors",
+    "inspect safetensors --json",
+    "verify metadata",
+]
+
+
+@pytest.mark.parametrize("key", METADATA_IDS)
+def test_metadata_commands_run_without_heavy_imports(key, metadata_commands):
+    """inspect (text, --json) of ZeRO-3, pipeline and safetensors checkpoints, and a verify decided by metadata,
+    import none of the heavy packages and print exactly what they print with torch imported."""
+    argv, code, expected = metadata_commands[key]
+    proc, report = _run_guarded(_RUN_CONSOLE_SCRIPT, argv)
+    assert report == {"asked": [], "loaded": []}, proc.stderr
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == expected
+    if key == "verify metadata":  # the case really is one that compares no values
+        assert code == 1 and "dtype fp32 (A) vs fp16 (B)" in expected and "extra.bias: not in A" in expected
+
+
+def test_reading_a_tensor_imports_torch_on_first_use():
+    """``zeroio.open`` + ``describe()`` stay torch-free; ``get_tensor`` imports torch then and returns a tensor."""
+    body = f"""
+sys.meta_path.pop(0)  # the guard only watches here
+import zeroio
+with zeroio.open({str(ZERO3)!r}) as ckpt:
+    summary = ckpt.describe()
+    before = "torch" in sys.modules
+    info = ckpt.info("emb.weight")
+    shape = list(ckpt.get_tensor("emb.weight").shape)
+    print(json.dumps([before, "torch" in sys.modules, shape, str(info.dtype), summary["tensors"][2]["dtype"]]))
+"""
+    proc, _ = _run_guarded(body)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [False, True, [13, 7], "torch.float32", "fp32"]

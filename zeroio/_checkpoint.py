@@ -6,9 +6,8 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from typing_extensions import Self
 
 from ._integrity import CheckedFile
@@ -16,6 +15,9 @@ from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
 from ._remote import as_path
 from ._storage import ByteRange
 from .errors import CheckpointClosedError, TensorNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
 
@@ -75,7 +77,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class Checkpoint(Mapping[str, torch.Tensor]):
+class Checkpoint(Mapping[str, "torch.Tensor"]):
     """A lazy, read-only ``Mapping[str, torch.Tensor]`` over a checkpoint.
 
     Keys, shapes and dtypes come from metadata; ``ckpt[name]`` reads only that
@@ -286,6 +288,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         target = parse_dtype(dtype)
         source = self.source_name(name)
         stored = self.stored_dtype(name)
+        import torch
+
         out = torch.empty(info.numel, dtype=stored)
         if info.numel:
             self.read_into(source, 0, out)  # a record this read completes is checked as its last bytes pass
@@ -322,6 +326,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize))
         size = min(step, info.numel)
         source = self.source_name(name)
+        import torch
+
         for start in range(0, info.numel, step):
             self.ensure_open(name)
             n = min(step, info.numel - start)
@@ -389,8 +395,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                 {
                     "name": name,
                     "shape": list(info.shape),
-                    "dtype": dtype_name(info.dtype),
-                    "stored_dtype": dtype_name(info.stored_dtype or info.dtype),
+                    "dtype": dtype_name(info.dtype_spec),
+                    "stored_dtype": dtype_name(info.stored_spec or info.dtype_spec),
                     "numel": info.numel,
                     "nbytes": info.nbytes,
                     "kind": info.kind,

@@ -9,8 +9,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 __all__ = [
     "WRITEBACK_BYTES",
@@ -108,6 +111,8 @@ class ChunkBuffers(threading.local):
         if buf is None or buf.numel() < numel:
             self.by_dtype.pop(dtype, None)
             del buf
+            import torch
+
             buf = self.by_dtype[dtype] = torch.empty(numel, dtype=dtype)
         return buf
 

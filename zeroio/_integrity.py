@@ -20,12 +20,14 @@ import bisect
 import threading
 import zlib
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ._crc32 import crc32_combine
 from ._storage import ByteSource, Fenced, can_copy_in_kernel, tensor_bytes
 from .errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CheckedFile"]
 
@@ -185,9 +187,10 @@ class CheckedFile:
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
         buffer = getattr(self._scratch, "buffer", None)
         if buffer is None:
-            buffer = self._scratch.buffer = torch.empty(
-                _SCRATCH_BYTES, dtype=torch.uint8, device="cpu"
-            )  # any caller context
+            import torch
+
+            # any caller's default-device context: the scratch buffer is host memory
+            buffer = self._scratch.buffer = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device="cpu")
         at = lo
         while at < hi:
             piece = buffer[: min(_SCRATCH_BYTES, hi - at)]

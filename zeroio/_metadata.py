@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
+from ._dtypes import BY_NAME, DType, as_dtype
 from .errors import CheckpointFormatError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
-    "SAFETENSORS_DTYPES",
-    "SAFETENSORS_DTYPE_ORDER",
     "CheckpointMetadata",
     "TensorInfo",
     "dtype_name",
@@ -26,86 +26,105 @@ __all__ = [
 TensorKind = Literal["trainable", "frozen", "buffer", "tensor"]
 
 _DTYPE_NAMES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp64": torch.float64,
-    "float64": torch.float64,
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp64": "float64",
+    "float64": "float64",
 }
-
-
-# safetensors' Dtype enum, in declaration order (its files sort tensors by this rank, descending, then by name).
-SAFETENSORS_DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = (
-    ("BOOL", torch.bool),
-    ("U8", torch.uint8),
-    ("I8", torch.int8),
-    ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
-    ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
-    ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
-    ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
-    ("I16", torch.int16),
-    ("U16", getattr(torch, "uint16", None)),
-    ("F16", torch.float16),
-    ("BF16", torch.bfloat16),
-    ("I32", torch.int32),
-    ("U32", getattr(torch, "uint32", None)),
-    ("F32", torch.float32),
-    ("C64", torch.complex64),
-    ("F64", torch.float64),
-    ("I64", torch.int64),
-    ("U64", getattr(torch, "uint64", None)),
-)
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in SAFETENSORS_DTYPE_ORDER if dt is not None}
-"""safetensors' dtype names and the torch dtype each holds (those this torch has), in safetensors' enum order."""
+_SHORT_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     """``"bf16"``, ``"torch.float16"`` or a ``torch.dtype`` to a floating ``torch.dtype`` (None stays None)."""
-    if value is None or isinstance(value, torch.dtype):
-        if isinstance(value, torch.dtype) and not value.is_floating_point:
+    if value is None:
+        return None
+    import torch
+
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
             raise ValueError(f"dtype must be a floating type, got {value}.")
         return value
     key = str(value).lower().removeprefix("torch.")
     if key not in _DTYPE_NAMES:
         raise ValueError(f"Unknown dtype {value!r}; use one of fp32, fp16, bf16 (or a torch.dtype).")
-    return _DTYPE_NAMES[key]
+    return BY_NAME[_DTYPE_NAMES[key]].torch
 
 
 def output_dtype(info: TensorInfo, target: torch.dtype | None) -> torch.dtype:
     """Floating tensors take the requested dtype; integer and bool tensors keep theirs (DeepSpeed does the same)."""
-    return target if (target is not None and info.dtype.is_floating_point) else info.dtype
+    return target if (target is not None and info.dtype_spec.is_floating_point) else info.dtype
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | DType) -> str:
     """Short name used in tables and JSON: ``torch.bfloat16`` -> ``"bf16"``."""
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}.get(
-        dtype, str(dtype).removeprefix("torch.")
-    )
+    name = str(dtype).removeprefix("torch.")
+    return _SHORT_NAMES.get(name, name)
 
 
-@dataclass(frozen=True, slots=True)
+def _spec(value: torch.dtype | DType | None) -> DType | None:
+    return None if value is None else as_dtype(value)
+
+
+@dataclass(frozen=True, slots=True, init=False, repr=False)
 class TensorInfo:
-    """What zeroio knows about one tensor without reading it."""
+    """What zeroio knows about one tensor without reading it.
+
+    Fields: ``name`` (key in the consolidated state dict), ``shape`` (full, unpartitioned), ``dtype`` (the
+    ``torch.dtype`` the tensor is returned in: fp32 master weights for trainable ZeRO parameters), ``kind``
+    (``trainable`` from the optimizer's fp32 partitions, ``frozen``, ``buffer``, or plain ``tensor``), ``files``
+    (files whose bytes make up the tensor), ``stored_dtype`` (dtype on disk when it differs from ``dtype``, e.g.
+    fp16 buffers DeepSpeed returns as fp32) and ``tied_to`` (for a tied alias, the tensor it shares storage with).
+    ``dtype`` and ``stored_dtype`` import torch when read; ``dtype_spec`` and ``stored_spec`` are the same
+    element types as torch-free :class:`~zeroio._dtypes.DType` values (what metadata-only code uses).
+    """
 
     name: str
-    """Key in the consolidated state dict."""
     shape: tuple[int, ...]
-    """Full (unpartitioned) shape."""
-    dtype: torch.dtype
-    """dtype the tensor is returned in (fp32 master weights for trainable ZeRO parameters)."""
+    dtype_spec: DType
     kind: TensorKind
-    """``trainable`` (from the optimizer's fp32 partitions), ``frozen``, ``buffer``, or plain ``tensor``."""
-    files: tuple[Path, ...] = ()
-    """Files whose bytes make up the tensor."""
-    stored_dtype: torch.dtype | None = None
-    """dtype on disk when it differs from ``dtype`` (e.g. fp16 buffers DeepSpeed returns as fp32)."""
-    tied_to: str | None = None
-    """For a tied alias, the name of the tensor it shares storage with."""
+    files: tuple[Path, ...]
+    stored_spec: DType | None
+    tied_to: str | None
+
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | DType,
+        kind: TensorKind,
+        files: tuple[Path, ...] = (),
+        stored_dtype: torch.dtype | DType | None = None,
+        tied_to: str | None = None,
+    ) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
+        object.__setattr__(self, "dtype_spec", as_dtype(dtype))
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "files", files)
+        object.__setattr__(self, "stored_spec", _spec(stored_dtype))
+        object.__setattr__(self, "tied_to", tied_to)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype the tensor is returned in (fp32 master weights for trainable ZeRO parameters)."""
+        return self.dtype_spec.torch
+
+    @property
+    def stored_dtype(self) -> torch.dtype | None:
+        """dtype on disk when it differs from ``dtype`` (e.g. fp16 buffers DeepSpeed returns as fp32)."""
+        return None if self.stored_spec is None else self.stored_spec.torch
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorInfo(name={self.name!r}, shape={self.shape!r}, dtype={self.dtype_spec}, kind={self.kind!r}, "
+            f"files={self.files!r}, stored_dtype={self.stored_spec}, tied_to={self.tied_to!r})"
+        )
 
     @property
     def numel(self) -> int:
@@ -118,12 +137,16 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         """Size in bytes in ``dtype``."""
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.dtype_spec.itemsize
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class CheckpointMetadata:
-    """Checkpoint-level facts, all read from metadata only."""
+    """Checkpoint-level facts, all read from metadata only.
+
+    ``train_dtype`` is a ``torch.dtype`` (importing torch when read); ``train_spec`` is the same element type as a
+    torch-free :class:`~zeroio._dtypes.DType`.
+    """
 
     format: str
     """``zero`` for DeepSpeed checkpoints, ``safetensors`` or ``torch`` for consolidated files."""
@@ -135,8 +158,8 @@ class CheckpointMetadata:
     """ZeRO stage, 0-3."""
     world_size: int | None = None
     """Data-parallel world size (number of partitions)."""
-    train_dtype: torch.dtype | None = None
-    """dtype the model trained in (fp32, fp16 or bf16)."""
+    train_spec: DType | None = None
+    """dtype the model trained in (fp32, fp16 or bf16), torch-free."""
     ds_version: str | None = None
     """DeepSpeed version that wrote the checkpoint."""
     global_step: int | None = None
@@ -157,6 +180,40 @@ class CheckpointMetadata:
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Other facts a backend records (e.g. the DeepSpeed config)."""
 
+    def __init__(
+        self,
+        format: str,
+        path: Path,
+        tag: str | None = None,
+        zero_stage: int | None = None,
+        world_size: int | None = None,
+        train_dtype: torch.dtype | DType | None = None,
+        ds_version: str | None = None,
+        global_step: int | None = None,
+        has_fp32_master: bool = True,
+        layout: str | None = None,
+        parallel: Mapping[str, int] | None = None,
+        offload: str | None = None,
+        serialization: str | None = None,
+        optimizer: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        *,
+        train_spec: DType | None = None,
+    ) -> None:
+        """``train_spec`` is what ``dataclasses.replace`` passes on; ``train_dtype``, when given, wins."""
+        values = dict(locals())
+        del values["self"]
+        values["train_spec"] = _spec(values.pop("train_dtype")) or train_spec
+        values["parallel"] = {} if parallel is None else parallel
+        values["extra"] = {} if extra is None else extra
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def train_dtype(self) -> torch.dtype | None:
+        """dtype the model trained in (fp32, fp16 or bf16)."""
+        return None if self.train_spec is None else self.train_spec.torch
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly view (dtypes as short names, paths as strings)."""
         return {
@@ -165,7 +222,7 @@ class CheckpointMetadata:
             "tag": self.tag,
             "zero_stage": self.zero_stage,
             "world_size": self.world_size,
-            "train_dtype": dtype_name(self.train_dtype) if self.train_dtype is not None else None,
+            "train_dtype": dtype_name(self.train_spec) if self.train_spec is not None else None,
             "ds_version": self.ds_version,
             "global_step": self.global_step,
             "has_fp32_master": self.has_fp32_master,

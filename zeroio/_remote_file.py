@@ -24,12 +24,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ._storage import tensor_bytes
 from .errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["COALESCE_BYTES", "MAX_IN_FLIGHT", "PART_BYTES", "RemoteFile", "call_with_retries"]
 

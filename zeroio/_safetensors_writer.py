@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ._constants import SAFETENSORS_MAX_HEADER_SIZE
+from ._dtypes import SAFETENSORS_ORDER
 from ._fileio import pwrite_all, tensor_bytes
-from ._metadata import SAFETENSORS_DTYPE_ORDER as _DTYPE_ORDER
-from ._metadata import SAFETENSORS_DTYPES
 
 __all__ = [
     "MAX_HEADER_SIZE",
@@ -35,6 +34,12 @@ __all__ = [
 
 MAX_HEADER_SIZE = SAFETENSORS_MAX_HEADER_SIZE
 """safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate); shared with the reader."""
+
+_DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = tuple(
+    (d.safetensors or "", getattr(torch, d.name, None)) for d in SAFETENSORS_ORDER
+)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in _DTYPE_ORDER if dt is not None}
+"""safetensors' dtype names and the torch dtype each holds (those this torch has), in safetensors' enum order."""
 
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
 _RANK: dict[torch.dtype, int] = {dt: i for i, (_, dt) in enumerate(_DTYPE_ORDER) if dt is not None}

@@ -8,11 +8,12 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ByteRange",

@@ -1,16 +1,18 @@
-"""Type aliases shared by zeroio's modules."""
+"""Type aliases shared by zeroio's modules (torch types named as strings: importing this module imports no torch)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 StrPath = str | os.PathLike[str]
-StateDict = dict[str, torch.Tensor]
-DTypeLike = str | torch.dtype
-InitHook = Callable[[nn.Module], None]
+StateDict: TypeAlias = "dict[str, torch.Tensor]"
+DTypeLike: TypeAlias = "str | torch.dtype"
+InitHook: TypeAlias = "Callable[[nn.Module], None]"
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(done, total)`` in bytes."""

@@ -263,7 +263,7 @@ def autoep_trainable(
     for (name, copy), parts in fragments.items():
         by_name.setdefault(name, {})[copy] = parts
     found = TensorPlans()
-    dtype = optim.flat_groups[0][0].dtype
+    dtype = optim.flat_groups[0][0].dtype_spec
     for name, copies in by_name.items():
         layer = layers.get(name.rpartition(".")[0])
         if layer is not None:

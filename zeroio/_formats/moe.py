@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
-import torch
-
+from .._dtypes import FLOAT32
 from .._metadata import require_dict
 from .._partition import Piece
 from .._pickles import TensorRef
@@ -185,6 +184,6 @@ def plan_matches_experts(
     groups = tuple(flat_groups)
     for name, _, pieces in planned:
         low = experts.refs.get(name)
-        if low is None or not casts_to(FlatPlan(tuple(pieces), groups), low, low.numel, torch.float32):
+        if low is None or not casts_to(FlatPlan(tuple(pieces), groups), low, low.numel, FLOAT32):
             return False
     return True

@@ -12,13 +12,13 @@ memory and are saved like CPU offload."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _constants as C
+from .._dtypes import FLOAT32
 from .._partition import zero3_partition_numel, zero3_sub_groups
 from .._pickles.archive import RankFile, Storage, TensorRef
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError
@@ -90,7 +90,7 @@ def _sub_groups(shapes: ParamShapes, world_size: int, ds_config: Any) -> list[tu
     sub_group_size = int(size) if isinstance(size, (int, float)) and size > 0 else DEFAULT_SUB_GROUP_SIZE
     out = []
     for group in shapes.groups:
-        numels = [int(torch.Size(shape).numel()) for _, shape in group]
+        numels = [math.prod(shape) for _, shape in group]
         for members in zero3_sub_groups(numels, world_size, sub_group_size):
             names = [group[i][0] for i in members]
             out.append((names, sum(zero3_partition_numel(numels[i], world_size) for i in members)))
@@ -115,7 +115,7 @@ def _swap_ref(path: Path, numel: int, rank: int) -> tuple[TensorRef, RankFile]:
             rank=rank,
         )
     file = RankFile(path, size=size, legacy_offsets={"swap": 0})
-    storage = Storage("swap", torch.float32, size // 4, "nvme")
+    storage = Storage("swap", FLOAT32, size // 4, "nvme")
     return TensorRef(file, storage, 0, (numel,), (1,)), file
 
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._checkpoint import Checkpoint
+from .._dtypes import FLOAT32
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import TensorRef, to_plain
 from .._text import listing
 from ..errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoundError, UnsupportedCheckpointError
 from .muon import WholeMatrices, uses_whole_matrices, whole_matrices, whole_matrix_source
 from .plans import FlatPlan, ReadPlan, read_plan_into
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OptimizerLayout",
@@ -421,7 +423,7 @@ def state_keys_of(layout: OptimizerLayout, source: FlatPlan) -> tuple[str, ...]:
 
 def state_dtype(layout: OptimizerLayout, key: str) -> torch.dtype:
     """The stored dtype of state ``key`` (fp32 moments; Muon's momentum follows the gradient dtype)."""
-    return next((r.dtype for rank in layout.moments[key] for r in rank if r is not None), torch.float32)
+    return next((r.dtype_spec for rank in layout.moments[key] for r in rank if r is not None), FLOAT32).torch
 
 
 def param_group_of(layout: OptimizerLayout, source: FlatPlan) -> int:
@@ -471,6 +473,8 @@ def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str, *, meta
     zckpt.ensure_open(name)
     _, source = trainable_source(zckpt, name)
     layout = optimizer_layout(zckpt, what="optimizer_state()", by_name=True)
+
+    import torch
 
     info = zckpt.info(name)
     result: dict[str, Any] = {}

@@ -13,10 +13,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _constants as C
 from .._checkpoint import Checkpoint
+from .._dtypes import FLOAT32, DType
 from .._layout import ZeroLayout, find_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require_dict
 from .._pickles import RankFile, TensorRef, load_pickle
@@ -324,15 +323,15 @@ def _name_layers(
 
 def _layer_tensors(
     layers: list[tuple[Path, dict[str, TensorRef]]], trainable: TensorPlans, buffers: list[str]
-) -> tuple[TensorPlans, torch.dtype]:
+) -> tuple[TensorPlans, DType]:
     """Frozen parameters and buffers from the layer files (checked against the masters), and the training dtype."""
     found = TensorPlans()
-    train_dtype = torch.float32
+    train_dtype = FLOAT32
     for path, named in layers:
         found.update(buffer_plans(named, [n for n in named if n in buffers], path))
         for name, ref in named.items():
             if name in trainable.infos:
-                train_dtype = ref.dtype if ref.dtype.is_floating_point else train_dtype
+                train_dtype = ref.dtype_spec if ref.dtype_spec.is_floating_point else train_dtype
                 if tuple(ref.shape) != trainable.infos[name].shape:
                     raise PartitionMismatchError(
                         f"'{path}': '{name}' has shape {tuple(ref.shape)}, the optimizer's fp32 master "
@@ -341,7 +340,7 @@ def _layer_tensors(
                         name=name,
                     )
             elif name not in buffers:
-                found.add(TensorInfo(name, tuple(ref.shape), ref.dtype, "frozen", (path,)), WholePlan(ref))
+                found.add(TensorInfo(name, tuple(ref.shape), ref.dtype_spec, "frozen", (path,)), WholePlan(ref))
         _check_same_save(path, named, trainable)
     return found, train_dtype
 
@@ -357,9 +356,9 @@ def _check_same_save(path: Path, named: dict[str, TensorRef], trainable: TensorP
     if name is None:
         return
     info, ref = trainable.infos[name], named[name]  # shapes already checked
-    if ref.dtype.is_floating_point and not casts_to(trainable.plans[name], ref, info.numel, info.dtype):
+    if ref.dtype_spec.is_floating_point and not casts_to(trainable.plans[name], ref, info.numel, info.dtype_spec):
         raise CheckpointFormatError(
-            f"'{path}': '{name}' is not the optimizer's fp32 master cast to {ref.dtype}, so the layer file comes "
+            f"'{path}': '{name}' is not the optimizer's fp32 master cast to {ref.dtype_spec}, so the layer file comes "
             f"from another save than the optimizer files: {MIXED_SAVES}",
             path=path,
             name=name,
@@ -382,7 +381,7 @@ def _no_layer_file(tag_dir: Path, name: str) -> CheckpointNotFoundError:
 
 
 def _metadata(
-    files: PipelineFiles, tag_name: str | None, model0: dict[Any, Any], zero_stage: int, train_dtype: torch.dtype
+    files: PipelineFiles, tag_name: str | None, model0: dict[Any, Any], zero_stage: int, train_dtype: DType
 ) -> CheckpointMetadata:
     return CheckpointMetadata(
         format="zero",

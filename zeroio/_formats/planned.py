@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .._checkpoint import Checkpoint
 from .._integrity import CheckedFile
@@ -10,6 +10,9 @@ from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile
 from .._storage import ByteRange
 from .plans import ReadPlan, plan_byte_ranges, read_plan_into
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PlannedCheckpoint"]
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-import torch
-
+from .._dtypes import FLOAT32, DType, as_dtype, to_torch
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._partition import Piece
 from .._pickles import RankFile, TensorRef
 from .._storage import ByteRange
+from .bits import ref_bytes, rounds_to
 from .validate import tensor_ref
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FlatPlan",
@@ -120,9 +123,9 @@ def buffer_plans(module: dict[Any, Any], buffer_names: list[str], path: Path) ->
     found = TensorPlans()
     for name in buffer_names:
         ref = tensor_ref(require(module, name, path, "model state with this buffer"), f"buffer '{name}'", path)
-        dtype = torch.float32 if ref.dtype.is_floating_point else ref.dtype
+        dtype = FLOAT32 if ref.dtype_spec.is_floating_point else ref.dtype_spec
         found.add(
-            TensorInfo(name, ref.shape, dtype, "buffer", (path,), ref.dtype if ref.dtype != dtype else None),
+            TensorInfo(name, ref.shape, dtype, "buffer", (path,), ref.dtype_spec if ref.dtype_spec != dtype else None),
             WholePlan(ref),
         )
     return found
@@ -140,14 +143,46 @@ def sample_ranges(numel: int) -> list[tuple[int, int]]:
     return [(0, _SAMPLE), (numel - _SAMPLE, _SAMPLE)]
 
 
-def casts_to(master: FlatPlan | WholePlan, low: TensorRef, numel: int, master_dtype: torch.dtype) -> bool:
+def plan_bytes(source: FlatPlan | WholePlan, start: int, count: int) -> bytes | None:
+    """The stored bytes of a planned tensor's elements ``[start, start + count)`` without torch (None: use torch)."""
+    if isinstance(source, WholePlan):
+        return ref_bytes(source.ref, start, count)
+    end, parts, covered = start + count, [], 0
+    for piece in sorted(source.pieces, key=lambda p: p.dest):
+        lo, hi = max(start, piece.dest), min(end, piece.dest + piece.length)
+        if lo >= hi:
+            continue
+        if lo != start + covered:
+            return None
+        part = ref_bytes(source.groups[piece.rank][piece.group], piece.start + (lo - piece.dest), hi - lo)
+        if part is None:
+            return None
+        parts.append(part)
+        covered += hi - lo
+    return b"".join(parts) if covered == count else None
+
+
+def _casts_to_bits(master: FlatPlan | WholePlan, low: TensorRef, start: int, count: int) -> bool | None:
+    high = plan_bytes(master, start, count)
+    stored = ref_bytes(low, start, count)
+    return None if high is None or stored is None else rounds_to(high, stored, low.dtype_spec)
+
+
+def casts_to(master: FlatPlan | WholePlan, low: TensorRef, numel: int, master_dtype: DType | torch.dtype) -> bool:
     """True when the fp32 ``master`` rounds to ``low``'s stored bits (compared at both ends).
 
     DeepSpeed 0.19.8's 16-bit wrappers copy the fp32 master into the 16-bit parameter after every step
     (``fp16_param.data.copy_(fp32_param.data)``), so a parameter's stored value is exactly its master cast.
+    Answered from raw bytes without torch when it can be (``bits.py``), with torch otherwise.
     """
+    if as_dtype(master_dtype) == FLOAT32:
+        answers = [_casts_to_bits(master, low, start, count) for start, count in sample_ranges(numel)]
+        if all(a is not None for a in answers):
+            return all(answers)
+    import torch
+
     for start, count in sample_ranges(numel):
-        hp = torch.empty(count, dtype=master_dtype)
+        hp = torch.empty(count, dtype=to_torch(master_dtype))
         read_plan_into(master, start, hp)
         lp = low.read(start, count)
         if not torch.equal(hp.to(lp.dtype).view(torch.uint8), lp.view(torch.uint8)):
@@ -157,8 +192,13 @@ def casts_to(master: FlatPlan | WholePlan, low: TensorRef, numel: int, master_dt
 
 def same_bits(a: TensorRef, b: TensorRef) -> bool:
     """True when two tensors of one shape and dtype hold the same bits (compared at both ends)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
+    if a.dtype_spec != b.dtype_spec or a.shape != b.shape:
         return False
+    pairs = [(ref_bytes(a, start, count), ref_bytes(b, start, count)) for start, count in sample_ranges(a.numel)]
+    if all(x is not None and y is not None for x, y in pairs):
+        return all(x == y for x, y in pairs)
+    import torch
+
     return all(
         torch.equal(a.read(start, count).view(torch.uint8), b.read(start, count).view(torch.uint8))
         for start, count in sample_ranges(a.numel)

@@ -122,7 +122,7 @@ def _step_identity(value: Any, records: ArchiveRecords) -> Hashable:
     if isinstance(value, TensorRef):
         record = records.storages.get(value.storage.key)
         if value.numel == 1 and value.storage.numel == 1 and record is not None:
-            return (str(value.dtype), record)
+            return (str(value.dtype_spec), record)
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value

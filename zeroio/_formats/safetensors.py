@@ -8,17 +8,19 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
 from .._constants import SAFETENSORS_MAX_HEADER_SIZE
-from .._metadata import SAFETENSORS_DTYPES, CheckpointMetadata, TensorInfo
+from .._dtypes import BY_NAME, BY_SAFETENSORS, SAFETENSORS_ORDER, DType
+from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import MAX_DIMS, require_regular_file
 from .._storage import ByteSource, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .index import read_index, shard_paths
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SafetensorsCheckpoint", "open_safetensors"]
 
@@ -32,7 +34,7 @@ _RESERVED_METADATA = frozenset({"format", "total_size"})
 class _Entry:
     """One tensor of a safetensors header."""
 
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     begin: int
     """Byte offset of the tensor's data from the start of the file."""
@@ -55,6 +57,21 @@ class _SafetensorsFile:
 
     def close(self) -> None:
         self.source.close()
+
+
+def _torch_has(dtype: DType) -> bool:
+    """Whether the installed torch has ``dtype`` (every one zeroio names, in the torch it is tested with).
+
+    Answered without importing torch for the dtypes every torch since 2.1 has."""
+    if dtype.name in _ALWAYS:
+        return True
+    import torch
+
+    return hasattr(torch, dtype.name)
+
+
+_ALWAYS = frozenset({"bool", "uint8", "int8", "int16", "float16", "bfloat16", "int32", "float32", "float64", "int64"})
+_ALWAYS |= {"complex64", "float8_e5m2", "float8_e4m3fn"}
 
 
 def _bad(path: Path, what: str) -> CheckpointFormatError:
@@ -102,11 +119,14 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
         if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
             raise _bad(path, f"the entry for '{name}' lacks dtype, shape or data_offsets")
         dtype_name = spec["dtype"]
-        dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-        if dtype is None:
+        dtype = BY_SAFETENSORS.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None or not _torch_has(dtype):
+            import torch
+
+            known = ", ".join(d.safetensors or "" for d in SAFETENSORS_ORDER if _torch_has(d))
             raise UnsupportedCheckpointError(
                 f"'{path}': tensor '{name}' has dtype {dtype_name!r}, which zeroio cannot read with torch "
-                f"{torch.__version__.split('+')[0]} (known: {', '.join(SAFETENSORS_DTYPES)}).",
+                f"{torch.__version__.split('+')[0]} (known: {known}).",
                 path=path,
                 name=str(name),
                 found=dtype_name,
@@ -249,7 +269,7 @@ def open_safetensors(path: Path, index_path: Path | None) -> SafetensorsCheckpoi
     }
     for alias, source in usable.items():
         base = infos[source]
-        infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, None, source)
+        infos[alias] = TensorInfo(alias, base.shape, base.dtype_spec, base.kind, base.files, None, source)
 
     where = index_path.parent if index_path is not None else path
     dtypes = {e.dtype for _, e in locations.values() if e.dtype.is_floating_point}
@@ -257,7 +277,7 @@ def open_safetensors(path: Path, index_path: Path | None) -> SafetensorsCheckpoi
         format="safetensors",
         path=where,
         train_dtype=dtypes.pop() if len(dtypes) == 1 else None,
-        has_fp32_master=torch.float32 in {e.dtype for _, e in locations.values()},
+        has_fp32_master=BY_NAME["float32"] in {e.dtype for _, e in locations.values()},
         extra={
             "files": [f.path.name for f in files],
             "index": index_path.name if index_path is not None else None,

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _constants as C
+from .._dtypes import FLOAT32
 from .._metadata import CheckpointMetadata, TensorInfo, TensorKind
 from .._partition import Piece
 from .._pickles import TensorRef
@@ -68,7 +67,7 @@ def _fused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path
     flats = ref_list(optimizer["fp32_groups_flat"], "optimizer.fp32_groups_flat", path)
     members: dict[str, list[tuple[int, str, TensorRef]]] = {}
     for name, ref in params.items():
-        if ref.dtype.is_floating_point and ref.is_contiguous:
+        if ref.dtype_spec.is_floating_point and ref.is_contiguous:
             members.setdefault(ref.storage.key, []).append((ref.storage_offset, name, ref))
     tiled: dict[str, list[tuple[int, str, TensorRef]]] = {}
     for key, rows in members.items():
@@ -94,7 +93,7 @@ def _fused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], path
                 key
                 for key in candidates
                 if all(
-                    casts_to(FlatPlan((Piece(0, g, off, ref.numel, 0),), groups), ref, ref.numel, flat.dtype)
+                    casts_to(FlatPlan((Piece(0, g, off, ref.numel, 0),), groups), ref, ref.numel, flat.dtype_spec)
                     for off, _, ref in tiled[key]
                 )
             ]
@@ -127,7 +126,7 @@ def _unfused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], pa
     for ref in hp:
         by_shape.setdefault(ref.shape, ([], []))[0].append(ref)
     for name, ref in params.items():
-        if ref.dtype.is_floating_point:
+        if ref.dtype_spec.is_floating_point:
             by_shape.setdefault(ref.shape, ([], []))[1].append(name)
     masters: dict[str, ReadPlan] = {}
     unresolved: list[str] = []
@@ -138,7 +137,7 @@ def _unfused_masters(optimizer: dict[str, Any], params: dict[str, TensorRef], pa
         if len(tensors) == 1 and len(names) == 1:
             masters[names[0]] = WholePlan(tensors[0])
             continue
-        candidates = [[n for n in names if casts_to(WholePlan(t), params[n], t.numel, t.dtype)] for t in tensors]
+        candidates = [[n for n in names if casts_to(WholePlan(t), params[n], t.numel, t.dtype_spec)] for t in tensors]
         taken: set[str] = set()
         pending = list(range(len(tensors)))
         progress = True
@@ -228,19 +227,19 @@ def open_stage0(tag_dir: Path, tag_name: str | None, states: ModelStates) -> Zer
     has_fp32_master = True
     for name, ref in params.items():
         if name in found.masters:
-            infos[name] = TensorInfo(name, ref.shape, torch.float32, "trainable", (model0_path,))
+            infos[name] = TensorInfo(name, ref.shape, FLOAT32, "trainable", (model0_path,))
             sources[name] = found.masters[name]
             continue
         kind = found.kinds.get(name, "tensor")
-        if kind != "frozen" and ref.dtype.is_floating_point and ref.dtype != torch.float32:
+        if kind != "frozen" and ref.dtype_spec.is_floating_point and ref.dtype_spec != FLOAT32:
             has_fp32_master = False
-        infos[name] = TensorInfo(name, ref.shape, ref.dtype, kind, (model0_path,))
+        infos[name] = TensorInfo(name, ref.shape, ref.dtype_spec, kind, (model0_path,))
         sources[name] = WholePlan(ref)
     for alias, src in tied.items():
         base = infos[src]
-        infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, src)
+        infos[alias] = TensorInfo(alias, base.shape, base.dtype_spec, base.kind, base.files, base.stored_spec, src)
 
-    floating = [ref.dtype for ref in params.values() if ref.dtype.is_floating_point]
+    floating = [ref.dtype_spec for ref in params.values() if ref.dtype_spec.is_floating_point]
     dp = model0.get(C.DP_WORLD_SIZE)
     metadata = CheckpointMetadata(
         format="zero",
@@ -248,7 +247,7 @@ def open_stage0(tag_dir: Path, tag_name: str | None, states: ModelStates) -> Zer
         tag=tag_name,
         zero_stage=0,
         world_size=dp if isinstance(dp, int) else None,
-        train_dtype=floating[0] if floating else torch.float32,
+        train_dtype=floating[0] if floating else FLOAT32,
         ds_version=str(model0.get(C.DS_VERSION)) if model0.get(C.DS_VERSION) is not None else None,
         global_step=int(model0[C.GLOBAL_STEPS]) if isinstance(model0.get(C.GLOBAL_STEPS), int) else None,
         has_fp32_master=has_fp32_master,

@@ -17,9 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
 from .._integrity import CheckedFile
@@ -42,6 +40,9 @@ from .tensor_parallel_rules import (
     user_rule,
 )
 from .zero import ZeroCheckpoint, open_zero
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Merge",
@@ -309,6 +310,8 @@ def _merged_shape(rule: Rule, infos: Sequence[TensorInfo]) -> tuple[int, ...] | 
 
 def _replicas_agree(name: str, ranks: Sequence[Checkpoint], info: TensorInfo) -> bool:
     """True when every tp rank holds the same bits for a replicated tensor (compared at both ends)."""
+    import torch
+
     dtype = ranks[0].stored_dtype(name)
     for start, count in sample_ranges(info.numel):
         first = torch.empty(count, dtype=dtype)
@@ -366,7 +369,7 @@ def plan_tp_merges(
             problems[name] = problem or "undecided"
             continue
         files = info0.files if rule == REPLICATED else tuple(f for i in infos for f in i.files)
-        merged[name] = TensorInfo(name, shape, info0.dtype, info0.kind, files, info0.stored_dtype)
+        merged[name] = TensorInfo(name, shape, info0.dtype_spec, info0.kind, files, info0.stored_spec)
         merges[name] = Merge(rule, tuple(i.shape for i in infos))
         sources[name] = source
     if problems:
@@ -384,7 +387,7 @@ def plan_tp_merges(
         if name in tied:
             base = merged[tied[name]]
             ordered[name] = TensorInfo(
-                name, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, tied[name]
+                name, base.shape, base.dtype_spec, base.kind, base.files, base.stored_spec, tied[name]
             )
         else:
             ordered[name] = merged[name]
@@ -426,7 +429,7 @@ def _metadata(
         tag=tag_name,
         zero_stage=meta0.zero_stage,
         world_size=meta0.world_size,
-        train_dtype=meta0.train_dtype,
+        train_dtype=meta0.train_spec,
         ds_version=meta0.ds_version,
         global_step=meta0.global_step,
         has_fp32_master=meta0.has_fp32_master,

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
+from .._dtypes import FLOAT32
 from .._integrity import CheckedFile
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointFormatError
 from .index import read_index, shard_paths
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TorchCheckpoint", "open_torch"]
 
@@ -132,17 +134,17 @@ def open_torch(path: Path, index_path: Path | None, trusted: frozenset[str]) -> 
         if source != name:
             tied[name] = source
         infos[name] = TensorInfo(
-            name, ref.shape, ref.dtype, "tensor", (ref.file.path,), None, source if source != name else None
+            name, ref.shape, ref.dtype_spec, "tensor", (ref.file.path,), None, source if source != name else None
         )
 
     step = client.get("global_step")
-    dtypes = {r.dtype for r in refs.values() if r.dtype.is_floating_point}
+    dtypes = {r.dtype_spec for r in refs.values() if r.dtype_spec.is_floating_point}
     metadata = CheckpointMetadata(
         format="torch",
         path=index_path.parent if index_path is not None else path,
         global_step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         train_dtype=dtypes.pop() if len(dtypes) == 1 else None,
-        has_fp32_master=torch.float32 in {r.dtype for r in refs.values()},
+        has_fp32_master=FLOAT32 in {r.dtype_spec for r in refs.values()},
         extra={
             "files": [f.path.name for f in files],
             "index": index_path.name if index_path is not None else None,

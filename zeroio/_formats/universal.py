@@ -13,10 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _constants as C
 from .._checkpoint import Checkpoint
+from .._dtypes import FLOAT32
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._pickles import RankFile, TensorRef, load_pickle, to_plain
@@ -225,13 +224,13 @@ def _trainable(
                     expected=shape,
                     found=ref.shape,
                 )
-            if not ref.dtype.is_floating_point:
+            if not ref.dtype_spec.is_floating_point:
                 raise CheckpointFormatError(
-                    f"'{path}' holds a {ref.dtype} tensor, not floating-point weights. The file is corrupted.",
+                    f"'{path}' holds a {ref.dtype_spec} tensor, not floating-point weights. The file is corrupted.",
                     path=path,
                     name=name,
                 )
-            found.add(TensorInfo(name, shape, ref.dtype, "trainable", (path,)), WholePlan(ref))
+            found.add(TensorInfo(name, shape, ref.dtype_spec, "trainable", (path,)), WholePlan(ref))
     return found
 
 
@@ -243,7 +242,7 @@ def _tie_and_order(
     tied = {alias: src for alias, src in shared.items() if src in infos and alias not in infos}
     for alias, src in tied.items():
         base = infos[src]
-        infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, src)
+        infos[alias] = TensorInfo(alias, base.shape, base.dtype_spec, base.kind, base.files, base.stored_spec, src)
     ordered = {name: infos[name] for name in module if name in infos}
     ordered.update((name, info) for name, info in infos.items() if name not in ordered)
     return ordered, tied
@@ -257,11 +256,11 @@ def _metadata(
     ds_config = tree.get(C.DS_CONFIG)
     stage = config_stage(ds_config, default=3 if layout.partitioned_model_files else -1)
     world = tree.get(C.DP_WORLD_SIZE)
-    train_dtype = torch.float32
+    train_dtype = FLOAT32
     for name in shapes.trainable:
         value = states.module.get(name)
-        if isinstance(value, TensorRef) and value.dtype.is_floating_point:
-            train_dtype = value.dtype
+        if isinstance(value, TensorRef) and value.dtype_spec.is_floating_point:
+            train_dtype = value.dtype_spec
             break
     return CheckpointMetadata(
         format="universal",

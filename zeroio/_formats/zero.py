@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _constants as C
+from .._dtypes import BFLOAT16, FLOAT32, DType
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
@@ -225,7 +224,7 @@ def _open_partitioned(
     if experts is not None:
         for name, ref in experts.refs.items():
             if name not in found.infos:
-                found.add(TensorInfo(name, ref.shape, ref.dtype, "frozen", (experts.files[name],)), WholePlan(ref))
+                found.add(TensorInfo(name, ref.shape, ref.dtype_spec, "frozen", (experts.files[name],)), WholePlan(ref))
 
     # 7-8. Ties and key order, then the checkpoint-level facts.
     infos, tied = _tie_and_order(found.infos, shapes.shared, states.module, experts)
@@ -262,7 +261,7 @@ def _tie_and_order(
     tied = {alias: src for alias, src in shared.items() if src in infos and alias not in infos}
     for alias, src in tied.items():
         base = infos[src]
-        infos[alias] = TensorInfo(alias, base.shape, base.dtype, base.kind, base.files, base.stored_dtype, src)
+        infos[alias] = TensorInfo(alias, base.shape, base.dtype_spec, base.kind, base.files, base.stored_spec, src)
 
     # 8. Key order: model.state_dict() order as recorded in `module`, then anything module does not list.
     ordered = {name: infos[name] for name in module if name in infos}
@@ -272,14 +271,14 @@ def _tie_and_order(
     return ordered, tied
 
 
-def _train_dtype(layout: ZeroLayout, module: dict[str, Any], param_names: list[str]) -> torch.dtype:
+def _train_dtype(layout: ZeroLayout, module: dict[str, Any], param_names: list[str]) -> DType:
     if layout.optim_files and layout.optim_files[0].name.startswith("bf16_"):
-        return torch.bfloat16
+        return BFLOAT16
     for name in param_names:
         value = module.get(name)
-        if isinstance(value, TensorRef) and value.dtype.is_floating_point:
-            return value.dtype
-    return torch.float32
+        if isinstance(value, TensorRef) and value.dtype_spec.is_floating_point:
+            return value.dtype_spec
+    return FLOAT32
 
 
 def _metadata(

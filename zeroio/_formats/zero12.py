@@ -44,7 +44,7 @@ def zero12_frozen(states: ModelStates, shapes: ParamShapes, experts: Experts | N
                 expected=shape,
                 found=ref.shape,
             )
-        found.add(TensorInfo(name, tuple(shape), ref.dtype, "frozen", (model0_path,)), WholePlan(ref))
+        found.add(TensorInfo(name, tuple(shape), ref.dtype_spec, "frozen", (model0_path,)), WholePlan(ref))
     return found
 
 
@@ -95,7 +95,7 @@ def zero12_trainable(
         for name, shape, plan in placed:
             files_used = tuple(sorted({optim_files[p.rank] for p in plan})) or (optim_files[0],)
             found.add(
-                TensorInfo(name, shape, flat_groups[0][g].dtype, "trainable", files_used),
+                TensorInfo(name, shape, flat_groups[0][g].dtype_spec, "trainable", files_used),
                 FlatPlan(tuple(plan), tuple(flat_groups)),
             )
     return found

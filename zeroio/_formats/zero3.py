@@ -49,7 +49,7 @@ def zero3_frozen(
             for rank in range(world_size)
             if numel - rank * part > 0
         )
-        dtype = frags[0][0].dtype
+        dtype = frags[0][0].dtype_spec
         found.add(TensorInfo(name, shape, dtype, "frozen", tuple(model_files)), FlatPlan(pieces, tuple(frags)))
     return found
 
@@ -87,7 +87,7 @@ def zero3_trainable(
     for (name, shape), numel, offset in zip(names_shapes, numels, offsets):
         pieces = tuple(zero3_plan(numel, offset, world_size, group_sizes))
         found.add(
-            TensorInfo(name, shape, flat_groups[0][0].dtype, "trainable", tuple(optim.files)),
+            TensorInfo(name, shape, flat_groups[0][0].dtype_spec, "trainable", tuple(optim.files)),
             FlatPlan(tuple(pieces), tuple(flat_groups)),
         )
     return found

@@ -18,12 +18,11 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from .._dtypes import BY_NAME, BY_STORAGE, QUANTIZED, DType
 from ..errors import CheckpointFormatError, UnsafePickleError
 from .archive import Storage, itemsize
 from .limits import MAX_DIMS
-from .standins import ZERO_STAGE_ENUM, ZeroStageEnum, inert_class, inert_dict_class, refuse_build
+from .standins import ZERO_STAGE_ENUM, Device, Size, ZeroStageEnum, inert_class, inert_dict_class, refuse_build
 
 __all__ = ["ALLOWED", "PendingTensor", "Sealed", "StorageType", "short_repr"]
 
@@ -73,10 +72,10 @@ class StorageType(_Frozen):
     """What ``torch.FloatStorage`` & co. resolve to: only its dtype matters, and no pickle can change it."""
 
     __slots__ = ("dtype", "name")
-    dtype: torch.dtype
+    dtype: DType
     name: str
 
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
+    def __init__(self, name: str, dtype: DType) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "dtype", dtype)
 
@@ -149,7 +148,7 @@ def _rebuild_tensor_v3(
     metadata: Any = None,
 ) -> PendingTensor:
     # v3 stores an untyped storage plus the dtype (used for dtypes without a legacy storage class).
-    if not isinstance(storage, Storage) or not isinstance(dtype, torch.dtype) or dtype not in _READABLE_DTYPES:
+    if not isinstance(storage, Storage) or not isinstance(dtype, DType) or dtype not in _READABLE_DTYPES:
         raise CheckpointFormatError(
             f"a tensor is rebuilt from a {type(storage).__name__} of dtype {short_repr(dtype)}, which zeroio "
             "does not read. The file is corrupted or was not written by torch.save."
@@ -194,11 +193,18 @@ def _bytearray(source: Any = b"", *rest: Any) -> bytearray:
     )
 
 
-def _size(dims: Any = ()) -> torch.Size:
+def _size(dims: Any = ()) -> Size:
     dims = _sequence(dims, "size")
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
         raise CheckpointFormatError(f"torch.Size is given {short_repr(dims)}, not a sequence of ints.")
-    return torch.Size(dims)
+    return Size(dims)
+
+
+def _device(*args: Any) -> Device:
+    # torch.device pickles as torch.device("cuda", 0) or torch.device("cpu"): a type name and an optional index.
+    if not (1 <= len(args) <= 2 and isinstance(args[0], str) and all(isinstance(a, int) for a in args[1:])):
+        raise CheckpointFormatError(f"torch.device is given {short_repr(args)}, not a device type and index.")
+    return Device(tuple(args))
 
 
 class _TorchVersion(str):
@@ -223,12 +229,8 @@ def _never_called(name: str) -> Callable[..., Any]:
     return refuse
 
 
-_QUANTIZED = frozenset(
-    getattr(torch, name) for name in ("qint8", "qint32", "quint8", "quint4x2", "quint2x4") if hasattr(torch, name)
-)
-_READABLE_DTYPES = (
-    frozenset(value for name in dir(torch) if isinstance(value := getattr(torch, name, None), torch.dtype)) - _QUANTIZED
-)
+_QUANTIZED = frozenset(QUANTIZED.values())
+_READABLE_DTYPES = frozenset(BY_NAME.values())
 """Element types a storage may have. Quantized tensors are pickled with ``_rebuild_qtensor`` (refused): a quantized
 storage under ``_rebuild_tensor_v2`` has no scale and cannot be read, so its storage type is not allowlisted."""
 
@@ -238,6 +240,7 @@ def _build_allowlist() -> dict[str, Any]:
         "_codecs.encode": _encode,
         "builtins.bytearray": _bytearray,
         "torch.Size": _size,
+        "torch.device": _device,
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
         "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
         "torch._utils._rebuild_parameter": _rebuild_parameter,
@@ -257,9 +260,8 @@ def _build_allowlist() -> dict[str, Any]:
             "builtins.frozenset": frozenset,
             "builtins.complex": complex,
             "builtins.slice": slice,
-            "torch.device": torch.device,
             "torch.torch_version.TorchVersion": _TorchVersion,
-            "torch.storage.UntypedStorage": StorageType("torch.storage.UntypedStorage", torch.uint8),
+            "torch.storage.UntypedStorage": StorageType("torch.storage.UntypedStorage", BY_NAME["uint8"]),
             ZERO_STAGE_ENUM: ZeroStageEnum,
         }
     )
@@ -287,13 +289,10 @@ def _build_allowlist() -> dict[str, Any]:
         "lightning_fabric.utilities.data.AttributeDict",
     ):
         allowed[qualified] = inert_dict_class(qualified)
-    for dtype, storage_name in torch.storage._dtype_to_storage_type_map().items():
-        if dtype not in _QUANTIZED:
-            allowed[f"torch.{storage_name}"] = StorageType(f"torch.{storage_name}", dtype)
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):  # C values without attributes to set
-            allowed[f"torch.{name}"] = value
+    for storage_name, dtype in BY_STORAGE.items():
+        allowed[f"torch.{storage_name}"] = StorageType(f"torch.{storage_name}", dtype)
+    for name, value in [*BY_NAME.items(), *QUANTIZED.items()]:  # values no pickle can change (slots, no BUILD)
+        allowed[f"torch.{name}"] = value
     return allowed
 
 

@@ -11,13 +11,16 @@ import struct
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from .._dtypes import DType
 from .._integrity import CheckedFile
 from .._storage import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .limits import MAX_PICKLE_BYTES
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Archive",
@@ -34,9 +37,9 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
 
 
-def itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: DType | torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +47,7 @@ class Storage:
     """One storage record of the archive (``data/<key>``), not yet read."""
 
     key: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int
     location: str
 
@@ -65,7 +68,12 @@ class TensorRef:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Element type of the tensor."""
+        """Element type of the tensor (imports torch: metadata-only code reads :attr:`dtype_spec`)."""
+        return self.storage.dtype.torch
+
+    @property
+    def dtype_spec(self) -> DType:
+        """Element type of the tensor, torch-free."""
         return self.storage.dtype
 
     @property
@@ -107,7 +115,7 @@ class TensorRef:
         """``(source, offset, nbytes)`` of flattened elements ``[start, start+count)``, or None if not contiguous."""
         if not self.is_contiguous or start < 0 or start + count > self.numel:
             return None
-        each = itemsize(self.dtype)
+        each = self.dtype_spec.itemsize
         offset = self.file.data_offset(self.storage.key) + (self.storage_offset + start) * each
         return self.file.source, offset, count * each
 
@@ -191,7 +199,9 @@ class RankFile:
         ``out`` (1-D, contiguous, ``storage.dtype``, ``count`` elements) is allocated when not given.
         """
         if out is None:
-            out = torch.empty(count, dtype=storage.dtype)
+            import torch
+
+            out = torch.empty(count, dtype=storage.dtype.torch)
         if count <= 0:
             return out
         if start < 0 or start + count > storage.numel:

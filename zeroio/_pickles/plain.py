@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from .._dtypes import DType
 from ..errors import CheckpointFormatError
 from .archive import TensorRef
 from .limits import MAX_DEPTH
-from .standins import Inert, ZeroStageEnum
+from .standins import Device, Inert, Size, ZeroStageEnum
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Index",
@@ -48,6 +50,18 @@ RetypeRule = Callable[[dict[Any, Any], Where], None]
 def read_tensor(ref: TensorRef, where: Where) -> torch.Tensor:
     """Tensors read whole, with their shape, to CPU."""
     return ref.materialize()
+
+
+def torch_value(value: DType | Size | Device) -> Any:
+    """The torch object a pickle named (a dtype, ``torch.Size``, ``torch.device``): torch is imported here, on
+    the first such value a plain tree holds, never while parsing."""
+    import torch
+
+    if isinstance(value, DType):
+        return value.torch
+    if isinstance(value, Size):
+        return torch.Size(value)
+    return torch.device(*value.args)
 
 
 def keep_standin(obj: Any, where: Where, walk: Walk) -> Any:
@@ -92,10 +106,10 @@ def to_plain(
     active: set[int] = set()  # the nodes being converted, outermost first: their count is the depth
 
     def walk(node: Any, path: Where) -> Any:
-        if isinstance(node, (str, bytes, int, float, type(None), torch.dtype, torch.Size)) and not isinstance(
-            node, ZeroStageEnum
-        ):
+        if isinstance(node, (str, bytes, int, float, type(None))) and not isinstance(node, ZeroStageEnum):
             return node
+        if isinstance(node, (DType, Size, Device)):
+            return torch_value(node)
         key = id(node)
         if key in done:
             return done[key][1]
@@ -125,7 +139,7 @@ def to_plain(
             return items
         if isinstance(node, list):
             return [walk(v, (*path, Index(i))) for i, v in enumerate(node)]
-        if isinstance(node, tuple) and not isinstance(node, torch.Size):
+        if isinstance(node, tuple):
             items_ = [walk(v, (*path, Index(i))) for i, v in enumerate(node)]
             return type(node)(*items_) if hasattr(node, "_fields") else tuple(items_)
         if isinstance(node, (set, frozenset)):

@@ -13,15 +13,14 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from .._dtypes import DType
 from .._remote import as_path
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, itemsize, read_archive, require_regular_file
 from .legacy import PickleWindow, index_storages, is_legacy_head, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH
-from .standins import Inert, inert_class
+from .standins import Device, Inert, Size, inert_class
 
 __all__ = ["load_pickle"]
 
@@ -125,7 +124,7 @@ def _bind(tree: Any, file: RankFile) -> Any:
     active: set[int] = set()
 
     def bind(obj: Any, depth: int) -> Any:
-        if isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype, torch.Size)):
+        if isinstance(obj, (str, bytes, int, float, bool, type(None), DType, Size, Device)):
             return obj
         key = id(obj)
         if key in done:

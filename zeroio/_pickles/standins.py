@@ -12,9 +12,11 @@ from ..errors import UnsafePickleError
 
 __all__ = [
     "ZERO_STAGE_ENUM",
+    "Device",
     "Inert",
     "InertDict",
     "InertParts",
+    "Size",
     "ZeroStageEnum",
     "global_name",
     "inert_class",
@@ -159,3 +161,32 @@ def inert_parts(obj: Inert) -> InertParts:
     state = dict(obj.__dict__)
     args, kwargs = state.pop(_ARGS, ()), state.pop(_KWARGS, {})
     return InertParts(type(obj)._zeroio_global, tuple(args), dict(kwargs), state, _RAW_STATE in state)
+
+
+class Size(tuple):  # type: ignore[type-arg]
+    """What ``torch.Size(...)`` in a pickle becomes: a tuple of ints (``to_plain`` gives back a ``torch.Size``)."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise refuse_build("torch.Size")
+
+    def numel(self) -> int:
+        """Number of elements of a tensor of this shape (as ``torch.Size.numel``)."""
+        n = 1
+        for d in self:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Device:
+    """What ``torch.device(...)`` in a pickle becomes (``to_plain`` gives back the ``torch.device``)."""
+
+    args: tuple[Any, ...]
+
+    def __setstate__(self, state: Any) -> None:
+        raise refuse_build("torch.device")
+
+    def __str__(self) -> str:
+        return ":".join(str(a) for a in self.args)

@@ -13,9 +13,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._fileio import pwrite_all, tensor_bytes
 from ..errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError
@@ -24,11 +22,14 @@ from .plain import TensorRule, Walk, Where, to_plain
 from .read import load_pickle
 from .standins import ZERO_STAGE_ENUM, Inert, ZeroStageEnum, global_name, inert_parts
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Chunks", "RankFileBuilder", "ds_class", "ds_object", "ds_value", "writable"]
 
 logger = logging.getLogger(__name__)
 
-Chunks = Callable[[], Iterator[torch.Tensor]]
+Chunks: TypeAlias = "Callable[[], Iterator[torch.Tensor]]"
 """Produces a tensor's bytes in order, as bounded 1-D chunks (each valid until the next is asked for)."""
 
 
@@ -155,6 +156,8 @@ class RankFileBuilder:
 
     def tensor(self, path: Where, shape: Sequence[int], dtype: torch.dtype, chunks: Chunks) -> torch.Tensor:
         """A tensor to place at ``path`` of the tree, whose bytes ``chunks`` produces when the file is saved."""
+        import torch
+
         numel = math.prod(shape)
         if numel == 0:
             return torch.empty(tuple(shape), dtype=dtype)
@@ -176,6 +179,8 @@ class RankFileBuilder:
         descriptor and the central directory, so the result is the archive ``torch.save`` would have written.
         """
         # 1. The archive, storage bytes left empty (no tensor is ever materialised).
+        import torch
+
         with open(path, "xb") as fh, torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(tree, fh, pickle_module=_PICKLE_MODULE)
         # 2. Which record holds which tensor: read back with zeroio's own parser.
