@@ -14,8 +14,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, load_pickle
 from ..errors import CheckpointFormatError, TensorNotFoundError
@@ -147,6 +145,8 @@ def stage_of(views: dict[str, StageView], info: TensorInfo, path: Path) -> Stage
 def merge_tp_states(name: str, states: Sequence[dict[str, Any]], dim: int | None, path: Path) -> dict[str, Any]:
     """One parameter's state from its tp ranks' shard states: tensors concatenated along ``dim`` (None:
     replicated, tp rank 0's), everything else (step, hyper-parameters) tp rank 0's."""
+    import torch  # the states are tensors already: torch is loaded; kept local so opening stays torch-free
+
     merged = dict(states[0])
     if dim is None:
         return merged
