@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "z2_ws2_fp32"
 ZERO3 = ROOT / "fixtures" / "z3_ws2_bf16"
 PIPELINE = ROOT / "fixtures" / "layouts" / "pipe_z1_ws2_pp2_bf16"
+TENSOR_PARALLEL = ROOT / "fixtures" / "layouts" / "autotp_z1_ws2_tp2_bf16"
+PIPELINE_TP = ROOT / "fixtures" / "layouts" / "pipe_tp_z1_ws4_pp2tp2_fp32"
 
 HEAVY = ("torch", "safetensors", "huggingface_hub", "tqdm")
 
@@ -176,6 +178,8 @@ def metadata_commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tup
         "inspect zero3 --json": ["inspect", str(ZERO3), "--json"],
         "inspect pipeline": ["inspect", str(PIPELINE)],
         "inspect pipeline --json": ["inspect", str(PIPELINE), "--json"],
+        "inspect tensor parallel": ["inspect", str(TENSOR_PARALLEL)],
+        "inspect pipeline+tp": ["inspect", str(PIPELINE_TP), "--tp-rules", "megatron"],
         "inspect safetensors": ["inspect", str(single)],
         "inspect safetensors --json": ["inspect", str(single), "--json"],
         "verify metadata": ["verify", str(ZERO3), str(other), "--max-report", "20"],
@@ -188,6 +192,8 @@ METADATA_IDS = [
     "inspect zero3 --json",
     "inspect pipeline",
     "inspect pipeline --json",
+    "inspect tensor parallel",
+    "inspect pipeline+tp",
     "inspect safetensors",
     "inspect safetensors --json",
     "verify metadata",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
+from .._dtypes import DType
 from .._integrity import CheckedFile
 from .._layout import find_tag_dir, model_parallel_ranks, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
@@ -308,12 +309,43 @@ def _merged_shape(rule: Rule, infos: Sequence[TensorInfo]) -> tuple[int, ...] | 
     return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1 :]
 
 
-def _replicas_agree(name: str, ranks: Sequence[Checkpoint], info: TensorInfo) -> bool:
-    """True when every tp rank holds the same bits for a replicated tensor (compared at both ends)."""
-    import torch
+def _stored_spec(rank: Checkpoint, name: str) -> DType:
+    info = rank.info(name)
+    return info.stored_spec or info.dtype_spec
 
-    dtype = ranks[0].stored_dtype(name)
+
+def _raw_bytes(rank: Checkpoint, name: str, lo: int, hi: int) -> bytes | None:
+    """Stored bytes ``[lo, hi)`` of ``name`` read through its byte ranges (no torch), or None without ranges."""
+    ranges = rank.byte_ranges(rank.source_name(name))
+    if ranges is None:
+        return None
+    out = bytearray()
+    at = 0
+    for source, offset, nbytes in ranges:
+        a, b = max(lo, at), min(hi, at + nbytes)
+        if a < b:
+            out += source.read_bytes(offset + a - at, b - a)
+        at += nbytes
+    return bytes(out) if len(out) == hi - lo else None
+
+
+def _replicas_agree(name: str, ranks: Sequence[Checkpoint], info: TensorInfo) -> bool:
+    """True when every tp rank holds the same bits for a replicated tensor (compared at both ends).
+
+    Compares raw stored bytes (opening a checkpoint needs no torch); a reader without byte ranges is read as
+    tensors instead.
+    """
+    itemsize = _stored_spec(ranks[0], name).itemsize
     for start, count in sample_ranges(info.numel):
+        lo, hi = start * itemsize, (start + count) * itemsize
+        raw = [_raw_bytes(rank, name, lo, hi) for rank in ranks]
+        if all(r is not None for r in raw):
+            if any(r != raw[0] for r in raw[1:]):
+                return False
+            continue
+        import torch
+
+        dtype = ranks[0].stored_dtype(name)
         first = torch.empty(count, dtype=dtype)
         ranks[0].read_into(name, start, first)
         for rank in ranks[1:]:
@@ -363,8 +395,8 @@ def plan_tp_merges(
             problem = f"{describe_rule(rule)} does not fit the shard shapes {[i.shape for i in infos]}"
         elif rule == REPLICATED and not _replicas_agree(name, ranks, info0):
             problem = "said to be replicated, but the tp ranks hold different values"
-        if any(ranks[0].stored_dtype(name) != rank.stored_dtype(name) for rank in ranks):
-            problem = f"stored as {[str(rank.stored_dtype(name)) for rank in ranks]} by the tp ranks"
+        if any(_stored_spec(ranks[0], name) != _stored_spec(rank, name) for rank in ranks):
+            problem = f"stored as {[str(_stored_spec(rank, name)) for rank in ranks]} by the tp ranks"
         if problem is not None or rule is None or shape is None:
             problems[name] = problem or "undecided"
             continue
