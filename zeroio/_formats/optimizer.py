@@ -12,8 +12,18 @@ from .._dtypes import FLOAT32
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import TensorRef, to_plain
 from .._text import listing
-from ..errors import CheckpointFormatError, PartitionMismatchError, TensorNotFoundError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, TensorNotFoundError, UnsupportedCheckpointError
 from .muon import WholeMatrices, uses_whole_matrices, whole_matrices, whole_matrix_source
+from .optimizer_ranks import (
+    NO_STATE,
+    base_state_dict,
+    flat_group_ids,
+    group_keys_of,
+    moments_of_rank,
+    per_element_keys,
+    require_laid_out,
+    require_same_keys,
+)
 from .plans import FlatPlan, ReadPlan, read_plan_into
 
 if TYPE_CHECKING:
@@ -135,12 +145,12 @@ def optimizer_layout(
     zckpt = require_partitioned(ckpt, what)
     files = tuple(zckpt.metadata.path / name for name in zckpt.metadata.extra.get("optim_files", ()))
     flat = _trainable_flat_groups(zckpt)
-    no_state = _NO_STATE.replace("{what}", what)
+    no_state = NO_STATE.replace("{what}", what)
     ranks = []
     for rank, (base, groups) in enumerate(zip(zckpt.optimizer_states, flat)):
         path = files[rank] if rank < len(files) else zckpt.metadata.path
-        state, pgroups = _torch_state_dict(base, path, rank, no_state)
-        ranks.append((path, state, pgroups, _flat_group_ids(pgroups, groups, path, rank), groups))
+        state, pgroups = base_state_dict(base, path, rank, no_state)
+        ranks.append((path, state, pgroups, flat_group_ids(pgroups, groups, path, rank), groups))
     path0, _, pgroups0, ids0, _ = ranks[0]
     whole_keys: set[tuple[int, str]] = set()
     whole = None
@@ -151,14 +161,14 @@ def optimizer_layout(
             for _, state, pgroups, ids, _ in ranks
             for j, (pid, g) in enumerate(ids)
             if uses_whole_matrices(pgroups[g], zckpt.metadata.zero_stage, offloaded)
-            for key in _per_element_keys(state.get(pid))
+            for key in per_element_keys(state.get(pid))
         }
         whole = whole_matrices(_trainable_sources(zckpt)) if whole_keys else None
     for rank, (path, state, _, ids, groups) in enumerate(ranks):
-        _require_laid_out(state, ids, groups, whole_keys, whole, path, rank, what)
-    group_keys = _group_keys([(state, ids) for _, state, _, ids, _ in ranks], len(ids0))
+        require_laid_out(state, ids, groups, whole_keys, whole, path, rank, what)
+    group_keys = group_keys_of([(state, ids) for _, state, _, ids, _ in ranks], len(ids0))
     if not by_name:
-        _require_same_keys(group_keys, path0, what)
+        require_same_keys(group_keys, path0, what)
     keys = list(dict.fromkeys(k for g in group_keys for k in g))
     if not keys:
         raise CheckpointFormatError(
@@ -167,7 +177,7 @@ def optimizer_layout(
     moments: dict[str, list[tuple[TensorRef | None, ...]]] = {key: [] for key in keys}
     scalars: list[dict[str, Any]] = []
     for rank, (path, state, _, ids, groups) in enumerate(ranks):
-        rank_moments, rank_scalars = _rank_moments(state, ids, groups, group_keys, keys, path, rank, no_state)
+        rank_moments, rank_scalars = moments_of_rank(state, ids, groups, group_keys, keys, path, rank, no_state)
         for key, refs in rank_moments.items():
             moments[key].append(refs)
         if rank == 0:
@@ -189,22 +199,6 @@ def _trainable_sources(zckpt: PartitionedCheckpoint) -> list[FlatPlan]:
     return [s for n, s in zckpt.plans.items() if isinstance(s, FlatPlan) and zckpt.info(n).kind == "trainable"]
 
 
-def _group_keys(ranks: list[tuple[dict[Any, Any], list[tuple[Any, int]]]], count: int) -> tuple[tuple[str, ...], ...]:
-    """Each flat group's per-element state keys, over every rank (a rank with an empty partition has none)."""
-    keys: list[dict[str, None]] = [{} for _ in range(count)]
-    for state, ids in ranks:
-        for j, (pid, _) in enumerate(ids):
-            keys[j].update(dict.fromkeys(_per_element_keys(state.get(pid))))
-    return tuple(tuple(k) for k in keys)
-
-
-_NO_STATE = (
-    "{path} holds no optimizer moments ({why}): it was stripped, or saved before the optimizer's first step, "
-    "so {what} cannot proceed. The weights can still be read (zeroio.open, zeroio.convert without "
-    "include_optimizer)."
-)
-
-
 def _trainable_flat_groups(zckpt: PartitionedCheckpoint) -> tuple[tuple[TensorRef, ...], ...]:
     """Every rank's fp32 flat groups, as the trainable parameters' read plans point at them."""
     flat = next(
@@ -217,171 +211,6 @@ def _trainable_flat_groups(zckpt: PartitionedCheckpoint) -> tuple[tuple[TensorRe
             path=zckpt.metadata.path,
         )
     return flat
-
-
-def _torch_state_dict(base: Any, path: Path, rank: int, no_state: str) -> tuple[dict[Any, Any], list[Any]]:
-    """``state`` and ``param_groups`` of one rank's base optimizer state_dict, checked to be there and non-empty."""
-    if base is None:
-        raise CheckpointFormatError(
-            no_state.format(path=f"'{path}'", why="its base optimizer state is missing"), path=path, rank=rank
-        )
-    if isinstance(base, list):
-        raise UnsupportedCheckpointError(
-            f"'{path}' holds an elastic (per-group list) optimizer state, which zeroio does not read yet. "
-            "Save with zero_optimization.elastic_checkpoint=false.",
-            path=path,
-        )
-    state, pgroups = base.get("state") if isinstance(base, dict) else None, None
-    if isinstance(base, dict):
-        pgroups = base.get("param_groups")
-    if not isinstance(state, dict) or not isinstance(pgroups, list):
-        raise CheckpointFormatError(
-            f"'{path}': the base optimizer state should be a torch optimizer state_dict with 'state' and "
-            f"'param_groups', found {type(base).__name__}. The file is corrupted.",
-            path=path,
-            rank=rank,
-        )
-    if not state:
-        raise CheckpointFormatError(
-            no_state.format(path=f"'{path}'", why="its base optimizer state is empty"), path=path, rank=rank
-        )
-    return state, pgroups
-
-
-def _flat_group_ids(pgroups: list[Any], groups: tuple[TensorRef, ...], path: Path, rank: int) -> list[tuple[Any, int]]:
-    """``(state key, param group)`` of each flat group, in order: one base-optimizer parameter per flat group."""
-    ids = [(pid, g) for g, group in enumerate(pgroups) for pid in (group.get("params") or [])]
-    if len(ids) != len(groups):
-        raise PartitionMismatchError(
-            f"'{path}': the base optimizer's param groups list {len(ids)} parameters, the file holds "
-            f"{len(groups)} fp32 flat groups. The file is corrupted or was written by another optimizer layout.",
-            path=path,
-            rank=rank,
-            expected=len(groups),
-            found=len(ids),
-        )
-    return ids
-
-
-def _per_element_keys(entry: Any) -> tuple[str, ...]:
-    if not isinstance(entry, dict):
-        return ()
-    return tuple(k for k, v in entry.items() if isinstance(v, TensorRef) and len(v.shape) >= 1)
-
-
-def _require_laid_out(
-    state: dict[Any, Any],
-    ids: list[tuple[Any, int]],
-    groups: tuple[TensorRef, ...],
-    whole_keys: set[tuple[int, str]],
-    whole: WholeMatrices | None,
-    path: Path,
-    rank: int,
-    what: str,
-) -> None:
-    """Refuse state laid out neither like the fp32 partitions nor (Muon) over whole matrices: never misread it.
-
-    DeepSpeed's Muon keeps each rank's ``momentum_buffer`` over the whole matrices its partition touches (bf16,
-    not partition-sized); readers that do not take it by name (reshard, universal) refuse it here.
-    """
-    for j, ((pid, _), group) in enumerate(zip(ids, groups)):
-        entry = state.get(pid)
-        keys = _per_element_keys(entry)
-        if group.numel == 0 or not keys or not isinstance(entry, dict):
-            continue
-        for key in keys:
-            ref = entry[key]
-            if (j, key) in whole_keys and whole is not None:
-                expected = whole.totals.get((rank, j), 0)
-                if ref.numel == expected and len(ref.shape) == 1:
-                    continue
-                raise PartitionMismatchError(
-                    f"'{path}': Muon's '{key}' of flat group {j} holds {ref.numel} elements (shape "
-                    f"{list(ref.shape)}); the whole matrices its fp32 partition touches hold {expected}. The file "
-                    "is corrupted or comes from another save.",
-                    path=path,
-                    rank=rank,
-                    expected=expected,
-                    found=ref.numel,
-                )
-            # The last rank's partition is read without its padding: its state may hold the padded size.
-            if ref.numel not in (group.numel, group.storage.numel) or len(ref.shape) != 1:
-                raise UnsupportedCheckpointError(
-                    f"'{path}': optimizer state '{key}' of flat group {j} holds {ref.numel} elements (shape "
-                    f"{list(ref.shape)}), its fp32 partition {group.numel}: it is not partitioned like the weights "
-                    f"(DeepSpeed's Muon keeps whole matrices), so {what} cannot consolidate it without wrong values. "
-                    "The weights can still be read (zeroio.open, zeroio.convert without include_optimizer); "
-                    "optimizer_state() and convert(include_optimizer=True) read Muon's momentum.",
-                    path=path,
-                    rank=rank,
-                    name=key,
-                )
-
-
-def _require_same_keys(group_keys: tuple[tuple[str, ...], ...], path: Path, what: str) -> None:
-    seen: dict[tuple[str, ...], int] = {}
-    for j, keys in enumerate(group_keys):
-        if keys:
-            seen.setdefault(keys, j)
-    if len(seen) > 1:
-        (a, i), (b, k) = list(seen.items())[:2]
-        raise UnsupportedCheckpointError(
-            f"'{path}': flat group {i} holds optimizer state {list(a)} and flat group {k} {list(b)}: param groups "
-            f"with different optimizers, which {what} does not consolidate yet. The weights can still be read "
-            "(zeroio.open, zeroio.convert without include_optimizer); optimizer_state() and "
-            "convert(include_optimizer=True) read each group's state by name.",
-            path=path,
-            name=b[0],
-        )
-
-
-def _rank_moments(
-    state: dict[Any, Any],
-    ids: list[tuple[Any, int]],
-    groups: tuple[TensorRef, ...],
-    group_keys: tuple[tuple[str, ...], ...],
-    keys: list[str],
-    path: Path,
-    rank: int,
-    no_state: str,
-) -> tuple[dict[str, tuple[TensorRef | None, ...]], list[dict[str, Any]]]:
-    """One rank's state tensors per key and flat group (None for an empty group or a key the group lacks), and
-    its other state values."""
-    moments: dict[str, list[TensorRef | None]] = {key: [] for key in keys}
-    scalars: list[dict[str, Any]] = []
-    for j, ((pid, _), group) in enumerate(zip(ids, groups)):
-        entry = state.get(pid)
-        if group.numel == 0 and not entry:
-            for refs in moments.values():
-                refs.append(None)
-            scalars.append({})
-            continue
-        if not isinstance(entry, dict) or not entry:
-            raise CheckpointFormatError(
-                no_state.format(path=f"'{path}'", why=f"no state for flat group {j}"), path=path, rank=rank
-            )
-        for key, refs in moments.items():
-            ref = entry.get(key)
-            if key not in group_keys[j]:
-                refs.append(None)
-                continue
-            if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.numel < min(group.numel, 1):
-                found = (
-                    "nothing"
-                    if ref is None
-                    else (f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__)
-                )
-                raise PartitionMismatchError(
-                    f"'{path}': optimizer state '{key}' of flat group {j} should be a 1-D tensor of at least "
-                    f"{group.numel} elements (the fp32 partition), found {found}. The file is corrupted.",
-                    path=path,
-                    rank=rank,
-                    expected=group.numel,
-                    found=None if not isinstance(ref, TensorRef) else ref.numel,
-                )
-            refs.append(ref)
-        scalars.append({k: v for k, v in entry.items() if k not in moments})
-    return {key: tuple(refs) for key, refs in moments.items()}, scalars
 
 
 def trainable_source(ckpt: PartitionedCheckpoint, name: str) -> tuple[str, FlatPlan]:
