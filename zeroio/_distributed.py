@@ -193,7 +193,7 @@ def convert_distributed(
     dst: Path,
     *,
     fmt: str,
-    target: torch.dtype | None,
+    target: DType | torch.dtype | None,
     limit: int,
     tag: str | None,
     exclude_frozen: bool,
