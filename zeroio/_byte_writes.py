@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from ._casts import can_cast, cast_into
 from ._checkpoint import TensorReader
@@ -26,6 +27,9 @@ from ._fileio import ByteBuffers, pwrite_all
 from ._metadata import output_spec
 from ._safetensors_writer import TensorSlot
 from ._storage import ByteRange, can_read_buffers, kernel_copy_enabled
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["copy_in_kernel", "copy_through_memory"]
 
@@ -110,7 +114,8 @@ def copy_through_memory(
             if stop.is_set():
                 return True
             raw = buffers.get("read", min(step, nbytes - start))
-            source.read_into(at + start, raw)  # a CheckedFile folds the bytes into their record's CRC
+            # a buffer, not a tensor: this source reads buffers; a CheckedFile folds the bytes into their record's CRC
+            source.read_into(at + start, cast("torch.Tensor", raw))
             data = raw
             if stored != wanted:
                 data = buffers.get("cast", len(raw) // stored.itemsize * wanted.itemsize)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from ._atomic import AtomicDir
 from ._checkpoint import Checkpoint
 from ._comm import Job, LocalComm
-from ._engine import ExtraFiles, WriteOutcome, write_checkpoint
 from ._dtypes import DType
+from ._engine import ExtraFiles, WriteOutcome, write_checkpoint
 from ._metadata import output_spec, parse_dtype_spec
 from ._model_card import card_facts
 from ._plan import WritePlan

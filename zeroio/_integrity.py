@@ -20,8 +20,7 @@ import bisect
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
+from typing import TYPE_CHECKING, cast
 
 from ._crc32 import crc32_combine
 from ._storage import ByteSource, Fenced, can_copy_in_kernel, can_read_buffers, writable_bytes
@@ -149,7 +148,7 @@ class CheckedFile:
         return can_read_buffers(self.source)
 
     def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
-        self.source.read_into(offset, out, what)  # type: ignore[arg-type]  # a buffer only where reads_buffers
+        self.source.read_into(offset, cast("torch.Tensor", out), what)  # a buffer only where reads_buffers
         if self.verify:
             view = writable_bytes(out)
             if len(view):
@@ -207,7 +206,8 @@ class CheckedFile:
         at = lo
         while at < hi:
             piece = buffer[: min(_SCRATCH_BYTES, hi - at)]
-            self.source.read_into(at, piece, "a tensor record")  # a short source raises, naming itself
+            # a short source raises, naming itself; a bytearray piece only where the source reads buffers
+            self.source.read_into(at, cast("torch.Tensor", piece), "a tensor record")
             view = writable_bytes(piece)
             self._saw(at, view)
             at += len(view)

@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
-
 from .errors import CheckpointFormatError
 
 if TYPE_CHECKING:
@@ -23,9 +22,9 @@ __all__ = [
     "Fenced",
     "LocalFile",
     "can_copy_in_kernel",
+    "can_read_buffers",
     "kernel_copy_enabled",
     "open_source",
-    "can_read_buffers",
     "tensor_bytes",
     "writable_bytes",
 ]
@@ -106,7 +105,7 @@ def writable_bytes(out: torch.Tensor | Buffer) -> memoryview:
     memory), so the write engine can read without torch where it needs no tensor."""
     if hasattr(out, "data_ptr"):
         return tensor_bytes(cast("torch.Tensor", out))
-    return memoryview(cast("Buffer", out)).cast("B")
+    return memoryview(out).cast("B")
 
 
 def can_read_buffers(source: ByteSource) -> bool:
