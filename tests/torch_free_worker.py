@@ -30,12 +30,14 @@ class Refuse:
 
 sys.meta_path.insert(0, Refuse())
 
-from zeroio.cli import main  # noqa: E402  (after the guard: zeroio must be imported under it)
+from zeroio.cli import main  # after the guard: zeroio must be imported under it
 
 
 def _hashes(root: Path) -> dict[str, str]:
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    return {str(p.relative_to(root)) if p != root else p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    return {
+        str(p.relative_to(root)) if p != root else p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files
+    }
 
 
 def run(out: Path, cases: dict[str, list[str]]) -> dict[str, object]:
