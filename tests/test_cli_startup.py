@@ -121,7 +121,7 @@ def test_python_m_zeroio_convert_imports_no_heavy_module(cast, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
-    assert "zeroio._write_files" in imported  # the log covers the conversion itself
+    assert any(m.endswith("._write_files") for m in imported)  # the log covers the conversion itself
     assert [m for m in imported if m.split(".")[0] in HEAVY] == []
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
