@@ -1,4 +1,4 @@
-"""Execute a WritePlan's shards: stream tensors into safetensors files (kernel copy where possible) or torch.save."""
+"""Execute a WritePlan's shards: safetensors files (from stored bytes where possible, else torch) or torch.save."""
 
 from __future__ import annotations
 
