@@ -23,8 +23,8 @@ Methods (``--methods``):
   limit than ``dd``'s pipe on this machine); its in-process time is used.
 * warm only: ``zeroio_tmpfs`` and ``limit_tmpfs`` (the same, writing to ``/dev/shm``) and ``memcpy``
   (an in-memory copy of the same number of bytes) for the warm-cache target.
-* ``startup``: ``python -c "import zeroio.cli._app, zeroio; zeroio.convert"``: the interpreter, the CLI and the
-  torch import every ``zeroio convert`` run pays (``zeroio.cli`` alone no longer imports torch).
+* ``startup``: ``python -c "import zeroio.cli._app, zeroio; zeroio.convert"``: the interpreter and the imports
+  every ``zeroio convert`` run pays (torch no longer among them: convert imports it only for tensor arithmetic).
 
 Cold runs drop the page cache first (``sync; echo 3 > /proc/sys/vm/drop_caches``, root only).
 

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     # 0. vocabulary: no zeroio imports but each other
     ("errors", "_types", "_constants", "_text", "_dtypes"),
     # 1. storage: byte sources to read from, primitives for files to write
-    ("_crc32", "_storage", "_remote_file", "_remote", "_integrity", "_fileio"),
+    ("_crc32", "_storage", "_remote_file", "_remote", "_integrity", "_fileio", "_casts"),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
     ("_pickles",),
     # 3. metadata, partition arithmetic, layouts, the Checkpoint (reader contract) and its format readers
@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
         "_side_files",
         "_plan",
         "_write_files",
+        "_byte_writes",
         "_comm",
         "_engine",
         "_device_copy",
@@ -96,6 +97,7 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
     "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
     "zeroio._formats.bits": "fp32 -> fp16/bf16 rounding on raw bytes, checked against torch's casts",
+    "zeroio._casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
 }
 
 

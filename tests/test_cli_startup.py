@@ -107,6 +107,25 @@ def test_python_m_zeroio_imports_no_heavy_module(argv):
     assert [m for m in imported if m.split(".")[0] in HEAVY] == []
 
 
+@pytest.mark.parametrize("cast", [[], ["--dtype", "bf16"]], ids=["as stored", "bf16"])
+def test_python_m_zeroio_convert_imports_no_heavy_module(cast, tmp_path):
+    """``python -X importtime -m zeroio convert``: a conversion that needs no tensor arithmetic (bytes copied as
+    stored, fp32 rounded to bf16 with numpy) imports none of the heavy packages (tests/test_convert_torch_free.py
+    runs every fixture so)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "zeroio", "convert", str(ZERO3), str(tmp_path / "out"), *cast],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert any(m.endswith("._write_files") for m in imported)  # the log covers the conversion itself
+    assert [m for m in imported if m.split(".")[0] in HEAVY] == []
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
 def test_import_zeroio_and_errors_without_torch():
     """``import zeroio`` and ``zeroio.errors`` (catching zeroio's exceptions) need none of the heavy packages."""
     body = """
@@ -122,14 +141,15 @@ assert "convert" in dir(zeroio) and "Checkpoint" in dir(zeroio)
 
 
 def test_public_names_import_their_modules_on_first_use():
-    """Reading a public name imports what it needs (torch) then; the object is the one its module defines."""
+    """Reading a public name imports what it needs (torch, for ``load``) then; the object is the one its module
+    defines. (``convert`` no longer needs torch to be imported: it imports it only for tensor arithmetic.)"""
     body = """
 sys.meta_path.pop(0)  # the guard only watches here
 import zeroio
 before = "torch" in sys.modules
-from zeroio import convert
-print(json.dumps([before, "torch" in sys.modules, convert is sys.modules["zeroio._convert"].convert,
-                  "convert" in vars(zeroio)]))
+from zeroio import load
+print(json.dumps([before, "torch" in sys.modules, load is sys.modules["zeroio._deploy"].load,
+                  "load" in vars(zeroio)]))
 """
     proc, _ = _run_guarded(body)
     assert proc.returncode == 0, proc.stderr

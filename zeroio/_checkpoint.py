@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from typing_extensions import Self
 
+from ._dtypes import DType
 from ._integrity import CheckedFile
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
 from ._remote import as_path
@@ -48,6 +49,8 @@ class TensorReader(Protocol):
     def source_name(self, name: str) -> str: ...
 
     def stored_dtype(self, name: str) -> torch.dtype: ...
+
+    def stored_spec(self, name: str) -> DType: ...
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None: ...
 
@@ -117,8 +120,12 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """dtype of the tensor's bytes at rest (what :meth:`read_into` fills)."""
+        return self.stored_spec(name).torch
+
+    def stored_spec(self, name: str) -> DType:
+        """:meth:`stored_dtype` as a torch-free :class:`~zeroio._dtypes.DType` (what byte-level writers use)."""
         info = self.info(name)
-        return info.stored_dtype or info.dtype
+        return info.stored_spec or info.dtype_spec
 
     def _release(self) -> None:
         """Close file handles."""

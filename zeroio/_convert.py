@@ -9,13 +9,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from ._atomic import AtomicDir
 from ._checkpoint import Checkpoint
 from ._comm import Job, LocalComm
+from ._dtypes import DType
 from ._engine import ExtraFiles, WriteOutcome, write_checkpoint
-from ._metadata import output_dtype, parse_dtype
+from ._metadata import output_spec, parse_dtype_spec
 from ._model_card import card_facts
 from ._plan import WritePlan
 from ._progress import Progress, check_progress
@@ -25,6 +24,8 @@ from ._types import StrPath
 from .errors import OutputError
 
 if TYPE_CHECKING:
+    import torch
+
     from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "ConvertResult", "convert"]
@@ -79,7 +80,7 @@ def _convert_lightning(
     dst: Path,
     *,
     tag: str | None,
-    target: torch.dtype | None,
+    target: DType | None,
     overwrite: bool,
     verify_crc: bool,
     trusted_globals: frozenset[str],
@@ -108,12 +109,13 @@ def _convert_lightning(
                     path=dst,
                 ) from exc
         written = write_lightning_ckpt(
-            ckpt, dst, dtype=target, overwrite=overwrite, trusted_globals=trusted_globals, loadable=True
+            ckpt, dst, dtype=None if target is None else target.torch, overwrite=overwrite,
+            trusted_globals=trusted_globals, loadable=True,
         )
         infos = ckpt.infos
         num_params = sum(info.numel for name, info in infos.items() if name not in ckpt.tied)
         facts = card_facts(
-            ckpt.metadata, fmt="lightning", target=target, out_dtypes=[output_dtype(i, target) for i in infos.values()],
+            ckpt.metadata, fmt="lightning", target=target, out_dtypes=[output_spec(i, target) for i in infos.values()],
             excluded=[], num_params=num_params,
         )  # fmt: skip
     logger.info("wrote %d tensors (%d bytes) to %s", written.num_tensors, written.total_size, written.path)
@@ -132,7 +134,7 @@ def _convert_universal(
     dst: Path,
     *,
     tag: str | None,
-    target: torch.dtype | None,
+    target: DType | None,
     exclude_frozen: bool,
     overwrite: bool,
     chunk_bytes: int,
@@ -280,7 +282,7 @@ def convert(
     # 1. Arguments, without IO.
     if fmt not in ("safetensors", "torch", "lightning", "universal"):
         raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning' or 'universal', got {fmt!r}.")
-    target = parse_dtype(dtype)
+    target = parse_dtype_spec(dtype)  # a torch-free DType: converting without a cast never imports torch
     if isinstance(trusted_globals, str):
         raise TypeError(f"trusted_globals must be an iterable of names, not a string: [{trusted_globals!r}].")
     trusted = frozenset(trusted_globals)

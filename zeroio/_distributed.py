@@ -28,6 +28,7 @@ from ._types import StrPath
 from .errors import OutputError
 
 if TYPE_CHECKING:
+    from ._dtypes import DType
     from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
@@ -193,7 +194,7 @@ def convert_distributed(
     dst: Path,
     *,
     fmt: str,
-    target: torch.dtype | None,
+    target: DType | torch.dtype | None,
     limit: int,
     tag: str | None,
     exclude_frozen: bool,

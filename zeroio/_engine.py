@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from ._checkpoint import Checkpoint
 from ._comm import COMMIT, PLAN, TEMP, WRITE, Job
+from ._dtypes import DType, as_dtype
 from ._fileio import naming, write_new_file
 from ._metadata import CheckpointMetadata
 from ._plan import WritePlan, plan_write
@@ -33,6 +32,8 @@ from ._write_files import write_shards
 from .errors import OutputError
 
 if TYPE_CHECKING:
+    import torch
+
     from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
@@ -75,7 +76,7 @@ def write_checkpoint(
     *,
     tag: str | None,
     fmt: str,
-    target: torch.dtype | None,
+    target: DType | torch.dtype | None,
     max_shard_size: int,
     exclude_frozen: bool,
     workers: int,
@@ -109,7 +110,7 @@ def _run(
     *,
     tag: str | None,
     fmt: str,
-    target: torch.dtype | None,
+    target: DType | torch.dtype | None,
     max_shard_size: int,
     exclude_frozen: bool,
     workers: int,
@@ -141,7 +142,8 @@ def _run(
                 open_checkpoint(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc, tp_rules=tp_rules)
             )
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, fmt)
-            plan = plan_write(ckpt, fmt=fmt, target=target, max_shard_size=max_shard_size,
+            spec = None if target is None else as_dtype(target)
+            plan = plan_write(ckpt, fmt=fmt, target=spec, max_shard_size=max_shard_size,
                               exclude_frozen=exclude_frozen)  # fmt: skip
             owners = assign_shards(plan.file_bytes, world_size)
             share = plan.subset([i for i, owner in enumerate(owners) if owner == rank])

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WRITEBACK_BYTES",
+    "ByteBuffers",
     "ChunkBuffers",
     "WriteBack",
     "create_new",
@@ -115,6 +116,22 @@ class ChunkBuffers(threading.local):
 
             buf = self.by_dtype[dtype] = torch.empty(numel, dtype=dtype)
         return buf
+
+
+class ByteBuffers(threading.local):
+    """One reusable byte buffer per use and IO thread: :class:`ChunkBuffers` for byte-level writers (no torch)."""
+
+    def __init__(self) -> None:
+        self.by_use: dict[str, bytearray] = {}
+
+    def get(self, use: str, nbytes: int) -> memoryview:
+        """A writable view of ``nbytes`` bytes, valid until the next ``get`` of the same use on this thread."""
+        buf = self.by_use.get(use)
+        if buf is None or len(buf) < nbytes:
+            self.by_use.pop(use, None)
+            del buf
+            buf = self.by_use[use] = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
 
 
 WRITEBACK_BYTES = 256 * 2**20

@@ -20,14 +20,15 @@ import bisect
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ._crc32 import crc32_combine
-from ._storage import ByteSource, Fenced, can_copy_in_kernel, tensor_bytes
+from ._storage import ByteSource, Fenced, can_copy_in_kernel, can_read_buffers, writable_bytes
 from .errors import CheckpointFormatError
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Buffer  # 4.6+, for type checking only
 
 __all__ = ["CheckedFile"]
 
@@ -141,10 +142,17 @@ class CheckedFile:
 
     # ----------------------------------------------------------------- reads
 
-    def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
-        self.source.read_into(offset, out, what)
-        if self.verify and out.numel():
-            self._saw(offset, tensor_bytes(out))
+    @property
+    def reads_buffers(self) -> bool:
+        """Whether :meth:`read_into` fills plain buffers too (as the wrapped source does)."""
+        return can_read_buffers(self.source)
+
+    def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
+        self.source.read_into(offset, cast("torch.Tensor", out), what)  # a buffer only where reads_buffers
+        if self.verify:
+            view = writable_bytes(out)
+            if len(view):
+                self._saw(offset, view)
 
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
         if not can_copy_in_kernel(self.source):
@@ -187,16 +195,22 @@ class CheckedFile:
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
         buffer = getattr(self._scratch, "buffer", None)
         if buffer is None:
-            import torch
+            if can_read_buffers(self.source):  # no torch needed (a torch-free conversion stays torch-free)
+                buffer = memoryview(bytearray(_SCRATCH_BYTES))
+            else:
+                import torch
 
-            # any caller's default-device context: the scratch buffer is host memory
-            buffer = self._scratch.buffer = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device="cpu")
+                # any caller's default-device context: the scratch buffer is host memory
+                buffer = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device="cpu")
+            self._scratch.buffer = buffer
         at = lo
         while at < hi:
             piece = buffer[: min(_SCRATCH_BYTES, hi - at)]
-            self.source.read_into(at, piece, "a tensor record")  # a short source raises, naming itself
-            self._saw(at, tensor_bytes(piece))
-            at += piece.numel()
+            # a short source raises, naming itself; a bytearray piece only where the source reads buffers
+            self.source.read_into(at, cast("torch.Tensor", piece), "a tensor record")
+            view = writable_bytes(piece)
+            self._saw(at, view)
+            at += len(view)
 
     def _saw(self, offset: int, data: memoryview) -> None:
         """Fold the bytes ``data`` read at file ``offset`` into the CRCs of the records they lie in."""

@@ -18,7 +18,9 @@ __all__ = [
     "TensorInfo",
     "dtype_name",
     "output_dtype",
+    "output_spec",
     "parse_dtype",
+    "parse_dtype_spec",
     "require",
     "require_dict",
 ]
@@ -40,25 +42,39 @@ _DTYPE_NAMES = {
 _SHORT_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 
 
-def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+def parse_dtype(value: str | torch.dtype | DType | None) -> torch.dtype | None:
     """``"bf16"``, ``"torch.float16"`` or a ``torch.dtype`` to a floating ``torch.dtype`` (None stays None)."""
+    spec = parse_dtype_spec(value)
+    return None if spec is None else spec.torch
+
+
+def parse_dtype_spec(value: str | torch.dtype | DType | None) -> DType | None:
+    """:func:`parse_dtype` without torch: the floating :class:`DType` asked for (None stays None).
+
+    Raises:
+        ValueError: an unknown name, or a dtype that is not floating.
+    """
     if value is None:
         return None
-    import torch
-
-    if isinstance(value, torch.dtype):
-        if not value.is_floating_point:
+    if isinstance(value, DType) or type(value).__name__ == "dtype":  # a DType or a torch.dtype
+        spec = as_dtype(value)
+        if not spec.is_floating_point:
             raise ValueError(f"dtype must be a floating type, got {value}.")
-        return value
+        return spec
     key = str(value).lower().removeprefix("torch.")
     if key not in _DTYPE_NAMES:
         raise ValueError(f"Unknown dtype {value!r}; use one of fp32, fp16, bf16 (or a torch.dtype).")
-    return BY_NAME[_DTYPE_NAMES[key]].torch
+    return BY_NAME[_DTYPE_NAMES[key]]
 
 
-def output_dtype(info: TensorInfo, target: torch.dtype | None) -> torch.dtype:
+def output_dtype(info: TensorInfo, target: torch.dtype | DType | None) -> torch.dtype:
     """Floating tensors take the requested dtype; integer and bool tensors keep theirs (DeepSpeed does the same)."""
-    return target if (target is not None and info.dtype_spec.is_floating_point) else info.dtype
+    return output_spec(info, target).torch
+
+
+def output_spec(info: TensorInfo, target: torch.dtype | DType | None) -> DType:
+    """:func:`output_dtype` as a torch-free :class:`DType`."""
+    return as_dtype(target) if (target is not None and info.dtype_spec.is_floating_point) else info.dtype_spec
 
 
 def dtype_name(dtype: torch.dtype | DType) -> str:

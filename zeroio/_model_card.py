@@ -8,12 +8,14 @@ Its own module, below both verbs that need it: ``convert`` records the facts (``
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ._dtypes import DType
 from ._metadata import CheckpointMetadata, dtype_name
 from ._text import listing
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CARD_TAGS", "card_facts", "default_commit_message", "render_model_card"]
 
@@ -25,8 +27,8 @@ def card_facts(
     source: CheckpointMetadata,
     *,
     fmt: str,
-    target: torch.dtype | None,
-    out_dtypes: Iterable[torch.dtype],
+    target: torch.dtype | DType | None,
+    out_dtypes: Iterable[torch.dtype | DType],
     excluded: Sequence[str],
     num_params: int,
 ) -> dict[str, Any]:
@@ -48,7 +50,7 @@ def card_facts(
         "zero_stage": source.zero_stage,
         "world_size": source.world_size,
         "global_step": source.global_step,
-        "train_dtype": dtype_name(source.train_dtype) if source.train_dtype is not None else None,
+        "train_dtype": dtype_name(source.train_spec) if source.train_spec is not None else None,
         "output_dtype": output_dtype,
         "format": fmt,
         "num_params": num_params,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._checkpoint import Checkpoint
+from ._dtypes import to_torch
 from ._fileio import create_new, preallocate, pwrite_all, write_new_file
 from ._formats.optim_views import ComposedOptimizerState
 from ._formats.optimizer import (
@@ -250,7 +251,7 @@ def write_optimizer_files(
                 _, source = trainable_source(zckpt, name)
                 zckpt.ensure_open(name)
                 chunks = _chunks(
-                    zckpt, moment_source(plan.layout, source, key), math.prod(slot.shape), slot.dtype, chunk_bytes
+                    zckpt, moment_source(plan.layout, source, key), math.prod(slot.shape), to_torch(slot.dtype), chunk_bytes
                 )
                 write_chunks(fd, slot, chunks)
             os.fsync(fd)

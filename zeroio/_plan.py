@@ -7,12 +7,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from . import _constants as C
 from ._checkpoint import Checkpoint
-from ._metadata import output_dtype
-from ._safetensors_writer import SAFETENSORS_DTYPES, SafetensorsLayout, plan_file
+from ._dtypes import DType
+from ._metadata import output_spec
+from ._safetensors_writer import SafetensorsLayout, plan_file, storable
 from ._sharding import ShardPlan, index_json, plan_shards
 from .errors import UnsupportedCheckpointError
 
@@ -28,7 +27,7 @@ class WritePlan:
 
     fmt: str
     """``"safetensors"`` or ``"torch"``."""
-    target: torch.dtype | None
+    target: DType | None
     """The cast asked for (None: as stored)."""
     names: tuple[str, ...]
     """Tensors written, in source order (frozen ones left out with ``exclude_frozen``)."""
@@ -36,8 +35,8 @@ class WritePlan:
     """Frozen parameters left out, in source order."""
     ties: Mapping[str, str]
     """Tied aliases among ``names``, ``{alias: source}``."""
-    dtypes: Mapping[str, torch.dtype]
-    """The dtype each tensor is written in."""
+    dtypes: Mapping[str, DType]
+    """The dtype each tensor is written in (torch-free: ``.torch`` gives the ``torch.dtype``)."""
     shards: ShardPlan
     """Which tensors go in which file, in shard order."""
     index: str | None
@@ -91,11 +90,10 @@ class WritePlan:
         )
 
 
-def _check_safetensors_dtypes(ckpt: Checkpoint, dtypes: Mapping[str, torch.dtype]) -> None:
+def _check_safetensors_dtypes(ckpt: Checkpoint, dtypes: Mapping[str, DType]) -> None:
     """A tensor safetensors cannot encode (complex128, say) is the checkpoint's trait, not a bad argument: name it."""
-    storable = set(SAFETENSORS_DTYPES.values())
     for name, dtype in dtypes.items():
-        if dtype not in storable:
+        if not storable(dtype):
             raise UnsupportedCheckpointError(
                 f"'{ckpt.metadata.path}': tensor '{name}' is {dtype}, which safetensors cannot store. Convert with "
                 "fmt='torch'.",
@@ -106,7 +104,7 @@ def _check_safetensors_dtypes(ckpt: Checkpoint, dtypes: Mapping[str, torch.dtype
 
 
 def plan_write(
-    ckpt: Checkpoint, *, fmt: str, target: torch.dtype | None, max_shard_size: int, exclude_frozen: bool
+    ckpt: Checkpoint, *, fmt: str, target: DType | None, max_shard_size: int, exclude_frozen: bool
 ) -> WritePlan:
     """Plan every file from metadata: names, ties, dtypes, shards, headers, offsets, index.
 
@@ -117,7 +115,7 @@ def plan_write(
     excluded = tuple(n for n, info in infos.items() if exclude_frozen and info.kind == "frozen")
     names = tuple(n for n in infos if n not in excluded)
     ties = {alias: source for alias, source in ckpt.tied.items() if alias in names and source in names}
-    dtypes = {n: output_dtype(infos[n], target) for n in names}
+    dtypes = {n: output_spec(infos[n], target) for n in names}
     nbytes = {n: infos[n].numel * dtypes[n].itemsize for n in names}
     if fmt == "safetensors":
         _check_safetensors_dtypes(ckpt, dtypes)

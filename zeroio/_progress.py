@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -20,6 +21,13 @@ def check_progress(progress: object) -> None:
         raise TypeError(f"progress must be True, False or a callable(done, total), got {progress!r}.")
 
 
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream: let tqdm decide, as before
+        return True
+
+
 class ByteProgress:
     """Thread-safe byte counter feeding a tqdm bar (``progress=True``) or a ``callable(done, total)``."""
 
@@ -31,7 +39,7 @@ class ByteProgress:
         self._bar: Any = None
         if callable(progress):
             self._callback = progress
-        elif progress:
+        elif progress and _stderr_is_terminal():  # tqdm's disable=None would hide it anyway: do not import it
             from tqdm import tqdm  # type: ignore[import-untyped]  # a huggingface_hub dependency
 
             # disable=None: no bar when stderr is not a terminal (logs, CI, captured output).

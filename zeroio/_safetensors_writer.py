@@ -15,46 +15,54 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ._constants import SAFETENSORS_MAX_HEADER_SIZE
-from ._dtypes import SAFETENSORS_ORDER
+from ._dtypes import SAFETENSORS_ORDER, DType, as_dtype
 from ._fileio import pwrite_all, tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MAX_HEADER_SIZE",
-    "SAFETENSORS_DTYPES",
     "SafetensorsLayout",
     "TensorSlot",
     "plan_file",
     "safetensors_dtype",
+    "storable",
     "write_chunks",
 ]
 
 MAX_HEADER_SIZE = SAFETENSORS_MAX_HEADER_SIZE
 """safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in its Rust crate); shared with the reader."""
 
-_DTYPE_ORDER: tuple[tuple[str, torch.dtype | None], ...] = tuple(
-    (d.safetensors or "", getattr(torch, d.name, None)) for d in SAFETENSORS_ORDER
-)
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {name: dt for name, dt in _DTYPE_ORDER if dt is not None}
-"""safetensors' dtype names and the torch dtype each holds (those this torch has), in safetensors' enum order."""
-
-_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
-_RANK: dict[torch.dtype, int] = {dt: i for i, (_, dt) in enumerate(_DTYPE_ORDER) if dt is not None}
+_RANK: dict[DType, int] = {d: i for i, d in enumerate(SAFETENSORS_ORDER)}
 
 
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """safetensors' name for a torch dtype (``torch.bfloat16`` -> ``"BF16"``).
+def _spec(dtype: torch.dtype | DType) -> DType | None:
+    try:
+        spec = as_dtype(dtype)
+    except KeyError:
+        return None
+    return spec if spec in _RANK else None
+
+
+def storable(dtype: torch.dtype | DType) -> bool:
+    """Whether safetensors can store ``dtype`` (torch-free)."""
+    return _spec(dtype) is not None
+
+
+def safetensors_dtype(dtype: torch.dtype | DType) -> str:
+    """safetensors' name for a dtype (``torch.bfloat16`` -> ``"BF16"``), torch-free.
 
     Raises:
         ValueError: the dtype has no safetensors encoding.
     """
-    try:
-        return _NAMES[dtype]
-    except KeyError:
+    spec = _spec(dtype)
+    if spec is None or spec.safetensors is None:
         raise ValueError(f"safetensors cannot store {dtype}; convert with fmt='torch'.") from None
+    return spec.safetensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +71,7 @@ class TensorSlot:
 
     name: str
     """Tensor name (header key)."""
-    dtype: torch.dtype
+    dtype: torch.dtype | DType
     """dtype of the stored bytes."""
     shape: tuple[int, ...]
     """Shape recorded in the header."""
@@ -96,7 +104,7 @@ class SafetensorsLayout:
 
 
 def plan_file(
-    tensors: Iterable[tuple[str, torch.dtype, Sequence[int]]], *, metadata: Mapping[str, str] | None = None
+    tensors: Iterable[tuple[str, torch.dtype | DType, Sequence[int]]], *, metadata: Mapping[str, str] | None = None
 ) -> SafetensorsLayout:
     """Lay out a safetensors file from ``(name, dtype, shape)`` alone.
 
@@ -128,7 +136,7 @@ def plan_file(
             numel *= s
         entries.append((name, dtype, shape, numel * dtype.itemsize, safetensors_dtype(dtype)))
     # safetensors' `prepare`: sort by dtype descending (its enum order), then by name ascending.
-    entries.sort(key=lambda e: (-_RANK[e[1]], e[0]))
+    entries.sort(key=lambda e: (-_RANK[as_dtype(e[1])], e[0]))
     header: dict[str, object] = {}
     if metadata:
         for key, value in metadata.items():

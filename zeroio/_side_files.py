@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from ._dtypes import DType
+
 __all__ = ["CONFIG_DTYPE_KEYS", "SIDE_FILES", "config_with_dtype", "copy_side_files", "find_side_files"]
 
 logger = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ def _stays_inside(path: Path, folder: Path) -> bool:
     return False
 
 
-def copy_side_files(src: Path, dst: Path, *, dtype: torch.dtype | None = None) -> tuple[str, ...]:
+def copy_side_files(src: Path, dst: Path, *, dtype: torch.dtype | DType | None = None) -> tuple[str, ...]:
     """Copy the side files found for ``src`` into the folder ``dst`` (new files, fsynced); return their names.
 
     Used while ``dst`` is still the temporary folder of an atomic output, so the copies appear with the weights.
@@ -91,7 +93,7 @@ def copy_side_files(src: Path, dst: Path, *, dtype: torch.dtype | None = None) -
     return tuple(copied)
 
 
-def config_with_dtype(raw: bytes, dtype: torch.dtype) -> bytes:
+def config_with_dtype(raw: bytes, dtype: torch.dtype | DType) -> bytes:
     """``config.json`` bytes with every :data:`CONFIG_DTYPE_KEYS` entry (sub-configs too) set to ``dtype``.
 
     Only the values change, in place, so the rest of the file stays byte-identical; a config without such a key,

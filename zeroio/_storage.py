@@ -8,12 +8,13 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from .errors import CheckpointFormatError
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Buffer  # 4.6+, for type checking only
 
 __all__ = [
     "ByteRange",
@@ -21,9 +22,11 @@ __all__ = [
     "Fenced",
     "LocalFile",
     "can_copy_in_kernel",
+    "can_read_buffers",
     "kernel_copy_enabled",
     "open_source",
     "tensor_bytes",
+    "writable_bytes",
 ]
 
 
@@ -97,11 +100,27 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+def writable_bytes(out: torch.Tensor | Buffer) -> memoryview:
+    """The bytes of a read target: a contiguous CPU tensor, or any writable buffer (a bytearray, a numpy array's
+    memory), so the write engine can read without torch where it needs no tensor."""
+    if hasattr(out, "data_ptr"):
+        return tensor_bytes(cast("torch.Tensor", out))
+    return memoryview(out).cast("B")
+
+
+def can_read_buffers(source: ByteSource) -> bool:
+    """True when ``source.read_into`` also fills plain writable buffers (:func:`writable_bytes`), not only tensors."""
+    return bool(getattr(source, "reads_buffers", False))
+
+
 class LocalFile:
     """A local file read with positional reads (``preadv``) on one lazily opened descriptor.
 
-    ``preadv`` does not move a shared file position, so threads may read one descriptor at once.
+    ``preadv`` does not move a shared file position, so threads may read one descriptor at once. ``read_into``
+    fills a tensor or any writable buffer (``reads_buffers``).
     """
+
+    reads_buffers = True
 
     def __init__(self, path: Path, size: int | None = None) -> None:
         self.path = Path(path)
@@ -138,11 +157,13 @@ class LocalFile:
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         return os.pread(self.fileno(), nbytes, offset)
 
-    def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
-        nbytes = out.numel() * out.element_size()
+    def read_into(
+        self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data"
+    ) -> None:
+        view = writable_bytes(out)  # read straight into the tensor (or buffer): no intermediate copy
+        nbytes = len(view)
         if nbytes == 0:
             return
-        view = tensor_bytes(out)  # read straight into the tensor: no intermediate copy
         fd = self.fileno()
         done = 0
         while done < nbytes:

@@ -1,4 +1,4 @@
-"""Execute a WritePlan's shards: stream tensors into safetensors files (kernel copy where possible) or torch.save."""
+"""Execute a WritePlan's shards: safetensors files (from stored bytes where possible, else torch) or torch.save."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from ._byte_writes import copy_in_kernel, copy_through_memory
 from ._checkpoint import Checkpoint
-from ._fileio import ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
-from ._metadata import output_dtype
+from ._fileio import ByteBuffers, ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
 from ._plan import WritePlan
 from ._progress import ByteProgress, Progress
-from ._safetensors_writer import TensorSlot, write_chunks
-from ._storage import kernel_copy_enabled
+from ._safetensors_writer import write_chunks
 
-__all__ = ["copy_in_kernel", "write_shards"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["write_shards"]
 
 
 def write_shards(
@@ -63,44 +64,6 @@ def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]]
         raise
 
 
-def copy_in_kernel(
-    ckpt: Checkpoint,
-    name: str,
-    target: torch.dtype | None,
-    fd: int,
-    slot: TensorSlot,
-    chunk_bytes: int,
-    on_bytes: Callable[[int], None],
-    stop: threading.Event,
-) -> bool:
-    """Copy a tensor that needs no cast file to file with ``copy_file_range``; False to fall back to streaming.
-
-    The bytes never enter user space: measured 1.8 s instead of 5.8 s for the 468M benchmark checkpoint's
-    fp32 pieces (docs/benchmarks.md). Falling back after a partial copy is safe: streaming rewrites the slot.
-    """
-    info = ckpt.info(name)
-    if not kernel_copy_enabled() or output_dtype(info, target) != ckpt.stored_dtype(name):
-        return False
-    ranges = ckpt.byte_ranges(ckpt.source_name(name))
-    if ranges is None or sum(n for _, _, n in ranges) != slot.nbytes:
-        return False
-    offset = slot.begin
-    for source, src_offset, nbytes in ranges:
-        done = 0
-        while done < nbytes:
-            if stop.is_set():
-                return True
-            got = source.copy_to(fd, src_offset + done, min(chunk_bytes, nbytes - done), offset + done)
-            if got is None:  # no fast path between this source and the destination
-                return False
-            if got <= 0:  # the source ended early: let the streaming reader raise its precise error
-                return False
-            done += got
-            on_bytes(got)
-        offset += nbytes
-    return True
-
-
 def _write_safetensors(
     ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, chunk_bytes: int, progress: Progress
 ) -> None:
@@ -129,6 +92,8 @@ def _write_safetensors(
         #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes. Each file is
         #    flushed in the background as it fills (WriteBack), so durability overlaps the rest of the work.
         buffers = ChunkBuffers()
+        byte_buffers = ByteBuffers()
+        target = plan.target
 
         def task(name: str) -> Callable[[], None]:
             fd, slot, final = slot_of[name]
@@ -139,8 +104,12 @@ def _write_safetensors(
 
             def run() -> None:
                 with naming(final):
-                    if not copy_in_kernel(ckpt, name, plan.target, fd, slot, chunk_bytes, on_bytes, stop):
-                        chunks = ckpt.chunks(name, plan.target, chunk_bytes, buffers.get)
+                    # Bytes as stored (in kernel, else through memory, cast with numpy): no torch. Else torch.
+                    if not copy_in_kernel(ckpt, name, target, fd, slot, chunk_bytes, on_bytes, stop) and not (
+                        copy_through_memory(ckpt, name, target, fd, slot, chunk_bytes, on_bytes, stop, byte_buffers)
+                    ):
+                        torch_target = None if target is None else target.torch
+                        chunks = ckpt.chunks(name, torch_target, chunk_bytes, buffers.get)
                         write_chunks(fd, slot, chunks, on_bytes=on_bytes, stop=stop)
                 with left_lock:
                     left[fd] -= 1
@@ -176,10 +145,12 @@ def _write_torch(ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, wor
     stop = threading.Event()
     ties = plan.ties
 
+    import torch
+
     def loader(name: str, into: dict[str, torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
             if not stop.is_set():
-                tensor = ckpt.get_tensor(name, dtype=plan.target)
+                tensor = ckpt.get_tensor(name, dtype=None if plan.target is None else plan.target.torch)
                 into[name] = tensor
                 meter.update(tensor.numel() * tensor.element_size())
 
