@@ -109,8 +109,12 @@ def _convert_lightning(
                     path=dst,
                 ) from exc
         written = write_lightning_ckpt(
-            ckpt, dst, dtype=None if target is None else target.torch, overwrite=overwrite,
-            trusted_globals=trusted_globals, loadable=True,
+            ckpt,
+            dst,
+            dtype=None if target is None else target.torch,
+            overwrite=overwrite,
+            trusted_globals=trusted_globals,
+            loadable=True,
         )
         infos = ckpt.infos
         num_params = sum(info.numel for name, info in infos.items() if name not in ckpt.tied)

@@ -251,7 +251,11 @@ def write_optimizer_files(
                 _, source = trainable_source(zckpt, name)
                 zckpt.ensure_open(name)
                 chunks = _chunks(
-                    zckpt, moment_source(plan.layout, source, key), math.prod(slot.shape), to_torch(slot.dtype), chunk_bytes
+                    zckpt,
+                    moment_source(plan.layout, source, key),
+                    math.prod(slot.shape),
+                    to_torch(slot.dtype),
+                    chunk_bytes,
                 )
                 write_chunks(fd, slot, chunks)
             os.fsync(fd)

@@ -157,9 +157,7 @@ class LocalFile:
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         return os.pread(self.fileno(), nbytes, offset)
 
-    def read_into(
-        self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data"
-    ) -> None:
+    def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
         view = writable_bytes(out)  # read straight into the tensor (or buffer): no intermediate copy
         nbytes = len(view)
         if nbytes == 0:
