@@ -4,7 +4,7 @@ A plain ``cuda_tensor.copy_(cpu_chunk)`` from pageable memory is synchronous: th
 and the bus waits while the disk reads. Here a ring of page-locked (pinned) host buffers is filled by reader
 threads (several reads in flight, the CRC of each folded in by the reading thread), each full buffer is copied to
 the device with ``non_blocking=True`` and cast there, and a buffer is refilled once the event recorded after its
-copy has passed. Host memory stays ``RING x chunk``; device memory gains the same for staging casts.
+copy has passed. Host memory stays ``RING x chunk``; device memory gains the same for staging casts, only when something is cast.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class DeviceFiller:
         logical dtype first, as the CPU path does, would change no value (stored dtypes are never wider).
         """
         host = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.ring)]
-        staging = [torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.ring)]
+        staging: list[torch.Tensor | None] = [None] * self.ring  # device buffers for casts, made when first cast
         copied: list[torch.cuda.Event | None] = [None] * self.ring
         stream = torch.cuda.current_stream(self.device)
         pending: deque[_InFlight] = deque()
@@ -101,7 +101,11 @@ class DeviceFiller:
                 if piece.dest.dtype == stored:
                     target.copy_(entry.host, non_blocking=True)
                 else:
-                    staged = staging[entry.slot].view(stored)[: piece.numel]
+                    slot_buffer = staging[entry.slot]
+                    if slot_buffer is None:
+                        slot_buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
+                        staging[entry.slot] = slot_buffer
+                    staged = slot_buffer.view(stored)[: piece.numel]
                     staged.copy_(entry.host, non_blocking=True)
                     target.copy_(staged)
                 copied[entry.slot] = stream.record_event()
