@@ -173,6 +173,25 @@ def test_inspect_reads_only_pickles(s3, big, capsys):
     assert s3.accounting.body_bytes < 200_000
 
 
+def test_open_and_read_make_few_requests(s3, capsys):
+    """GETs, counted by the server: a rank file's metadata is three (end records, zip directory, whole pickle
+    record), and a small rank file's data one more (fetched whole); plus the listing and ``latest``. The old
+    per-read requests (signature bytes, record headers, each tensor) made 18 and 34 here."""
+    name = "z2_ws2_fp32"
+    url = f"s3://fixtures/{name}"
+    ranks = len(list((FIXTURES / name).glob("global_step*/*.pt")))
+    s3.accounting.reset()
+    with zeroio.open(url) as ckpt:
+        opened = s3.accounting.gets
+        ckpt.state_dict()
+    assert opened <= 2 + 3 * ranks, s3.accounting.ranges
+    assert s3.accounting.gets <= 2 + 4 * ranks, s3.accounting.ranges
+    s3.accounting.reset()
+    assert main(["inspect", url]) == 0
+    assert name in capsys.readouterr().out
+    assert s3.accounting.gets <= 2 + 3 * ranks, s3.accounting.ranges
+
+
 # --------------------------------------------------------------------------- faults
 
 

@@ -17,8 +17,8 @@ from .._dtypes import DType
 from .._remote import as_path
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
-from .archive import RankFile, Storage, TensorRef, itemsize, read_archive, require_regular_file
-from .legacy import PickleWindow, index_storages, is_legacy_head, read_legacy_header, read_storage_keys
+from .archive import RankFile, Storage, TensorRef, itemsize, read_archive
+from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH
 from .standins import Device, Inert, Size, inert_class
 
@@ -197,15 +197,6 @@ def _check_unchanged(unpickler: _RestrictedUnpickler, path: Path) -> None:
             )
 
 
-def _is_legacy(path: Path) -> bool:
-    try:
-        require_regular_file(path)
-        with path.open("rb") as fh:
-            return is_legacy_head(fh.read(1))
-    except (OSError, ZeroIOError):
-        return False  # read_archive names the problem
-
-
 def _load_legacy(path: Path, trusted: frozenset[str]) -> tuple[Any, RankFile]:
     """A legacy stream: header, object tree and key list read through a window; storages indexed by offset."""
     if not isinstance(path, Path):  # a RemotePath
@@ -240,9 +231,15 @@ def load_pickle(
     that reads them. Raises a :mod:`zeroio.errors` exception for anything that is
     not a well-formed torch checkpoint or asks for a global outside the allowlist.
     """
-    if legacy and _is_legacy(as_path(path)):
-        return _load_legacy(as_path(path), trusted_globals)
     archive = read_archive(as_path(path))
+    if archive is None:
+        if legacy:
+            return _load_legacy(as_path(path), trusted_globals)
+        raise UnsupportedCheckpointError(
+            f"'{path}' uses torch's legacy (pre-1.6) serialization, which zeroio does not read. "
+            "Re-save it with torch.save (zip format).",
+            path=path,
+        )
     path, records = archive.path, archive.records
     unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
     tree = _unpickle(unpickler, path)
