@@ -105,6 +105,22 @@ def test_fixture_from_url_equals_local(s3, tmp_path, name):
     assert zeroio.verify(url, tmp_path / "local").ok
 
 
+@pytest.mark.parametrize("name", ["legacy_z2_ws2_fp32", "legacy_z3_ws2_bf16"])
+def test_legacy_stream_from_url_equals_local(s3, tmp_path, name):
+    """Rank files saved with torch's legacy (non-zip) serialization read from s3:// exactly as from disk."""
+    local = FIXTURES / "layouts" / name
+    url = s3.upload_tree(local, "layouts", name)
+    with zeroio.open(local) as expected, zeroio.open(url) as remote:
+        assert remote.metadata.serialization == "legacy" and list(remote.keys()) == list(expected.keys())
+        for key in expected:
+            a, b = expected[key], remote[key]
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
+    zeroio.convert(local, tmp_path / "local", progress=False)
+    zeroio.convert(url, tmp_path / "remote", progress=False)
+    assert _sha256_tree(tmp_path / "remote") == _sha256_tree(tmp_path / "local")
+
+
 def test_load_from_url_equals_local(s3):
     """zeroio.load from a URL fills a model exactly as from the local folder."""
     name = "z3_ws2_fp32"
