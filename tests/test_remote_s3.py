@@ -366,6 +366,26 @@ def test_cli_inspect_convert_verify_accept_urls(s3, tmp_path, capsys):
     assert "already holds" in capsys.readouterr().err
 
 
+def test_cli_push_and_reshard_accept_urls(s3, tmp_path, capsys, hub_server, hub_api, xet_disabled, monkeypatch):
+    """``zeroio push s3://...`` uploads what a local push would; ``zeroio reshard s3://... DST`` writes the files a
+    local reshard writes (credentials from the environment, as for inspect/convert/verify)."""
+    name = "z3_ws2_fp32"
+    url, local = f"s3://fixtures/{name}", FIXTURES / name
+    monkeypatch.setenv("HF_TOKEN", DEFAULT_TOKEN)
+    zeroio.convert(local, tmp_path / "ref", progress=False)
+    repo = f"{DEFAULT_USER}/cli-from-s3"
+    assert main(["push", url, repo, "--quiet"]) == 0
+    assert repo in capsys.readouterr().out
+    assert hub_server.read_file(repo, "model.safetensors") == (tmp_path / "ref" / "model.safetensors").read_bytes()
+
+    zeroio.reshard(local, tmp_path / "ws3_ref", world_size=3)
+    assert main(["reshard", url, str(tmp_path / "ws3"), "--world-size", "3", "--quiet"]) == 0
+    tag = (tmp_path / "ws3_ref" / "latest").read_text().strip()
+    assert (tmp_path / "ws3" / "latest").read_text().strip() == tag
+    assert _sha256_tree(tmp_path / "ws3" / tag) == _sha256_tree(tmp_path / "ws3_ref" / tag)
+    assert len(_sha256_tree(tmp_path / "ws3" / tag)) >= 6  # model and optimizer states of 3 ranks
+
+
 def test_http_url_of_one_file(hub_server, hub_api, xet_disabled, tmp_path):
     """A plain-HTTP URL names one file (a web server has no listing): a safetensors file served with Range support
     (here the Hub's resolve URL, redirected to its CDN) converts to the same bytes."""
