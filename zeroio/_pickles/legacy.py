@@ -191,7 +191,11 @@ def read_storage_keys(window: PickleWindow, path: Path) -> list[str]:
 
 def index_storages(
     read: Callable[[int, int], bytes],
-    path: Path, size: int, start: int, keys: list[str], storages: dict[str, tuple[int, int]]
+    path: Path,
+    size: int,
+    start: int,
+    keys: list[str],
+    storages: dict[str, tuple[int, int]],
 ) -> dict[str, int]:
     """``{key: byte offset of its data}``, hopping over each ``(count, bytes)`` record from ``start``.
 

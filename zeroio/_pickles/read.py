@@ -239,10 +239,11 @@ def load_pickle(
     that reads them. Raises a :mod:`zeroio.errors` exception for anything that is
     not a well-formed torch checkpoint or asks for a global outside the allowlist.
     """
-    archive = read_archive(as_path(path))
+    path = as_path(path)
+    archive = read_archive(path)
     if archive is None:
         if legacy:
-            return _load_legacy(as_path(path), trusted_globals)
+            return _load_legacy(path, trusted_globals)
         raise UnsupportedCheckpointError(
             f"'{path}' uses torch's legacy (pre-1.6) serialization, which zeroio does not read. "
             "Re-save it with torch.save (zip format).",
