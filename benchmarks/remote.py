@@ -6,8 +6,8 @@ uploads a checkpoint, then alternates, each in a fresh process:
 - ``direct``: ``zeroio convert s3://bench/run OUT`` (ranged reads of the weights and pickles only);
 - ``download``: ``s3fs`` ``get`` of the whole folder to local disk, then ``zeroio convert LOCAL OUT``.
 
-Reports wall seconds, bytes the server sent (the proxy's accounting), each child's peak RSS, and the ratios
-direct / download. Usage::
+Reports wall seconds, bytes and GET requests the server served (the proxy's accounting), each child's peak RSS,
+the machine's load average after each run, and the ratios direct / download. Usage::
 
     python benchmarks/remote.py --repeats 3 --json benchmarks/results/remote.json          # ~38 MB checkpoint
     python benchmarks/remote.py --checkpoint /tmp/zeroio-bench/gpt-125M --repeats 3         # a bigger one
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.accounting.reset()
                 seconds, peak = _run(cmd, env)
                 row = {"method": method, "seconds": seconds, "served_bytes": server.accounting.body_bytes,
-                       "peak_rss_mib": round(peak / 2**20, 1)}  # fmt: skip
+                       "gets": server.accounting.gets, "peak_rss_mib": round(peak / 2**20, 1),
+                       "load_average_1min": round(os.getloadavg()[0], 2)}  # fmt: skip
                 runs.append(row)
                 print(json.dumps(row), flush=True)
                 shutil.rmtree(out, ignore_errors=True)
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             mine = [r for r in runs if r["method"] == method]
             summary[f"{method}_median_s"] = statistics.median(float(r["seconds"]) for r in mine)
             summary[f"{method}_served_bytes"] = int(statistics.median(int(r["served_bytes"]) for r in mine))
+            summary[f"{method}_gets"] = int(statistics.median(int(r["gets"]) for r in mine))
             summary[f"{method}_peak_rss_mib"] = max(float(r["peak_rss_mib"]) for r in mine)
         summary["time_ratio_direct_over_download"] = summary["direct_median_s"] / summary["download_median_s"]
         summary["bytes_ratio_direct_over_download"] = summary["direct_served_bytes"] / summary["download_served_bytes"]

@@ -111,12 +111,12 @@ class S3Server:
                 if fault == "truncate":
                     data = data[: len(data) // 2]
                     self.close_connection = True
-                self.wfile.write(data)
-                if self.command == "GET":
+                if self.command == "GET":  # counted before the body goes out: once read, the client may reset
                     with server.accounting.lock:
                         server.accounting.gets += 1
                         server.accounting.body_bytes += len(data)
                         server.accounting.ranges.append((self.path, self.headers.get("Range") or ""))
+                self.wfile.write(data)
                 return None
 
             def _error(self, status: int, code: str, message: str) -> None:

@@ -154,25 +154,21 @@ def test_existing_folder_with_a_file_like_name_is_still_a_folder(tmp_path):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["push", "hf://bucket/x", "me/model"],
-        ["reshard", "s3://bucket/x", "out", "--world-size", "2"],
+        ["push", "gs://bucket/x", "me/model"],
+        ["reshard", "gs://bucket/x", "out", "--world-size", "2"],
     ],
     ids=["push", "reshard"],
 )
-def test_remote_source_is_not_supported_yet(tmp_path, monkeypatch, capsys, argv):
-    """A URL is named as typed (not folded into 's3:/bucket/x') and said to be unsupported, in one line.
-
-    inspect, convert and verify read URLs: tests/test_remote_*.py."""
+def test_remote_source_is_read_as_a_url(tmp_path, monkeypatch, capsys, argv):
+    """push and reshard read URL sources (tests/test_remote_s3.py reads them): a URL is named as typed (not folded
+    into 'gs:/bucket/x'), here with its backend missing, in one line, and nothing is written locally."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
     url = next(a for a in argv if "://" in a)
     assert main(argv) == 1
     assert capsys.readouterr() == (
         "",
-        (
-            f"Unsupported checkpoint: '{url}' is a URL; this command reads local paths only (inspect, convert and "
-            f"verify read URLs). Convert it to a local folder first (zeroio convert URL DST), or download or mount "
-            f"it.\n{HINT}\n"
-        ),
+        f"Error: Reading '{url}' needs the 'gcsfs' package, which is not installed: pip install 'zeroio[gcs]'\n{HINT}\n",
     )
     assert list(tmp_path.iterdir()) == []
 

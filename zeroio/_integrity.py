@@ -137,6 +137,17 @@ class CheckedFile:
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         return self.source.read_bytes(offset, nbytes)
 
+    def read_header(self, offset: int, nbytes: int, record_end: int) -> bytes:
+        """A record's local header, read just before the record's data (which ends by ``record_end``).
+
+        A read-ahead source (remote) fences ``record_end`` and fetches the header with the data after it in one
+        request; a local file reads the header alone.
+        """
+        if isinstance(self.source, Fenced):
+            self.source.fence(record_end)
+            return self.source.read_ahead(offset, nbytes)
+        return self.source.read_bytes(offset, nbytes)
+
     def close(self) -> None:
         self.source.close()
 

@@ -53,7 +53,7 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     ),
 }
 _ALIASES = {"s3a": "s3", "gcs": "gs", "https": "http"}
-_CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_")
+_CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_", "STORAGE_EMULATOR_HOST", "GCSFS_")
 # HfFileSystem inherits fsspec's cat_file, which opens a file with a read-ahead cache (5 MB past each read, the
 # Adam moments after the weights); without a cache each read is one request for exactly its range.
 _EXACT_READS: dict[str, dict[str, Any]] = {"hf": {"cache_type": "none"}}

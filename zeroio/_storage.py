@@ -76,6 +76,11 @@ class Fenced(Protocol):
         """Never read ahead across ``offset``."""
         ...
 
+    def read_ahead(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` at ``offset``, fetched with the bytes after them up to the next fence (a record's header,
+        read just before its data: one request for both)."""
+        ...
+
 
 ByteRange = tuple[ByteSource, int, int]
 """``(source, offset, nbytes)``: a run of stored bytes; a tensor's bytes are the concatenation of its ranges."""

@@ -6,17 +6,19 @@
 
 from __future__ import annotations
 
+import bisect
 import stat
 import struct
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from .._dtypes import DType
 from .._integrity import CheckedFile
 from .._storage import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
+from .legacy import is_legacy_head
 from .limits import MAX_PICKLE_BYTES
 
 if TYPE_CHECKING:
@@ -141,6 +143,7 @@ class RankFile:
     size: int = 0
     legacy_offsets: dict[str, int] | None = field(default=None, repr=False)
     """For a legacy (non-zip) stream: each storage's data offset, indexed at parse time (see ``.legacy``)."""
+    _header_starts: list[int] | None = field(default=None, init=False, repr=False)
     source: CheckedFile = field(init=False, repr=False)
     """The file's bytes; reads of zip storage records are checked against their CRC-32 (``zeroio._integrity``).
     A legacy stream has no CRC: no record is registered, so nothing is checked."""
@@ -177,7 +180,7 @@ class RankFile:
                 "Copy the rank file again from where it was saved.",
                 path=self.path,
             )
-        header = self.source.read_bytes(info.header_offset, _LOCAL_HEADER.size)
+        header = self.source.read_header(info.header_offset, _LOCAL_HEADER.size, self._record_end(info))
         if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
             raise CheckpointFormatError(
                 f"Corrupted zip entry for storage '{key}' in '{self.path}'. Copy the rank file again.",
@@ -188,6 +191,14 @@ class RankFile:
         self._expect_crc(info, offset)
         self._data_offsets[key] = offset
         return offset
+
+    def _record_end(self, info: zipfile.ZipInfo) -> int:
+        """Where the record starting at ``info.header_offset`` ends at the latest: the next storage record's header
+        (only small records and the zip directory follow the last one)."""
+        if self._header_starts is None:
+            self._header_starts = sorted(int(i.header_offset) for i in self._records.values())
+        i = bisect.bisect_right(self._header_starts, int(info.header_offset))
+        return self._header_starts[i] if i < len(self._header_starts) else self.source.size
 
     def _expect_crc(self, info: zipfile.ZipInfo, offset: int) -> None:
         """Tell the byte source where record ``info``'s data lies and its stored CRC, before any read of it."""
@@ -247,15 +258,14 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
-def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo]) -> None:
-    """A remote file (``zeroio._remote``) fetches the pickle's entry in one request instead of four; never past the
-    next record, so no tensor byte is fetched."""
+def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo], directory: int) -> None:
+    """A remote file (``zeroio._remote``) fetches the pickle's whole record (header, name, padding, ``data.pkl``) in
+    one request: from its header to the next record's (or the zip directory), so no tensor byte is fetched."""
     prefetch = getattr(fh, "prefetch", None)
     if prefetch is not None:
-        name_and_extra = len(record.filename.encode()) + len(record.extra) + 64  # the local extra may be padded more
-        upper = record.header_offset + 30 + name_and_extra + record.compress_size
+        upper = record.header_offset + 30 + 0xFFFF * 2 + record.compress_size  # name and local extra: 64 KiB each
         after = [i.header_offset for i in infos if i.header_offset > record.header_offset]
-        prefetch(record.header_offset, min([upper, *after]))
+        prefetch(record.header_offset, min([upper, directory, *after]))
 
 
 def check_pickle_record(info: zipfile.ZipInfo, path: Path) -> None:
@@ -277,32 +287,45 @@ def check_pickle_record(info: zipfile.ZipInfo, path: Path) -> None:
         )
 
 
-def read_archive(path: Path) -> Archive:
-    """Read the zip directory and the pickle of a ``torch.save`` file.
+def _check_signature(fh: IO[bytes], path: Path, size: int) -> bool:
+    """True for a zip signature, False for a legacy torch stream (a pickle); anything else is refused."""
+    fh.seek(0)
+    magic = fh.read(4)
+    if magic[:2] == b"PK":
+        return True
+    if is_legacy_head(magic):
+        return False
+    raise CheckpointFormatError(
+        f"'{path}' is not a torch checkpoint (no zip signature; {size} bytes). "
+        "Point zeroio at a DeepSpeed checkpoint folder or a file written by torch.save.",
+        path=path,
+    )
 
-    Raises a :mod:`zeroio.errors` exception for anything that is not a well-formed torch zip archive.
+
+def read_archive(path: Path) -> Archive | None:
+    """Read the zip directory and the pickle of a ``torch.save`` file; None for torch's legacy (non-zip) stream.
+
+    The zip is parsed before the file's first bytes are checked: a remote file then fetches its end records, its
+    directory and its pickle record (from byte 0) in three requests, and the signature check reads the cached
+    pickle record instead of a fourth. Raises a :mod:`zeroio.errors` exception for anything that is not a
+    well-formed torch zip archive.
     """
     try:
         require_regular_file(path)
         size = path.stat().st_size
         with path.open("rb") as fh:
-            magic = fh.read(4)
-            if magic[:2] != b"PK":
-                if magic[:1] == b"\x80":
-                    raise UnsupportedCheckpointError(
-                        f"'{path}' uses torch's legacy (pre-1.6) serialization, which zeroio does not read. "
-                        "Re-save it with torch.save (zip format).",
-                        path=path,
-                    )
-                raise CheckpointFormatError(
-                    f"'{path}' is not a torch checkpoint (no zip signature; {size} bytes). "
-                    "Point zeroio at a DeepSpeed checkpoint folder or a file written by torch.save.",
-                    path=path,
-                )
-            fh.seek(0)
-            archive = zipfile.ZipFile(fh)
+            try:
+                archive = zipfile.ZipFile(fh)
+            except Exception:  # not a zip: the first bytes say what it is
+                if not _check_signature(fh, path, size):
+                    return None
+                raise
             infos = archive.infolist()
             pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pickles) == 1 and pickles[0].compress_size <= MAX_PICKLE_BYTES:
+                _prefetch(fh, pickles[0], infos, int(getattr(archive, "start_dir", size)))
+            if not _check_signature(fh, path, size):
+                return None
             if len(pickles) != 1:
                 raise CheckpointFormatError(
                     f"'{path}' is a zip file but not a torch checkpoint (found {len(pickles)} data.pkl records). "
@@ -321,7 +344,6 @@ def read_archive(path: Path) -> Archive:
                         )
                     records[info.filename[len(root) + len("data/") :]] = info
             check_pickle_record(pickles[0], path)
-            _prefetch(fh, pickles[0], infos)
             data = archive.read(pickles[0])
     except ZeroIOError:
         raise

@@ -10,19 +10,21 @@ writes one stream: five pickles, then the storages' raw bytes::
 
 Nothing here runs pickle code: the header and key-list pickles may name no global at all, and the object tree is
 read by :mod:`.read`'s restricted unpickler through a :class:`PickleWindow`, which reads exactly the bytes the
-pickle asks for (never a tensor's) and no more than :data:`~.limits.MAX_PICKLE_BYTES`. The storages are then
+pickle asks for (never a tensor's; from a remote file, in pieces of a fixed size instead, one request each) and
+no more than :data:`~.limits.MAX_PICKLE_BYTES`. The storages are then
 indexed by hopping over their 8-byte counts, so opening a file reads ``8 * storages`` bytes past the pickles.
 The format carries no checksum: unlike zip records, nothing can be CRC-checked.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._storage import ByteSource
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .limits import MAX_PICKLE_BYTES
 
@@ -56,12 +58,33 @@ class PickleWindow:
     the pickle ended. A pickle that asks for more than :data:`MAX_PICKLE_BYTES` in all is refused.
     """
 
-    def __init__(self, fd: int, path: Path, size: int, position: int = 0) -> None:
-        self._fd = fd
+    def __init__(self, source: ByteSource, path: Path, size: int, position: int = 0, chunk: int = 0) -> None:
+        self._source = source
         self._path = path
         self._size = size
         self.position = position
         self._limit = position + MAX_PICKLE_BYTES
+        self._chunk = chunk
+        self._buffer = b""
+        self._buffer_at = 0
+
+    def pread(self, at: int, n: int) -> bytes:
+        """``n`` bytes at ``at`` (fewer at the end): exact reads, or served from pieces of ``chunk`` bytes when a
+        request costs a round trip (a remote file: its pickles then come in one or two requests, not one per
+        opcode; the piece may run past the pickles into the storages that follow)."""
+        if not self._chunk:
+            return self._source.read_bytes(at, n)
+        out = bytearray()
+        while n > 0 and at < self._size:
+            if not self._buffer_at <= at < self._buffer_at + len(self._buffer):
+                self._buffer, self._buffer_at = self._source.read_bytes(at, min(self._chunk, self._size - at)), at
+                if not self._buffer:
+                    break
+            piece = self._buffer[at - self._buffer_at : at - self._buffer_at + n]
+            out += piece
+            at += len(piece)
+            n -= len(piece)
+        return bytes(out)
 
     def _take(self, n: int) -> int:
         if n < 0:
@@ -75,12 +98,12 @@ class PickleWindow:
         return min(n, max(0, self._size - self.position))
 
     def read(self, n: int = -1) -> bytes:
-        data = os.pread(self._fd, self._take(n), self.position) if n else b""
+        data = self.pread(self.position, self._take(n)) if n else b""
         self.position += len(data)
         return data
 
     def readline(self, n: int = -1) -> bytes:
-        chunk = os.pread(self._fd, self._take(min(_MAX_LINE, n) if n >= 0 else _MAX_LINE), self.position)
+        chunk = self.pread(self.position, self._take(min(_MAX_LINE, n) if n >= 0 else _MAX_LINE))
         end = chunk.find(b"\n")
         line = chunk if end < 0 else chunk[: end + 1]
         self.position += len(line)
@@ -167,13 +190,18 @@ def read_storage_keys(window: PickleWindow, path: Path) -> list[str]:
 
 
 def index_storages(
-    fd: int, path: Path, size: int, start: int, keys: list[str], storages: dict[str, tuple[int, int]]
+    read: Callable[[int, int], bytes],
+    path: Path,
+    size: int,
+    start: int,
+    keys: list[str],
+    storages: dict[str, tuple[int, int]],
 ) -> dict[str, int]:
     """``{key: byte offset of its data}``, hopping over each ``(count, bytes)`` record from ``start``.
 
     ``storages`` is ``{key: (element count the pickle declared, bytes per element)}``. Every record's count must
     equal the declared one and fit the file; the records must be exactly the declared storages and end the file.
-    Reads 8 bytes per storage.
+    Reads 8 bytes per storage, with ``read(offset, nbytes)``.
     """
     if set(keys) != set(storages):
         missing = sorted(set(storages) - set(keys))[:3]
@@ -187,7 +215,7 @@ def index_storages(
     at = start
     for key in keys:
         numel, each = storages[key]
-        head = os.pread(fd, _COUNT.size, at) if at + _COUNT.size <= size else b""
+        head = read(at, _COUNT.size) if at + _COUNT.size <= size else b""
         if len(head) != _COUNT.size:
             raise CheckpointFormatError(
                 f"'{path}' is truncated: it ends at byte {size}, before storage '{key}' (expected at byte {at}). "

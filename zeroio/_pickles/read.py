@@ -15,10 +15,11 @@ from typing import Any
 
 from .._dtypes import DType
 from .._remote import as_path
+from .._storage import Fenced, LocalFile, open_source
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
-from .archive import RankFile, Storage, TensorRef, itemsize, read_archive, require_regular_file
-from .legacy import PickleWindow, index_storages, is_legacy_head, read_legacy_header, read_storage_keys
+from .archive import RankFile, Storage, TensorRef, itemsize, read_archive
+from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH
 from .standins import Device, Inert, Size, inert_class
 
@@ -197,34 +198,32 @@ def _check_unchanged(unpickler: _RestrictedUnpickler, path: Path) -> None:
             )
 
 
-def _is_legacy(path: Path) -> bool:
-    try:
-        require_regular_file(path)
-        with path.open("rb") as fh:
-            return is_legacy_head(fh.read(1))
-    except (OSError, ZeroIOError):
-        return False  # read_archive names the problem
+LEGACY_REMOTE_CHUNK = 2**20
+"""A remote legacy stream's pickles are read in pieces this large: one request each instead of one per pickle
+opcode (a file this small in one request; the piece past the pickles is the start of the storages)."""
 
 
 def _load_legacy(path: Path, trusted: frozenset[str]) -> tuple[Any, RankFile]:
     """A legacy stream: header, object tree and key list read through a window; storages indexed by offset."""
-    if not isinstance(path, Path):  # a RemotePath
-        raise UnsupportedCheckpointError(
-            f"'{path}' uses torch's legacy (non-zip) serialization, which zeroio reads from local files only: "
-            "download the tag folder and open it locally.",
-            path=path,
-        )
-    with open(path, "rb") as fh:
-        fd, size = fh.fileno(), os.fstat(fh.fileno()).st_size
-        window = PickleWindow(fd, path, size)
+    size = path.stat().st_size
+    source = open_source(path, size)
+    try:
+        window = PickleWindow(source, path, size, chunk=0 if isinstance(path, Path) else LEGACY_REMOTE_CHUNK)
         read_legacy_header(window, path)
         unpickler = _RestrictedUnpickler(window, path, trusted, legacy=True)
         tree = _unpickle(unpickler, path)
         _check_unchanged(unpickler, path)
         keys = read_storage_keys(window, path)
         declared = {k: (s.numel, itemsize(s.dtype)) for k, s in unpickler.storages.items()}
-        offsets = index_storages(fd, path, size, window.position, keys, declared)
+        offsets = index_storages(window.pread, path, size, window.position, keys, declared)
+    finally:
+        if isinstance(source, LocalFile):
+            source.close()  # a remote file is shared with the RankFile below: what it fetched stays cached
     file = RankFile(path, size=size, legacy_offsets=offsets)
+    if isinstance(file.source.source, Fenced):  # never read ahead from one storage into the next (the moments)
+        for key, offset in offsets.items():
+            numel, each = declared[key]
+            file.source.source.fence(offset + numel * each)
     return _bind(tree, file), file
 
 
@@ -240,9 +239,16 @@ def load_pickle(
     that reads them. Raises a :mod:`zeroio.errors` exception for anything that is
     not a well-formed torch checkpoint or asks for a global outside the allowlist.
     """
-    if legacy and _is_legacy(as_path(path)):
-        return _load_legacy(as_path(path), trusted_globals)
-    archive = read_archive(as_path(path))
+    path = as_path(path)
+    archive = read_archive(path)
+    if archive is None:
+        if legacy:
+            return _load_legacy(path, trusted_globals)
+        raise UnsupportedCheckpointError(
+            f"'{path}' uses torch's legacy (pre-1.6) serialization, which zeroio does not read. "
+            "Re-save it with torch.save (zip format).",
+            path=path,
+        )
     path, records = archive.path, archive.records
     unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
     tree = _unpickle(unpickler, path)

@@ -167,8 +167,7 @@ TOKEN_ON_COMMAND_LINE_WARNING = (
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    """Push a checkpoint (converted on the fly) or a converted folder to the Hugging Face Hub."""
-    _args.refuse_remote(args.src)
+    """Push a checkpoint (converted on the fly) or a converted folder, local or at a URL, to the Hugging Face Hub."""
     if args.token is not None:  # issue 15: a token in argv is readable by other users (ps, /proc, history)
         print(TOKEN_ON_COMMAND_LINE_WARNING, file=sys.stderr)
     result = zeroio.push_to_hub(
@@ -194,7 +193,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     """Rewrite a ZeRO-3 checkpoint for another data-parallel world size (DeepSpeed resumes from it)."""
-    _args.refuse_remote(args.src, output=args.dst)
+    _args.refuse_remote_output(args.dst)  # the source may be a URL (docs/remote.md)
     result = zeroio.reshard(
         args.src,
         args.dst,

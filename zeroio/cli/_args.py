@@ -72,21 +72,13 @@ def running_under_torchrun() -> bool:
     return all(os.environ.get(name) for name in TORCHRUN_ENV)
 
 
-def refuse_remote(*paths: str | None, output: str | None = None) -> None:
-    """Raise for ``s3://``-style URLs where a command needs a local path: every output, and the sources of
-    ``push`` and ``reshard`` (``inspect``, ``convert`` and ``verify`` read URLs: docs/remote.md).
+def refuse_remote_output(output: str) -> None:
+    """Raise for an ``s3://``-style URL where a command writes local folders only (``reshard``; ``convert`` writes
+    to URLs and every command reads them: docs/remote.md).
 
-    Without this, ``pathlib`` folds ``s3://bucket/x`` into ``s3:/bucket/x`` and the user is told that a path they
-    never typed does not exist (or, for an output, a local folder named ``s3:`` appears).
+    Without this, ``pathlib`` folds ``s3://bucket/x`` into ``s3:/bucket/x`` and a local folder named ``s3:`` appears.
     """
-    for path in paths:
-        if path is not None and _URL.match(path):
-            raise errors.UnsupportedCheckpointError(
-                f"'{path}' is a URL; this command reads local paths only (inspect, convert and verify read URLs). "
-                "Convert it to a local folder first (zeroio convert URL DST), or download or mount it.",
-                path=path,
-            )
-    if output is not None and _URL.match(output):
+    if _URL.match(output):
         raise errors.OutputError(
             f"'{output}' is a URL; writing to remote storage is not supported yet. Write to a local path and "
             "upload it (zeroio push uploads to the Hugging Face Hub).",
