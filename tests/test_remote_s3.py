@@ -7,6 +7,7 @@ with the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -364,6 +365,28 @@ def test_cli_inspect_convert_verify_accept_urls(s3, tmp_path, capsys):
     assert _s3_tree(s3, "outputs", "cli") == _sha256_tree(tmp_path / "out")
     assert main(["convert", url, "s3://outputs/cli", "--quiet"]) == 1  # an existing destination, without --overwrite
     assert "already holds" in capsys.readouterr().err
+
+
+def test_convert_from_url_imports_no_torch(s3, tmp_path):
+    """``zeroio convert s3://...`` as stored and cast to bf16 runs with torch, safetensors, huggingface_hub and tqdm
+    refused at import (tests/torch_free_worker.py), and writes exactly the local conversion's bytes."""
+    name = "z3_ws2_bf16"
+    url = f"s3://fixtures/{name}"
+    cases = {"stored": ["convert", url, "--quiet"], "bf16": ["convert", url, "--quiet", "--dtype", "bf16"]}
+    refused = "torch,safetensors,huggingface_hub,tqdm"
+    worker = Path(__file__).with_name("torch_free_worker.py")
+    proc = subprocess.run(
+        [sys.executable, str(worker), refused, str(tmp_path / "tf"), json.dumps(cases)],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["asked"] == [] and report["loaded"] == []
+    for case, dtype in (("stored", None), ("bf16", "bf16")):
+        result = report["cases"][case]
+        assert result["code"] == 0, result["stderr"]
+        zeroio.convert(FIXTURES / name, tmp_path / case, dtype=dtype, progress=False)
+        assert result["files"] == _sha256_tree(tmp_path / case)
 
 
 def test_cli_push_and_reshard_accept_urls(s3, tmp_path, capsys, hub_server, hub_api, xet_disabled, monkeypatch):

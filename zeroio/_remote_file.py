@@ -29,11 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._storage import tensor_bytes
+from ._storage import writable_bytes
 from .errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Buffer
 
 __all__ = ["COALESCE_BYTES", "MAX_IN_FLIGHT", "PART_BYTES", "SMALL_FILE_BYTES", "RemoteFile", "call_with_retries"]
 
@@ -125,7 +126,12 @@ class _Segment:
 
 
 class RemoteFile:
-    """One remote object read with bounded, coalesced, retried ranged requests (see the module doc)."""
+    """One remote object read with bounded, coalesced, retried ranged requests (see the module doc).
+
+    ``read_into`` fills tensors and plain buffers alike (``reads_buffers``), so converting from a URL needs no torch.
+    """
+
+    reads_buffers = True
 
     def __init__(self, url: str, fetch: Callable[[int, int], bytes], size: int, fix_auth: str) -> None:
         self._url = url
@@ -197,8 +203,9 @@ class RemoteFile:
             while sum(len(d) for _, d in self._metadata) > METADATA_CACHE_BYTES and len(self._metadata) > 1:
                 self._metadata.pop(0)
 
-    def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
-        nbytes = out.numel() * out.element_size()
+    def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
+        view = writable_bytes(out)  # a tensor, or a plain buffer (the torch-free convert path)
+        nbytes = len(view)
         if nbytes == 0:
             return
         if offset + nbytes > self._size:
@@ -207,7 +214,7 @@ class RemoteFile:
                 "the object is truncated. Upload it again from where it was saved.",
                 path=self._url,
             )
-        self._read(offset, tensor_bytes(out))
+        self._read(offset, view)
 
     def read_ahead(self, offset: int, nbytes: int) -> bytes:
         """``nbytes`` at ``offset`` fetched as a data read: with the bytes after it, up to the next fence.
