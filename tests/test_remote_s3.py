@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -337,6 +338,25 @@ def test_truncated_object_is_a_format_error_naming_the_url(s3):
     with pytest.raises(CheckpointFormatError) as excinfo, zeroio.open("s3://cut/z2") as ckpt:
         ckpt.state_dict()
     assert f"s3://cut/z2/{tag}/{rank.name}" in str(excinfo.value)
+
+
+def test_rank_files_fetched_together_fail_as_one_by_one(s3, tmp_path):
+    """Remote rank files' metadata is fetched concurrently; with two corrupted files the error is still the first
+    file's, exactly as opening the same folder locally (one file after another) reports it."""
+    local = tmp_path / "z3"
+    shutil.copytree(FIXTURES / "z3_ws4_fp32", local)
+    tag = (local / "latest").read_text().strip()
+    for rank in (1, 3):  # the first is an optimizer file, the second a later model file
+        kind = "optim" if rank == 1 else "model"
+        path = local / tag / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+        path.write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(CheckpointFormatError) as at_home:
+        zeroio.open(local)
+    s3.upload_tree(local, "twocut", "z3")
+    with pytest.raises(CheckpointFormatError) as remote:
+        zeroio.open("s3://twocut/z3")
+    assert str(remote.value) == str(at_home.value).replace(str(local), "s3://twocut/z3")
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in str(remote.value)
 
 
 def test_missing_object_is_not_found(s3):

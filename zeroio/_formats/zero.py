@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from .._dtypes import BFLOAT16, FLOAT32, DType
 from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
-from .._remote import as_path
+from .._remote import as_path, is_url
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .autoep import AutoEP, autoep_trainable, is_autoep
 from .mics import check_mics_replicas, mics_shard_group, zero_variant_metadata
@@ -119,6 +120,10 @@ class ZeroCheckpoint(PlannedCheckpoint):
         PlannedCheckpoint.verify_crc.fset(self, on)  # type: ignore[attr-defined]
 
 
+_REMOTE_PARSERS = 8
+"""Remote rank files whose metadata is fetched at once while opening (each holds a few small requests)."""
+
+
 class _RankFiles:
     """The rank files unpickled while opening (restricted, lazy), kept open for the checkpoint's lifetime."""
 
@@ -132,6 +137,31 @@ class _RankFiles:
         self.opened.append(file)
         self.trees[path] = tree
         return tree
+
+    def parse_all(self, paths: Sequence[Path]) -> list[Any]:
+        """Each path's tree, in order; remote files are fetched concurrently.
+
+        Reading a remote rank file's metadata takes a few dependent round trips (end records, directory, pickle);
+        one file after another, an 8-rank checkpoint's 16 files would wait ~50 of them in a row. Errors are raised
+        as the one-by-one order would raise them: the first failing path's, once every fetch has ended.
+        """
+        if len(paths) < 2 or not any(is_url(str(p)) for p in paths):
+            return [self.parse(p) for p in paths]
+        with ThreadPoolExecutor(min(_REMOTE_PARSERS, len(paths)), thread_name_prefix="zeroio-pickle") as pool:
+            futures = [pool.submit(load_pickle, p, trusted_globals=self.trusted_globals, legacy=True) for p in paths]
+        trees, failure = [], None
+        for path, future in zip(paths, futures):
+            error = future.exception()
+            if error is not None:
+                failure = failure or error
+                continue
+            tree, file = future.result()
+            self.opened.append(file)  # closed with the others, whether or not a later file fails
+            self.trees[path] = tree
+            trees.append(tree)
+        if failure is not None:
+            raise failure
+        return trees
 
 
 def open_zero(
@@ -181,8 +211,9 @@ def _open_partitioned(
     # 3. Validate: parameter shapes, one save's rank files each under its own name, then every rank's optimizer
     #    state (stage, world size, fp32 partitions).
     shapes = param_shapes(states)
-    optim_trees = [rank_files.parse(p) for p in layout.optim_files]
-    model_trees = [states.tree] + [rank_files.parse(p) for p in layout.model_files[1:]]
+    trees = rank_files.parse_all([*layout.optim_files, *layout.model_files[1:]])
+    optim_trees = trees[: len(layout.optim_files)]
+    model_trees = [states.tree, *trees[len(layout.optim_files) :]]
     _check_one_save(layout, model_trees, optim_trees)
     optim = optimizer_partitions(layout, optim_trees, states.tree.get(C.DS_CONFIG), tag_dir)
     swap = attach_swapped_state(optim, states, shapes, tag_dir)  # NVMe offload: swapped sub-groups' files
