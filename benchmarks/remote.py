@@ -29,7 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+import run as harness  # noqa: E402  (the convert benchmark's memory sampler)
 from s3_server import S3Server  # noqa: E402  (the tests' moto + proxy)
 
 DOWNLOAD_THEN_CONVERT = """
@@ -57,17 +59,22 @@ def small_checkpoint(work: Path) -> Path:
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Wall seconds and the child's own peak RSS in bytes (``wait4``'s rusage)."""
+    """Wall seconds and the child's own peak RSS in bytes (its ``VmHWM``, sampled by run.py's sampler).
+
+    Not ``wait4``'s ``ru_maxrss``: on Linux a child started by (v)fork + exec inherits its parent's high-water mark
+    at the exec, so every child would report at least this process's RSS (moto's server lives in it)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sampler = harness._Sampler(proc.pid)
+    sampler.start()
     assert proc.stderr is not None
     err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.wait()
     seconds = time.perf_counter() - t0
+    sampler.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[:4]} failed: {err[-2000:].decode(errors='replace')}")
-    return seconds, usage.ru_maxrss * 1024  # KiB on Linux
+    return seconds, sampler.peak_rss
 
 
 def main(argv: list[str] | None = None) -> int:
