@@ -91,9 +91,8 @@ def test_usage_error_starts_without_heavy_imports():
     assert "argument --dtype: invalid choice: 'fp8'" in proc.stderr
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["convert", "--help"]], ids=" ".join)
-def test_python_m_zeroio_imports_no_heavy_module(argv):
-    """``python -X importtime -m zeroio ...``: the interpreter's own import log names none of the heavy packages."""
+def _imported_by(argv: list[str]) -> list[str]:
+    """Every module ``python -X importtime -m zeroio ARGV`` imported, from the interpreter's own log."""
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "zeroio", *argv],
         capture_output=True,
@@ -102,7 +101,13 @@ def test_python_m_zeroio_imports_no_heavy_module(argv):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    return [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["convert", "--help"]], ids=" ".join)
+def test_python_m_zeroio_imports_no_heavy_module(argv):
+    """``python -X importtime -m zeroio ...``: the interpreter's own import log names none of the heavy packages."""
+    imported = _imported_by(argv)
     assert "zeroio.cli" in imported  # the log is the one expected, so an empty match below means something
     assert [m for m in imported if m.split(".")[0] in HEAVY] == []
 
@@ -112,15 +117,7 @@ def test_python_m_zeroio_convert_imports_no_heavy_module(cast, tmp_path):
     """``python -X importtime -m zeroio convert``: a conversion that needs no tensor arithmetic (bytes copied as
     stored, fp32 rounded to bf16 with numpy) imports none of the heavy packages (tests/test_convert_torch_free.py
     runs every fixture so)."""
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "zeroio", "convert", str(ZERO3), str(tmp_path / "out"), *cast],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    imported = _imported_by(["convert", str(ZERO3), str(tmp_path / "out"), *cast])
     assert any(m.endswith("._write_files") for m in imported)  # the log covers the conversion itself
     assert [m for m in imported if m.split(".")[0] in HEAVY] == []
     assert (tmp_path / "out" / "model.safetensors").is_file()
