@@ -35,16 +35,17 @@ def _free_port() -> int:
 
 @dataclass
 class Accounting:
-    """What the proxy relayed: GET requests and body bytes, per object key."""
+    """What the proxy relayed: GET requests and body bytes, per object key; the paths PUT, in order."""
 
     gets: int = 0
     body_bytes: int = 0
     ranges: list[tuple[str, str]] = field(default_factory=list)
+    puts: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self) -> None:
         with self.lock:
-            self.gets, self.body_bytes, self.ranges = 0, 0, []
+            self.gets, self.body_bytes, self.ranges, self.puts = 0, 0, [], []
 
 
 class S3Server:
@@ -106,6 +107,9 @@ class S3Server:
                         self.send_header(key, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if self.command == "PUT" and response.status < 300:
+                    with server.accounting.lock:
+                        server.accounting.puts.append(self.path.split("?", 1)[0])
                 if self.command == "HEAD":
                     return None
                 if fault == "truncate":

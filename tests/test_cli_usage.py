@@ -173,25 +173,10 @@ def test_remote_source_is_read_as_a_url(tmp_path, monkeypatch, capsys, argv):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", ["reshard"])  # convert writes to URLs (docs/remote.md): see the test below
-def test_remote_destination_is_not_supported_yet(tmp_path, monkeypatch, capsys, command):
-    """Writing to a URL is refused before reading; no local folder named 's3:' appears."""
-    monkeypatch.chdir(tmp_path)
-    extra = ["--world-size", "2"] if command == "reshard" else []
-    assert main([command, str(SRC), "s3://bucket/out", *extra]) == 1
-    assert capsys.readouterr() == (
-        "",
-        (
-            "Output error: 's3://bucket/out' is a URL; writing to remote storage is not supported yet. Write to a "
-            f"local path and upload it (zeroio push uploads to the Hugging Face Hub).\n{HINT}\n"
-        ),
-    )
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_remote_destination_without_credentials(tmp_path, monkeypatch, capsys):
-    """convert to a URL checks the destination before reading: refused credentials are one line naming the URL and
-    the variables to set; no local folder named 's3:' appears."""
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_remote_destination_without_credentials(tmp_path, monkeypatch, capsys, command):
+    """convert and reshard to a URL check the destination before reading: refused credentials are one line naming
+    the URL and the variables to set; no local folder named 's3:' appears."""
     pytest.importorskip("s3fs")
     monkeypatch.chdir(tmp_path)
     for key in [k for k in os.environ if k.startswith("AWS_")]:
@@ -199,7 +184,8 @@ def test_remote_destination_without_credentials(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    assert main(["convert", str(SRC), "s3://bucket/out"]) == 1
+    extra = ["--world-size", "2"] if command == "reshard" else []
+    assert main([command, str(SRC), "s3://bucket/out", *extra]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("Error: Access to 's3://bucket/out' was refused") and "AWS_ACCESS_KEY_ID" in err
     assert list(tmp_path.iterdir()) == []

@@ -25,7 +25,7 @@ from s3_server import S3Server
 
 import zeroio
 from zeroio.cli import main
-from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
+from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, OutputError, RemoteStorageError
 
 pytest.importorskip("s3fs")
 pytest_plugins = ["hub_fixtures"]
@@ -357,6 +357,49 @@ def test_rank_files_fetched_together_fail_as_one_by_one(s3, tmp_path):
         zeroio.open("s3://twocut/z3")
     assert str(remote.value) == str(at_home.value).replace(str(local), "s3://twocut/z3")
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in str(remote.value)
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under ``folder`` (nested: tag folders)."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["reshard", "universal"])
+def test_checkpoint_outputs_to_url_equal_local_and_upload_latest_last(s3, tmp_path, kind):
+    """reshard and convert(fmt="universal") write to s3:// exactly the files they write locally; the file DeepSpeed's
+    loader starts from (``latest`` / ``latest_universal``) is uploaded last, so nothing looks complete before the
+    rank files are there; a second write is refused without overwrite and replaces zeroio's own files with it."""
+    name, url = "z3_ws2_fp32", f"s3://outputs/{kind}"
+    src, remote_src = FIXTURES / name, f"s3://fixtures/{name}"
+    s3.upload_tree(tmp_path / "none", "outputs", "") if (tmp_path / "none").mkdir() is None else None
+    if kind == "reshard":
+        marker = "latest"
+
+        def write(source: object, dst: object, **kw: object) -> object:
+            return zeroio.reshard(source, dst, world_size=3, **kw)
+    else:
+        marker = "latest_universal"
+
+        def write(source: object, dst: object, **kw: object) -> object:
+            return zeroio.convert(source, dst, fmt="universal", progress=False, **kw)
+
+    write(src, tmp_path / "local")
+    s3.accounting.reset()
+    result = write(remote_src, url)
+    assert _s3_tree(s3, "outputs", kind) == _tree(tmp_path / "local")
+    puts = [p for p in s3.accounting.puts if p.startswith(f"/outputs/{kind}/")]
+    assert len(puts) == len(_tree(tmp_path / "local")) and puts[-1] == f"/outputs/{kind}/{marker}"
+    files = result.files  # type: ignore[attr-defined]
+    assert files and all(str(p).startswith(url + "/") for p in files)
+    with pytest.raises(OutputError, match="already holds"):
+        write(src, url)
+    write(src, url, overwrite=True)
+    assert _s3_tree(s3, "outputs", kind) == _tree(tmp_path / "local")
+    s3.client.put_object(Bucket="outputs", Key=f"{kind}/notes.txt", Body=b"mine")
+    with pytest.raises(OutputError, match="notes.txt"):
+        write(src, url, overwrite=True)
+    assert s3.client.get_object(Bucket="outputs", Key=f"{kind}/notes.txt")["Body"].read() == b"mine"
 
 
 def test_missing_object_is_not_found(s3):

@@ -298,8 +298,11 @@ def convert(
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
     check_progress(progress)
     if is_url(str(dst)):
-        if fmt not in ("safetensors", "torch") or distributed:
-            raise ValueError(f"A URL destination takes fmt='safetensors' or 'torch' without distributed, not {fmt!r}.")
+        if fmt == "lightning" or distributed:
+            raise ValueError(
+                "A URL destination takes fmt='safetensors', 'torch' or 'universal' without distributed, not "
+                f"fmt={fmt!r}{' with distributed=True' if distributed else ''}: write locally, then upload."
+            )
 
         def write_local(local: Path) -> ConvertResult:
             return convert(
@@ -311,11 +314,20 @@ def convert(
 
         from ._remote_output import write_to_url
 
-        local, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
-        at = {p.name: p for p in uploaded}
+        staged: list[Path] = []
+
+        def write_staged(local: Path) -> ConvertResult:
+            staged.append(local)
+            return write_local(local)
+
+        result, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_staged)
+
+        def remote(path: Path) -> Path:  # by its path inside the output: universal checkpoints nest their files
+            return uploaded[path.resolve().relative_to(staged[0].resolve()).as_posix()]
+
         return replace(
-            local, files=tuple(at[p.name] for p in local.files), copied=tuple(at[p.name] for p in local.copied),
-            index_path=at[local.index_path.name] if local.index_path is not None else None,
+            result, files=tuple(map(remote, result.files)), copied=tuple(map(remote, result.copied)),
+            index_path=remote(result.index_path) if result.index_path is not None else None,
         )  # fmt: skip
     src = with_storage_options(src, storage_options)
     dst_path = Path(dst)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import _constants as C
 from ._side_files import SIDE_FILES
 
-__all__ = ["LOCK_NAME", "foreign_entries", "is_output_name"]
+__all__ = ["LATEST_UNIVERSAL", "LOCK_NAME", "foreign_entries", "foreign_names", "is_output_name"]
 
 LOCK_NAME = ".zeroio-lock"
 """The file in a temporary output folder that its writer holds an ``flock`` on (see :mod:`zeroio._atomic`)."""
@@ -99,3 +100,29 @@ def foreign_entries(folder: Path) -> list[str]:
 def is_output_name(name: str) -> bool:
     """True for a top-level file name some zeroio writer produces (weights, indexes, side files, ``latest``)."""
     return bool(_OUTPUT_FILE.match(name)) or name in _TOP_FILES
+
+
+def foreign_names(names: Sequence[str]) -> list[str]:
+    """Which of an object-store prefix's object names (relative, ``/``-separated) no zeroio writer produces.
+
+    The same rules as :func:`foreign_entries`, on names alone: a store has objects, not folders or links.
+    """
+    top = {n for n in names if "/" not in n}
+    foreign: list[str] = []
+    for name in sorted(names):
+        parts = name.split("/")
+        if len(parts) == 1:
+            ok = bool(_OUTPUT_FILE.match(name)) or name in _TOP_FILES
+        elif LATEST_UNIVERSAL in top and parts[1] == "zero":  # convert(fmt="universal")'s tag folder
+            ok = (len(parts) == 3 and parts[2] == "optimizer_state.pt") or (
+                len(parts) == 4 and parts[3] in _UNIVERSAL_PARAM_FILES
+            )
+        elif len(parts) == 2 and LATEST_UNIVERSAL in top:
+            ok = bool(C.ZERO3_MODEL_FILE.match(parts[1]) or C.MODEL_FILE.match(parts[1]))
+        elif len(parts) == 2 and C.LATEST_FILE in top:  # reshard's tag folder: DeepSpeed rank files only
+            ok = bool(C.ZERO3_MODEL_FILE.match(parts[1]) or C.ZERO_OPTIM_FILE.match(parts[1]))
+        else:
+            ok = False
+        if not ok:
+            foreign.append(name)
+    return foreign

@@ -1,12 +1,13 @@
-"""Outputs at URLs (``s3://bucket/model``): built in a local staging folder, then uploaded, the index last.
+"""Outputs at URLs (``s3://bucket/model``): built in a local staging folder, then uploaded, the markers last.
 
 Object stores have no rename, so the local all-or-nothing engine cannot commit there. Instead the output is
 written locally (the atomic engine, unchanged), then each file is uploaded with the backend's ``put_file``
-(s3fs switches to a multipart upload for large files), side files and weights first and the
-``*.index.json`` last: nothing at the destination looks complete until every shard is there. On any failure
-the files zeroio uploaded (and only those) are removed. A destination prefix holding files is refused unless
-``overwrite``, and then only zeroio's own output names may be there and are replaced (as a local
-``overwrite`` does, ``_own_files.py``).
+(s3fs switches to a multipart upload for large files): side files, weights and rank files first, and last the
+files that say an output is complete (``*.index.json``; ``latest`` for a resharded DeepSpeed checkpoint,
+``latest_universal`` for a universal one, which is where DeepSpeed's loader starts): nothing at the destination
+looks complete until everything it names is there. On any failure the files zeroio uploaded (and only those) are
+removed. A destination prefix holding files is refused unless ``overwrite``, and then only zeroio's own output
+names may be there and are replaced (as a local ``overwrite`` does, ``_own_files.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ._own_files import is_output_name
+from . import _constants as C
+from ._own_files import LATEST_UNIVERSAL, foreign_names
 from ._remote import as_path, filesystem
 from ._remote_file import call_with_retries
 from .errors import CheckpointNotFoundError, OutputError
@@ -38,16 +40,24 @@ def _existing(fs: Any, key: str, url: str, fix_auth: str) -> list[str]:
     return sorted(str(k)[len(key) + 1 :] for k in found if str(k).startswith(key + "/"))
 
 
+def _is_marker(name: str) -> bool:
+    """A file that says its output is complete: it names (or leads a loader to) files that must already be there."""
+    return name.endswith(".index.json") or name in (C.LATEST_FILE, LATEST_UNIVERSAL)
+
+
 def _upload_order(staging: Path) -> list[Path]:
-    """Side files and weights first, then the indexes: an index names shards that are already there."""
+    """Side files, weights and rank files first, then the markers (indexes, ``latest``, ``latest_universal``)."""
     files = sorted(p for p in staging.rglob("*") if p.is_file())
-    return sorted(files, key=lambda p: (p.name.endswith(".index.json"), p.relative_to(staging).as_posix()))
+    return sorted(
+        files, key=lambda p: (_is_marker(p.relative_to(staging).as_posix()), p.relative_to(staging).as_posix())
+    )
 
 
 def write_to_url(
     url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, write: Callable[[Path], T]
-) -> tuple[T, list[Path]]:
-    """Run ``write(local_folder)``, then upload the folder to ``url``; returns its result and the uploaded paths.
+) -> tuple[T, dict[str, Path]]:
+    """Run ``write(local_folder)``, then upload the folder to ``url``; returns its result and the uploaded paths by
+    their names inside the folder (``/``-separated: ``global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt``).
 
     Raises:
         OutputError: the destination holds files (without ``overwrite``), files zeroio does not write (with it),
@@ -62,7 +72,7 @@ def write_to_url(
             "Pass overwrite=True (--overwrite) to replace zeroio's outputs there, or choose another prefix.",
             path=url,
         )
-    foreign = [name for name in existing if "/" in name or not is_output_name(name)]
+    foreign = foreign_names(existing)
     if foreign:
         raise OutputError(
             f"Refusing to overwrite '{url}': it holds files zeroio does not write ({', '.join(foreign[:5])}). "
@@ -76,8 +86,8 @@ def write_to_url(
         names = [p.relative_to(staging).as_posix() for p in files]
         uploaded: list[str] = []
         try:
-            # Old outputs go first (an old index must not name a mix of old and new shards), indexes first of all.
-            stale = sorted(existing, key=lambda n: not n.endswith(".index.json"))
+            # Old outputs go first (an old index must not name a mix of old and new shards), markers first of all.
+            stale = sorted(existing, key=lambda n: not _is_marker(n))
             for name in stale:
                 fs.rm_file(f"{key}/{name}")
             for path, name in zip(files, names, strict=True):
@@ -93,12 +103,12 @@ def write_to_url(
                     path=url,
                 ) from exc
             raise
-    return result, [as_path(f"{url}/{name}", storage_options) for name in names]
+    return result, {name: as_path(f"{url}/{name}", storage_options) for name in names}
 
 
 def _remove(fs: Any, key: str, names: list[str]) -> None:
-    """Remove what this upload wrote, index first; a failure to remove is logged (the upload error is raised)."""
-    for name in sorted(names, key=lambda n: not n.endswith(".index.json")):
+    """Remove what this upload wrote, markers first; a failure to remove is logged (the upload error is raised)."""
+    for name in sorted(names, key=lambda n: not _is_marker(n)):
         try:
             fs.rm_file(f"{key}/{name}")
         except FileNotFoundError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from ._atomic import AtomicDir
 from ._fileio import write_new_file
 from ._optim import optimizer_layout
 from ._progress import ByteProgress, Progress, check_progress
+from ._remote import as_path, is_url
 from ._reshard_plan import ReshardPlan, plan_reshard
 from ._reshard_trees import RankTrees
 from ._types import StrPath
@@ -78,7 +80,8 @@ def reshard(
 
     Args:
         src: a DeepSpeed ZeRO-3 checkpoint (root or tag folder) with optimizer state.
-        dst: the output checkpoint folder to create.
+        dst: the output checkpoint folder to create, or a URL (``s3://``, ``gs://``): built locally, then uploaded
+            with ``latest`` last (docs/remote.md).
         world_size: data-parallel ranks of the run that will load it.
         tag: the source tag (default: the one in ``latest``).
         output_tag: the output tag folder (default: the source's tag).
@@ -120,6 +123,12 @@ def reshard(
     check_progress(progress)
     if not hasattr(torch.serialization, "skip_data"):
         raise ImportError("zeroio.reshard needs torch >= 2.6 (torch.serialization.skip_data): pip install -U torch")
+    if is_url(str(dst)):
+        return _reshard_to_url(
+            src, str(dst), storage_options, overwrite=overwrite, world_size=world_size, tag=tag,
+            output_tag=output_tag, sub_group_size=sub_group_size, chunk_bytes=chunk_bytes, progress=progress,
+            verify_crc=verify_crc,
+        )  # fmt: skip
     out = AtomicDir(Path(dst), overwrite=overwrite)
     out.check()
 
@@ -141,6 +150,21 @@ def reshard(
         # 3. The target layout (metadata only), then the files.
         plan = plan_reshard(ckpt, layout, world_size=world_size, output_tag=output_tag, sub_group_size=sub_group_size)
         return _write(plan, RankTrees(plan, chunk_bytes), out, progress)
+
+
+def _reshard_to_url(
+    src: StrPath, url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, **options: Any
+) -> ReshardResult:
+    """Reshard into a local staging folder, then upload it, ``latest`` last (``zeroio._remote_output``)."""
+    from ._remote_output import write_to_url
+
+    def write_local(local: Path) -> ReshardResult:
+        source = storage_options if is_url(str(src)) else None
+        return reshard(src, local, storage_options=source, **options)
+
+    local, uploaded = write_to_url(url, storage_options, overwrite=overwrite, write=write_local)
+    files = tuple(uploaded[f"{local.tag}/{p.name}"] for p in local.files)
+    return dataclasses.replace(local, path=as_path(url.rstrip("/"), storage_options), files=files)
 
 
 def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progress) -> ReshardResult:

@@ -306,9 +306,11 @@ class _Planner:
 
 
 def _copy_file(src: Path, dst: Path) -> int:
-    """A model states file, byte for byte (``ds_to_universal`` copies them with ``shutil.copy2``), fsynced."""
+    """A model states file, byte for byte (``ds_to_universal`` copies them with ``shutil.copy2``), fsynced.
+
+    ``src.open``, not ``open(src)``: the source may be at a URL (``zeroio._remote.RemotePath``)."""
     fd = create_new(dst)
-    with open(src, "rb") as reader, os.fdopen(fd, "wb") as writer:
+    with src.open("rb") as reader, os.fdopen(fd, "wb") as writer:
         shutil.copyfileobj(reader, writer, 16 * 1024 * 1024)
         writer.flush()
         os.fsync(writer.fileno())

@@ -193,7 +193,6 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     """Rewrite a ZeRO-3 checkpoint for another data-parallel world size (DeepSpeed resumes from it)."""
-    _args.refuse_remote_output(args.dst)  # the source may be a URL (docs/remote.md)
     result = zeroio.reshard(
         args.src,
         args.dst,

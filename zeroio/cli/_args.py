@@ -6,8 +6,6 @@ import argparse
 import os
 import re
 
-from .. import errors
-
 # Decimal units are the Hugging Face ones (huggingface_hub's parse_size_to_int: KB/MB/GB/TB = 10**3..10**12, and
 # huggingface_hub.utils.parse_size's one-letter K/M/G/T); the IEC binary units (KiB = 1024, ...) and a plain "B" are
 # accepted too, because users type them (df -h, torch.cuda.mem_get_info) and huggingface_hub has none.
@@ -34,8 +32,6 @@ _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half":
 
 # Names a user gives a single file; --format safetensors/torch write a folder of files instead.
 FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 # The variables ``torchrun`` sets that torch.distributed's ``env://`` rendezvous reads.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -70,20 +66,6 @@ def dtype(text: str) -> str:
 def running_under_torchrun() -> bool:
     """True when torchrun (or the user, by hand) set every variable the ``env://`` rendezvous needs."""
     return all(os.environ.get(name) for name in TORCHRUN_ENV)
-
-
-def refuse_remote_output(output: str) -> None:
-    """Raise for an ``s3://``-style URL where a command writes local folders only (``reshard``; ``convert`` writes
-    to URLs and every command reads them: docs/remote.md).
-
-    Without this, ``pathlib`` folds ``s3://bucket/x`` into ``s3:/bucket/x`` and a local folder named ``s3:`` appears.
-    """
-    if _URL.match(output):
-        raise errors.OutputError(
-            f"'{output}' is a URL; writing to remote storage is not supported yet. Write to a local path and "
-            "upload it (zeroio push uploads to the Hugging Face Hub).",
-            path=output,
-        )
 
 
 def folder_destination_problem(dst: str, fmt: str) -> str | None:
