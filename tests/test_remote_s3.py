@@ -402,6 +402,24 @@ def test_checkpoint_outputs_to_url_equal_local_and_upload_latest_last(s3, tmp_pa
     assert s3.client.get_object(Bucket="outputs", Key=f"{kind}/notes.txt")["Body"].read() == b"mine"
 
 
+def test_lightning_checkpoint_to_url_is_one_object(s3, tmp_path):
+    """convert(fmt="lightning") to s3://.../model.ckpt uploads exactly the local file as one object; an existing
+    object is refused without overwrite and replaced with it; a prefix holding objects (a folder) is refused."""
+    name = "z3_ws2_fp32"
+    zeroio.convert(FIXTURES / name, tmp_path / "model.ckpt", fmt="lightning", progress=False)
+    s3.upload_tree(tmp_path / "none", "outputs", "") if (tmp_path / "none").mkdir() is None else None
+    url = "s3://outputs/lightning/model.ckpt"
+    result = zeroio.convert(f"s3://fixtures/{name}", url, fmt="lightning", progress=False)
+    assert [str(p) for p in result.files] == [url]
+    assert _s3_tree(s3, "outputs", "lightning") == {"model.ckpt": _tree(tmp_path)["model.ckpt"]}
+    with pytest.raises(OutputError, match="object exists"):
+        zeroio.convert(FIXTURES / name, url, fmt="lightning", progress=False)
+    zeroio.convert(FIXTURES / name, url, fmt="lightning", progress=False, overwrite=True)
+    assert _s3_tree(s3, "outputs", "lightning") == {"model.ckpt": _tree(tmp_path)["model.ckpt"]}
+    with pytest.raises(OutputError, match="is a folder"):
+        zeroio.convert(FIXTURES / name, "s3://outputs/lightning", fmt="lightning", progress=False, overwrite=True)
+
+
 def test_missing_object_is_not_found(s3):
     with pytest.raises(CheckpointNotFoundError, match="s3://fixtures/no-such-run"):
         zeroio.open("s3://fixtures/no-such-run")

@@ -298,10 +298,9 @@ def convert(
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
     check_progress(progress)
     if is_url(str(dst)):
-        if fmt == "lightning" or distributed:
+        if distributed:
             raise ValueError(
-                "A URL destination takes fmt='safetensors', 'torch' or 'universal' without distributed, not "
-                f"fmt={fmt!r}{' with distributed=True' if distributed else ''}: write locally, then upload."
+                "distributed=True writes local folders (each process its shards): write locally, then upload."
             )
 
         def write_local(local: Path) -> ConvertResult:
@@ -312,8 +311,11 @@ def convert(
                 tp_rules=tp_rules, storage_options=storage_options if is_url(str(src)) else None,
             )  # fmt: skip
 
-        from ._remote_output import write_to_url
+        from ._remote_output import write_file_to_url, write_to_url
 
+        if fmt == "lightning":  # one file: the URL names the object
+            result, at = write_file_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
+            return replace(result, files=(at,))
         staged: list[Path] = []
 
         def write_staged(local: Path) -> ConvertResult:

@@ -24,7 +24,7 @@ from ._remote import as_path, filesystem
 from ._remote_file import call_with_retries
 from .errors import CheckpointNotFoundError, OutputError
 
-__all__ = ["write_to_url"]
+__all__ = ["write_file_to_url", "write_to_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,47 @@ def write_to_url(
                 ) from exc
             raise
     return result, {name: as_path(f"{url}/{name}", storage_options) for name in names}
+
+
+def write_file_to_url(
+    url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, write: Callable[[Path], T]
+) -> tuple[T, Path]:
+    """Run ``write(local_file)``, then upload that one file as the object ``url`` (``fmt="lightning"``'s ``.ckpt``).
+
+    One PUT makes an object visible whole or not at all, so there is no marker to order. An existing object is
+    refused without ``overwrite``; a prefix holding objects (a folder) is refused either way, as a local folder is.
+
+    Raises:
+        OutputError: the destination exists (without ``overwrite``), is a folder, or the upload failed.
+    """
+    fs, key, fix_auth = filesystem(url, storage_options)
+    url = url.rstrip("/")
+    inside = _existing(fs, key, url, fix_auth)
+    if inside:
+        raise OutputError(
+            f"Refusing to write '{url}': it is a folder holding {len(inside)} file(s) ({', '.join(inside[:3])}); "
+            "a Lightning checkpoint is one file. Choose a file name such as '.../model.ckpt'.",
+            path=url,
+        )
+    exists = call_with_retries(url, "checking the destination", fix_auth, lambda: fs.exists(key))
+    if exists and not overwrite:
+        raise OutputError(
+            f"Refusing to write '{url}': the object exists. Pass overwrite=True (--overwrite) to replace it.",
+            path=url,
+        )
+    with tempfile.TemporaryDirectory(prefix="zeroio-upload-") as tmp:
+        local = Path(tmp) / (key.rsplit("/", 1)[-1] or "model.ckpt")
+        result = write(local)  # before anything at the destination changes
+        try:
+            logger.debug("uploading %s to %s", local, url)
+            fs.put_file(str(local), key)  # replaces an existing object in one step
+        except Exception as exc:
+            raise OutputError(
+                f"Cannot write '{url}': the upload failed ({exc}). Check the credentials and the destination, "
+                "then retry.",
+                path=url,
+            ) from exc
+    return result, as_path(url, storage_options)
 
 
 def _remove(fs: Any, key: str, names: list[str]) -> None:
