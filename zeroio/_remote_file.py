@@ -47,6 +47,10 @@ SMALL_FILE_BYTES = 2**20
 object store, ~1 ms through moto on loopback) while 1 MiB costs ~1 ms at 1 GB/s, so below this size one GET is
 cheaper than the one-per-record ranged GETs it replaces (model-states files, small ranks, ``latest``-sized
 files). Metadata reads (zip directory, pickle) stay exact, so ``inspect`` never fetches a tensor record."""
+WHOLE_OBJECT_BYTES = 64 * 2**20
+"""Largest object read from a server that ignores HTTP ``Range`` (a plain web server answering every request with
+the whole object): it is then kept in memory and every read served from it. A larger one is refused with the fix
+(download it), since each read would download the whole object again."""
 MAX_IN_FLIGHT = 16
 """Parts fetched at once by the shared pool (plus one per reading thread)."""
 METADATA_CACHE_BYTES = 4 * 2**20
@@ -142,6 +146,7 @@ class RemoteFile:
         self._segments: list[_Segment] = []  # sorted by start, disjoint
         self._fences: list[int] = []
         self._metadata: list[tuple[int, bytes]] = []  # (start, bytes) read by read_bytes/prefetch, oldest first
+        self._whole: bytes | None = None  # the object, when its server answered a range with all of it
         self.requests = 0
         """Ranged requests made (retries included): for tests and docs/remote.md's numbers."""
 
@@ -313,8 +318,16 @@ class RemoteFile:
         """Bytes ``[start, end)`` in one ranged request, retried; a body of the wrong length is retried too."""
 
         def once() -> bytes:
+            whole = self._whole
+            if whole is not None:
+                return whole[start:end]
             self.requests += 1
             data = self._fetch_raw(start, end)
+            if len(data) == self._size and len(data) > end - start:  # the server ignored the Range header
+                if self._size > WHOLE_OBJECT_BYTES:
+                    raise _RangesIgnored(f"the whole {self._size}-byte object for bytes {start}..{end}")
+                self._whole = data
+                return data[start:end]
             if len(data) != end - start:
                 raise _ShortBody(f"asked bytes {start}..{end}, got {len(data)}")
             return data
@@ -322,6 +335,13 @@ class RemoteFile:
         try:
             result: bytes = call_with_retries(self._url, f"bytes {start}..{end}", self._fix_auth, once)
         except RemoteStorageError as exc:
+            if isinstance(exc.__cause__, _RangesIgnored):
+                raise RemoteStorageError(
+                    f"'{self._url}' is served without HTTP range support (the server sent {exc.__cause__}); zeroio "
+                    f"reads such objects only up to {WHOLE_OBJECT_BYTES} bytes. Download the file and open the "
+                    "local copy.",
+                    path=self._url,
+                ) from exc
             if isinstance(exc.__cause__, _ShortBody):
                 raise CheckpointFormatError(
                     f"'{self._url}' returns fewer bytes than its listed size ({exc.__cause__}): the object is "
@@ -334,3 +354,7 @@ class RemoteFile:
 
 class _ShortBody(OSError):
     """A response body shorter than the range asked (transient until the retries run out)."""
+
+
+class _RangesIgnored(ValueError):
+    """A server answered a range of a large object with all of it: not transient (a ValueError is not retried)."""
