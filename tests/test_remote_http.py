@@ -57,6 +57,18 @@ class _Ranged(_Counted):
         return None
 
 
+class _Sloppy(_Ranged):
+    """Answers a range with one byte too many (a broken proxy or server)."""
+
+    gets: ClassVar[dict[str, int]] = {}
+
+    def do_GET(self) -> None:
+        match = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range") or "")
+        if match is not None:
+            self.headers.replace_header("Range", f"bytes={match[1]}-{int(match[2]) + 1}")
+        super().do_GET()
+
+
 def _serve(handler: type[_Counted], root: Path) -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -123,3 +135,13 @@ def test_server_without_ranges_large_file_is_refused_naming_the_fix(files, plain
             zeroio.open(f"{plain}/big.pt")
     finally:
         big.unlink()
+
+
+def test_server_sending_more_than_the_range_is_a_typed_error_at_once(files):
+    """A body longer than the range (and not the whole object) is the server's bug, not a transient fault: one
+    request, then a RemoteStorageError naming the URL and the fix."""
+    _Sloppy.gets.clear()
+    for url in _serve(_Sloppy, files):
+        with pytest.raises(RemoteStorageError, match=r"mishandles HTTP ranges\. Download the file"):
+            zeroio.open(f"{url}/model.pt")
+    assert sum(_Sloppy.gets.values()) == 1

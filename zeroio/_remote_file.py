@@ -325,9 +325,17 @@ class RemoteFile:
             data = self._fetch_raw(start, end)
             if len(data) == self._size and len(data) > end - start:  # the server ignored the Range header
                 if self._size > WHOLE_OBJECT_BYTES:
-                    raise _RangesIgnored(f"the whole {self._size}-byte object for bytes {start}..{end}")
+                    raise _RangesMishandled(
+                        f"is served without HTTP range support (the server sent the whole {self._size}-byte object "
+                        f"for bytes {start}..{end}); zeroio reads such objects only up to {WHOLE_OBJECT_BYTES} bytes"
+                    )
                 self._whole = data
                 return data[start:end]
+            if len(data) > end - start:
+                raise _RangesMishandled(
+                    f"answers a {end - start}-byte range with {len(data)} bytes, neither the range nor the whole "
+                    "object: the server mishandles HTTP ranges"
+                )
             if len(data) != end - start:
                 raise _ShortBody(f"asked bytes {start}..{end}, got {len(data)}")
             return data
@@ -335,12 +343,9 @@ class RemoteFile:
         try:
             result: bytes = call_with_retries(self._url, f"bytes {start}..{end}", self._fix_auth, once)
         except RemoteStorageError as exc:
-            if isinstance(exc.__cause__, _RangesIgnored):
+            if isinstance(exc.__cause__, _RangesMishandled):
                 raise RemoteStorageError(
-                    f"'{self._url}' is served without HTTP range support (the server sent {exc.__cause__}); zeroio "
-                    f"reads such objects only up to {WHOLE_OBJECT_BYTES} bytes. Download the file and open the "
-                    "local copy.",
-                    path=self._url,
+                    f"'{self._url}' {exc.__cause__}. Download the file and open the local copy.", path=self._url
                 ) from exc
             if isinstance(exc.__cause__, _ShortBody):
                 raise CheckpointFormatError(
@@ -356,5 +361,5 @@ class _ShortBody(OSError):
     """A response body shorter than the range asked (transient until the retries run out)."""
 
 
-class _RangesIgnored(ValueError):
-    """A server answered a range of a large object with all of it: not transient (a ValueError is not retried)."""
+class _RangesMishandled(ValueError):
+    """A body longer than the range asked: the server's way, not a transient fault (a ValueError is not retried)."""
