@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx2
@@ -137,6 +140,22 @@ def test_push_raw_zero_checkpoint(xet_or_lfs: str, hub_server: HubServer, tmp_pa
         _titles(hub_server, "tester/from-zero")[0]
         == "Upload DeepSpeed ZeRO checkpoint global_step2 converted with zeroio"
     )
+
+
+def test_cli_push_of_a_zero_checkpoint_imports_no_torch(hub_server: HubServer, tmp_path: Path) -> None:
+    """``zeroio push`` converts a ZeRO checkpoint without torch (issue 17: the conversion needs no arithmetic) and
+    uploads what ``convert`` writes; ``python -X importtime`` lists every module the command imported."""
+    env = {**os.environ, "HF_ENDPOINT": hub_server.endpoint, "HF_TOKEN": DEFAULT_TOKEN, "HF_HUB_DISABLE_XET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "zeroio", "push", str(ZERO_FIXTURE), "tester/no-torch", "--quiet"],
+        capture_output=True, text=True, env=env, check=False, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "huggingface_hub" in imported  # the log covers the upload
+    assert [m for m in imported if m.split(".")[0] == "torch"] == []
+    local = convert(ZERO_FIXTURE, tmp_path / "local", progress=False)
+    assert hub_server.read_file("tester/no-torch", "model.safetensors") == local.files[0].read_bytes()
 
 
 @pytest.mark.parametrize("layout", ["root", "tag-folder"])
