@@ -8,8 +8,8 @@ arithmetic, so ``zeroio convert`` need not import torch (seconds) for them:
 2. :func:`copy_through_memory`: otherwise, each run read into a reused buffer (``pread``), cast with numpy where
    the output dtype differs (:mod:`zeroio._casts`), and ``pwrite``\\ n.
 
-Each returns False before writing anything when it cannot do the tensor (no byte runs, a source that fills only
-tensors, a dtype pair not cast here): the caller then streams it with torch. Zip records are CRC-checked as
+Each returns False before writing anything when it cannot do the tensor (no byte runs, a dtype pair not cast
+here): the caller then streams it with torch. Zip records are CRC-checked as
 their bytes pass, exactly as on the torch path (the sources are :class:`~zeroio._integrity.CheckedFile`\\ s).
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
 
 from ._casts import can_cast, cast_into
 from ._checkpoint import TensorReader
@@ -26,10 +25,7 @@ from ._dtypes import DType
 from ._fileio import ByteBuffers, pwrite_all
 from ._metadata import output_spec
 from ._safetensors_writer import TensorSlot
-from ._storage import ByteRange, can_read_buffers, kernel_copy_enabled
-
-if TYPE_CHECKING:
-    import torch
+from ._storage import ByteRange, kernel_copy_enabled
 
 __all__ = ["copy_in_kernel", "copy_through_memory"]
 
@@ -105,8 +101,6 @@ def copy_through_memory(
     ranges = _ranges(ckpt, name, stored)
     if ranges is None or info.numel * wanted.itemsize != slot.nbytes:
         return False
-    if not all(can_read_buffers(source) for source, _, _ in ranges):
-        return False  # e.g. a remote object: its reads fill tensors (torch's path)
     step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize)) * stored.itemsize
     offset = slot.begin
     for source, at, nbytes in ranges:
@@ -114,8 +108,7 @@ def copy_through_memory(
             if stop.is_set():
                 return True
             raw = buffers.get("read", min(step, nbytes - start))
-            # a buffer, not a tensor: this source reads buffers; a CheckedFile folds the bytes into their record's CRC
-            source.read_into(at + start, cast("torch.Tensor", raw))
+            source.read_into(at + start, raw)  # a CheckedFile folds the bytes into their record's CRC
             data = raw
             if stored != wanted:
                 data = buffers.get("cast", len(raw) // stored.itemsize * wanted.itemsize)

@@ -20,10 +20,10 @@ import bisect
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from ._crc32 import crc32_combine
-from ._storage import ByteSource, Fenced, can_copy_in_kernel, can_read_buffers, writable_bytes
+from ._storage import ByteSource, Fenced, can_copy_in_kernel, writable_bytes
 from .errors import CheckpointFormatError
 
 if TYPE_CHECKING:
@@ -153,13 +153,8 @@ class CheckedFile:
 
     # ----------------------------------------------------------------- reads
 
-    @property
-    def reads_buffers(self) -> bool:
-        """Whether :meth:`read_into` fills plain buffers too (as the wrapped source does)."""
-        return can_read_buffers(self.source)
-
     def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
-        self.source.read_into(offset, cast("torch.Tensor", out), what)  # a buffer only where reads_buffers
+        self.source.read_into(offset, out, what)
         if self.verify:
             view = writable_bytes(out)
             if len(view):
@@ -205,23 +200,14 @@ class CheckedFile:
     def _read_and_check(self, lo: int, hi: int) -> None:
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
         buffer = getattr(self._scratch, "buffer", None)
-        if buffer is None:
-            if can_read_buffers(self.source):  # no torch needed (a torch-free conversion stays torch-free)
-                buffer = memoryview(bytearray(_SCRATCH_BYTES))
-            else:
-                import torch
-
-                # any caller's default-device context: the scratch buffer is host memory
-                buffer = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device="cpu")
-            self._scratch.buffer = buffer
+        if buffer is None:  # a bytearray, not a tensor: a torch-free conversion stays torch-free
+            buffer = self._scratch.buffer = memoryview(bytearray(_SCRATCH_BYTES))
         at = lo
         while at < hi:
             piece = buffer[: min(_SCRATCH_BYTES, hi - at)]
-            # a short source raises, naming itself; a bytearray piece only where the source reads buffers
-            self.source.read_into(at, cast("torch.Tensor", piece), "a tensor record")
-            view = writable_bytes(piece)
-            self._saw(at, view)
-            at += len(view)
+            self.source.read_into(at, piece, "a tensor record")  # a short source raises, naming itself
+            self._saw(at, piece)
+            at += len(piece)
 
     def _saw(self, offset: int, data: memoryview) -> None:
         """Fold the bytes ``data`` read at file ``offset`` into the CRCs of the records they lie in."""

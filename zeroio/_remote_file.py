@@ -130,12 +130,7 @@ class _Segment:
 
 
 class RemoteFile:
-    """One remote object read with bounded, coalesced, retried ranged requests (see the module doc).
-
-    ``read_into`` fills tensors and plain buffers alike (``reads_buffers``), so converting from a URL needs no torch.
-    """
-
-    reads_buffers = True
+    """One remote object read with bounded, coalesced, retried ranged requests (see the module doc)."""
 
     def __init__(self, url: str, fetch: Callable[[int, int], bytes], size: int, fix_auth: str) -> None:
         self._url = url

@@ -22,7 +22,6 @@ __all__ = [
     "Fenced",
     "LocalFile",
     "can_copy_in_kernel",
-    "can_read_buffers",
     "kernel_copy_enabled",
     "open_source",
     "tensor_bytes",
@@ -47,8 +46,11 @@ class ByteSource(Protocol):
         """Total bytes."""
         ...
 
-    def read_into(self, offset: int, out: torch.Tensor, what: str = "a tensor's data") -> None:
-        """Fill the contiguous CPU tensor ``out`` with the bytes at ``offset``; a short source raises."""
+    def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
+        """Fill ``out`` with the bytes at ``offset``; a short source raises.
+
+        ``out`` is a contiguous CPU tensor or any writable buffer (:func:`writable_bytes`): the byte-level writers
+        of a torch-free conversion read into bytearrays."""
         ...
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
@@ -113,19 +115,11 @@ def writable_bytes(out: torch.Tensor | Buffer) -> memoryview:
     return memoryview(out).cast("B")
 
 
-def can_read_buffers(source: ByteSource) -> bool:
-    """True when ``source.read_into`` also fills plain writable buffers (:func:`writable_bytes`), not only tensors."""
-    return bool(getattr(source, "reads_buffers", False))
-
-
 class LocalFile:
     """A local file read with positional reads (``preadv``) on one lazily opened descriptor.
 
-    ``preadv`` does not move a shared file position, so threads may read one descriptor at once. ``read_into``
-    fills a tensor or any writable buffer (``reads_buffers``).
+    ``preadv`` does not move a shared file position, so threads may read one descriptor at once.
     """
-
-    reads_buffers = True
 
     def __init__(self, path: Path, size: int | None = None) -> None:
         self.path = Path(path)
