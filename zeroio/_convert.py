@@ -316,16 +316,10 @@ def convert(
         if fmt == "lightning":  # one file: the URL names the object
             result, at = write_file_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
             return replace(result, files=(at,))
-        staged: list[Path] = []
+        result, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
 
-        def write_staged(local: Path) -> ConvertResult:
-            staged.append(local)
-            return write_local(local)
-
-        result, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_staged)
-
-        def remote(path: Path) -> Path:  # by its path inside the output: universal checkpoints nest their files
-            return uploaded[path.resolve().relative_to(staged[0].resolve()).as_posix()]
+        def remote(path: Path) -> Path:
+            return uploaded[path.resolve()]
 
         return replace(
             result, files=tuple(map(remote, result.files)), copied=tuple(map(remote, result.copied)),

@@ -55,9 +55,9 @@ def _upload_order(staging: Path) -> list[Path]:
 
 def write_to_url(
     url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, write: Callable[[Path], T]
-) -> tuple[T, dict[str, Path]]:
-    """Run ``write(local_folder)``, then upload the folder to ``url``; returns its result and the uploaded paths by
-    their names inside the folder (``/``-separated: ``global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt``).
+) -> tuple[T, dict[Path, Path]]:
+    """Run ``write(local_folder)``, then upload the folder to ``url``; returns its result and, for each local file
+    it wrote (resolved path, as the result names it), the uploaded object's path.
 
     Raises:
         OutputError: the destination holds files (without ``overwrite``), files zeroio does not write (with it),
@@ -103,7 +103,7 @@ def write_to_url(
                     path=url,
                 ) from exc
             raise
-    return result, {name: as_path(f"{url}/{name}", storage_options) for name in names}
+    return result, {p.resolve(): as_path(f"{url}/{n}", storage_options) for p, n in zip(files, names, strict=True)}
 
 
 def write_file_to_url(

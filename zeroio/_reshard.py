@@ -163,7 +163,7 @@ def _reshard_to_url(
         return reshard(src, local, storage_options=source, **options)
 
     local, uploaded = write_to_url(url, storage_options, overwrite=overwrite, write=write_local)
-    files = tuple(uploaded[f"{local.tag}/{p.name}"] for p in local.files)
+    files = tuple(uploaded[p.resolve()] for p in local.files)
     return dataclasses.replace(local, path=as_path(url.rstrip("/"), storage_options), files=files)
 
 
