@@ -178,9 +178,9 @@ class RemoteFile:
         if end <= offset:
             return b""
         with self._lock:
-            for start, data in self._metadata:
-                if start <= offset and end <= start + len(data):
-                    return data[offset - start : end - start]
+            piece = self._remembered(offset, end)
+            if piece is not None:
+                return piece[1][offset - piece[0] : end - piece[0]]
             for seg in self._segments:
                 if seg.start <= offset and end <= seg.end and seg.done.is_set() and seg.error is None:
                     return seg.data[offset - seg.start : end - seg.start]
@@ -193,9 +193,13 @@ class RemoteFile:
         """Fetch ``[start, end)`` in one request for the :meth:`read_bytes` calls about to read it in pieces."""
         start, end = max(0, start), min(self._size, end)
         with self._lock:
-            if end <= start or any(s <= start and end <= s + len(d) for s, d in self._metadata):
+            if end <= start or self._remembered(start, end) is not None:
                 return
         self._remember(start, self._fetch(start, end))
+
+    def _remembered(self, start: int, end: int) -> tuple[int, bytes] | None:
+        """The metadata-cache piece ``(offset, bytes)`` holding all of ``[start, end)``, if any (lock held)."""
+        return next(((at, data) for at, data in self._metadata if at <= start and end <= at + len(data)), None)
 
     def _remember(self, start: int, data: bytes) -> None:
         with self._lock:
@@ -231,10 +235,10 @@ class RemoteFile:
         """Fill ``view`` with the bytes at ``offset`` from planned segments (fetching those not yet there)."""
         nbytes = len(view)
         with self._lock:
-            for start, data in self._metadata:  # e.g. a small legacy file, read whole for its pickles
-                if start <= offset and offset + nbytes <= start + len(data):
-                    view[:] = data[offset - start : offset + nbytes - start]
-                    return
+            piece = self._remembered(offset, offset + nbytes)  # e.g. a small legacy file, read whole for its pickles
+            if piece is not None:
+                view[:] = piece[1][offset - piece[0] : offset + nbytes - piece[0]]
+                return
         uses, mine = self._plan(offset, offset + nbytes)
         futures = [_pool().submit(self._run, seg) for seg in mine[1:]]
         if mine:
