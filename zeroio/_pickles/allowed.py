@@ -20,7 +20,7 @@ from typing import Any
 
 from .._dtypes import BY_NAME, BY_STORAGE, QUANTIZED, DType
 from ..errors import CheckpointFormatError, UnsafePickleError
-from .archive import Storage, itemsize
+from .archive import Storage
 from .limits import MAX_DIMS
 from .standins import ZERO_STAGE_ENUM, Device, Size, ZeroStageEnum, inert_class, inert_dict_class, refuse_build
 
@@ -153,7 +153,7 @@ def _rebuild_tensor_v3(
             f"a tensor is rebuilt from a {type(storage).__name__} of dtype {short_repr(dtype)}, which zeroio "
             "does not read. The file is corrupted or was not written by torch.save."
         )
-    typed = Storage(storage.key, dtype, storage.numel // max(1, itemsize(dtype)), storage.location)
+    typed = Storage(storage.key, dtype, storage.numel // max(1, dtype.itemsize), storage.location)
     return _pending(typed, storage_offset, size, stride)
 
 

@@ -30,18 +30,12 @@ __all__ = [
     "Storage",
     "TensorRef",
     "check_pickle_record",
-    "itemsize",
     "read_archive",
     "require_regular_file",
 ]
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
-
-
-def itemsize(dtype: DType | torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from .._remote import as_path
 from .._storage import Fenced, LocalFile, open_source
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
-from .archive import RankFile, Storage, TensorRef, itemsize, read_archive
+from .archive import RankFile, Storage, TensorRef, read_archive
 from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH
 from .standins import Device, Inert, Size, inert_class
@@ -214,7 +214,7 @@ def _load_legacy(path: Path, trusted: frozenset[str]) -> tuple[Any, RankFile]:
         tree = _unpickle(unpickler, path)
         _check_unchanged(unpickler, path)
         keys = read_storage_keys(window, path)
-        declared = {k: (s.numel, itemsize(s.dtype)) for k, s in unpickler.storages.items()}
+        declared = {k: (s.numel, s.dtype.itemsize) for k, s in unpickler.storages.items()}
         offsets = index_storages(window.pread, path, size, window.position, keys, declared)
     finally:
         if isinstance(source, LocalFile):
@@ -256,7 +256,7 @@ def load_pickle(
     _check_unchanged(unpickler, path)
     for storage in unpickler.storages.values():
         record = records.get(storage.key)
-        needed = storage.numel * itemsize(storage.dtype)
+        needed = storage.numel * storage.dtype.itemsize
         if record is None or record.file_size < needed:
             raise CheckpointFormatError(
                 f"'{path}' is truncated or corrupted: storage '{storage.key}' needs {needed} bytes, "
