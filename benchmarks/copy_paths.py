@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import zeroio
-from zeroio._formats.plans import FlatPlan
+from zeroio._formats.read_plans import FlatPlan
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYNC_FILE_RANGE_WRITE = 2

@@ -31,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import run as bench  # noqa: E402  (benchmarks/run.py: drop_caches, fp32_ranges)
+import run as bench
 
 CHUNK = 64 * 2**20
 
@@ -60,9 +60,8 @@ def read_limit(checkpoint: Path) -> dict[str, float]:
 
 
 def _meta_model(checkpoint: Path):  # type: ignore[no-untyped-def]
-    import torch
-
     import make_checkpoint as make
+    import torch
 
     cfg = make.GPTConfig(**json.loads((checkpoint / "manifest.json").read_text())["config"])
     with torch.device("meta"):

@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import run as harness  # noqa: E402  (the convert benchmark's memory sampler)
-from s3_server import S3Server  # noqa: E402  (the tests' moto + proxy)
+import run as harness
+from s3_server import S3Server
 
 DOWNLOAD_THEN_CONVERT = """
 import sys, s3fs, zeroio
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, **server.env(), PYTHONPATH=str(REPO))
         runs: list[dict[str, float | str | int]] = []
         for i in range(args.repeats):
-            for method in (["direct", "download"] if i % 2 == 0 else ["download", "direct"]):
+            for method in ["direct", "download"] if i % 2 == 0 else ["download", "direct"]:
                 out, staged = work / f"out-{method}-{i}", work / f"local-{i}"
                 if method == "direct":
                     cmd = [sys.executable, "-m", "zeroio", "convert", url, str(out), "--quiet"]

@@ -21,44 +21,26 @@ TESTS = ROOT / "tests"
 LAYERS: list[tuple[str, ...]] = [
     # 0. vocabulary: no zeroio imports but each other
     ("errors", "_types", "_constants", "_text", "_dtypes"),
-    # 1. storage: byte sources to read from, primitives for files to write
-    ("_crc32", "_storage", "_remote_file", "_remote", "_integrity", "_fileio", "_casts"),
+    # 1. storage (_io/): byte sources to read from (local, remote, CRC-checked), primitives for files to write
+    ("_io",),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
     ("_pickles",),
-    # 3. metadata, partition arithmetic, layouts, the Checkpoint (reader contract) and its format readers
-    ("_metadata", "_partition", "_layout", "_checkpoint", "_formats"),
-    # 4. the write engine: progress, safetensors layout, shard planning, atomic outputs, side files,
-    #    plan -> execute (write_files) -> commit (engine), process communication
-    (
-        "_progress",
-        "_safetensors_writer",
-        "_sharding",
-        "_own_files",
-        "_atomic",
-        "_side_files",
-        "_plan",
-        "_write_files",
-        "_byte_writes",
-        "_comm",
-        "_engine",
-        "_device_copy",
-    ),
+    # 3. metadata, partition arithmetic, the reader contract (_checkpoint) and the format readers (_formats/)
+    ("_metadata", "_partition", "_checkpoint", "_formats"),
+    # 4. the write engine (_write/): plan -> execute -> commit, atomic outputs, side files, URL outputs
+    ("_write",),
     # 5. the verbs and what only they use
     (
         "_convert",
         "_distributed",
-        "_deploy",
-        "_key_map",
+        "_load",
         "_verify",
         "_optim",
         "_lightning",
         "_reshard",
-        "_reshard_plan",
-        "_reshard_trees",
         "_universal_write",
         "_hub",
         "_model_card",
-        "_remote_output",
     ),
     # 6. the public namespace
     ("__init__",),
@@ -90,14 +72,14 @@ TEST_ENTRY_POINTS = {"zeroio.cli"}
 # ... plus pure internals that unit tests exercise directly because no public call shows them whole.
 PURE_INTERNALS: dict[str, str] = {
     "zeroio._partition": "ZeRO partition arithmetic (plain integers)",
-    "zeroio._sharding": "shard splitting and HF size/index rules, and which process writes which shard",
-    "zeroio._safetensors_writer": "the safetensors writer's planning (header, slots) and chunk writing",
-    "zeroio._fileio": "pwrite/preallocate/fsync helpers and chunk buffers",
-    "zeroio._crc32": "CRC-32 arithmetic (crc32_combine), checked against zlib",
+    "zeroio._write.sharding": "shard splitting and HF size/index rules, and which process writes which shard",
+    "zeroio._write.safetensors_writer": "the safetensors writer's planning (header, slots) and chunk writing",
+    "zeroio._io.fileio": "pwrite/preallocate/fsync helpers and chunk buffers",
+    "zeroio._io.crc32": "CRC-32 arithmetic (crc32_combine), checked against zlib",
     "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
     "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
     "zeroio._formats.bits": "fp32 -> fp16/bf16 rounding on raw bytes, checked against torch's casts",
-    "zeroio._casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
+    "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
 }
 
 

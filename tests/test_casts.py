@@ -1,4 +1,4 @@
-"""numpy casts between fp32, bf16 and fp16 (``zeroio._casts``) are bit-identical to torch's ``tensor.to()``.
+"""numpy casts between fp32, bf16 and fp16 (``zeroio._io.casts``) are bit-identical to torch's ``tensor.to()``.
 
 Compared over a strided sweep of all 2^32 fp32 bit patterns, every pattern next to each rounding boundary (ties,
 overflow to infinity, fp16 subnormals), every 16-bit pattern, and through ``zeroio.convert`` on a safetensors file
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zeroio
-from zeroio._casts import can_cast, cast_into
 from zeroio._dtypes import BY_NAME
+from zeroio._io.casts import can_cast, cast_into
 
 F32, BF16, F16 = BY_NAME["float32"], BY_NAME["bfloat16"], BY_NAME["float16"]
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

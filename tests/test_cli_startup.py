@@ -145,7 +145,7 @@ sys.meta_path.pop(0)  # the guard only watches here
 import zeroio
 before = "torch" in sys.modules
 from zeroio import load
-print(json.dumps([before, "torch" in sys.modules, load is sys.modules["zeroio._deploy"].load,
+print(json.dumps([before, "torch" in sys.modules, load is sys.modules["zeroio._load.model"].load,
                   "load" in vars(zeroio)]))
 """
     proc, _ = _run_guarded(body)

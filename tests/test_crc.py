@@ -15,7 +15,7 @@ import torch
 from fixture_data import FIXTURES
 
 import zeroio
-from zeroio._crc32 import crc32_combine
+from zeroio._io.crc32 import crc32_combine
 from zeroio.cli import main
 from zeroio.errors import CheckpointFormatError
 

@@ -19,7 +19,7 @@ from fixture_data import FIXTURES
 
 import zeroio
 from zeroio import convert
-from zeroio._sharding import assign_shards
+from zeroio._write.sharding import assign_shards
 from zeroio.cli import main
 
 # The variables torchrun sets that torch.distributed's env:// rendezvous reads (and zeroio --distributed checks).

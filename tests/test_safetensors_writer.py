@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_save
 
 import zeroio
-from zeroio._fileio import ChunkBuffers as _Buffers
-from zeroio._fileio import preallocate, pwrite_all
-from zeroio._safetensors_writer import plan_file, write_chunks
+from zeroio._io.fileio import ChunkBuffers as _Buffers
+from zeroio._io.fileio import preallocate, pwrite_all
+from zeroio._write.safetensors_writer import plan_file, write_chunks
 
 
 def _write(path, tensors: dict[str, torch.Tensor], metadata=None, chunk_elems: int | None = None) -> bytes:

@@ -11,7 +11,7 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroio._sharding import index_json, parse_size, plan_shards
+from zeroio._write.sharding import index_json, parse_size, plan_shards
 
 PATTERN = "model{suffix}.safetensors"
 

@@ -15,11 +15,11 @@ from . import errors as errors  # light (no torch): `zeroio.errors` works right 
 if _typing.TYPE_CHECKING:
     from ._checkpoint import Checkpoint
     from ._convert import ConvertResult, convert
-    from ._deploy import LoadReport, load
     from ._formats import open
     from ._hub import PushResult, push_to_hub
+    from ._load.model import LoadReport, load
     from ._metadata import CheckpointMetadata, TensorInfo
-    from ._reshard import ReshardResult, reshard
+    from ._reshard.reshard import ReshardResult, reshard
     from ._verify import Mismatch, VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -48,17 +48,17 @@ _PUBLIC_HOMES: dict[str, str] = {
     "Checkpoint": "._checkpoint",
     "CheckpointMetadata": "._metadata",
     "ConvertResult": "._convert",
-    "LoadReport": "._deploy",
+    "LoadReport": "._load.model",
     "Mismatch": "._verify",
     "PushResult": "._hub",
-    "ReshardResult": "._reshard",
+    "ReshardResult": "._reshard.reshard",
     "TensorInfo": "._metadata",
     "VerifyReport": "._verify",
     "convert": "._convert",
-    "load": "._deploy",
+    "load": "._load.model",
     "open": "._formats",
     "push_to_hub": "._hub",
-    "reshard": "._reshard",
+    "reshard": "._reshard.reshard",
     "verify": "._verify",
 }
 

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from typing_extensions import Self
 
 from ._dtypes import DType
-from ._integrity import CheckedFile
+from ._io.integrity import CheckedFile
+from ._io.remote_path import as_path
+from ._io.sources import ByteRange
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
-from ._remote import as_path
-from ._storage import ByteRange
 from .errors import CheckpointClosedError, TensorNotFoundError
 
 if TYPE_CHECKING:

@@ -9,18 +9,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._atomic import AtomicDir
 from ._checkpoint import Checkpoint
-from ._comm import Job, LocalComm
 from ._dtypes import DType
-from ._engine import ExtraFiles, WriteOutcome, write_checkpoint
+from ._io.remote_path import as_path, is_url, with_storage_options
 from ._metadata import output_spec, parse_dtype_spec
 from ._model_card import card_facts
-from ._plan import WritePlan
-from ._progress import Progress, check_progress
-from ._remote import as_path, is_url, with_storage_options
-from ._sharding import parse_size
 from ._types import StrPath
+from ._write.atomic import AtomicDir
+from ._write.comm import Job, LocalComm
+from ._write.engine import ExtraFiles, WriteOutcome, write_checkpoint
+from ._write.progress import Progress, check_progress
+from ._write.sharding import parse_size
+from ._write.write_plan import WritePlan
 from .errors import OutputError
 
 if TYPE_CHECKING:
@@ -311,7 +311,7 @@ def convert(
                 tp_rules=tp_rules, storage_options=storage_options if is_url(str(src)) else None,
             )  # fmt: skip
 
-        from ._remote_output import write_file_to_url, write_to_url
+        from ._write.remote_output import write_file_to_url, write_to_url
 
         if fmt == "lightning":  # one file: the URL names the object
             result, at = write_file_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._atomic import AtomicDir
-from ._comm import CommLost, Job
-from ._engine import WriteOutcome, write_checkpoint
-from ._plan import WRITE_FORMATS
-from ._progress import Progress
 from ._types import StrPath
+from ._write.atomic import AtomicDir
+from ._write.comm import CommLost, Job
+from ._write.engine import WriteOutcome, write_checkpoint
+from ._write.progress import Progress
+from ._write.write_plan import WRITE_FORMATS
 from .errors import OutputError
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def convert_distributed(
 ) -> WriteOutcome:
     """:func:`zeroio.convert` with ``distributed=True`` (arguments already validated): see ``docs/distributed.md``.
 
-    The write engine (:mod:`zeroio._engine`) over a gloo group of every process: each writes the shards
+    The write engine (:mod:`zeroio._write.engine`) over a gloo group of every process: each writes the shards
     :func:`assign_shards` gives it into rank 0's temporary folder (a filesystem shared by all, at the same path);
     rank 0 writes the index last and renames the folder into place once every process reported success. Any
     failure fails every process.

@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._io.remote_path import as_path, is_url
 from ._model_card import default_commit_message, render_model_card
-from ._progress import check_progress
-from ._remote import as_path, is_url
+from ._write.progress import check_progress
 from .errors import HubError
 
 if TYPE_CHECKING:
     import torch
 
     from ._formats.tensor_parallel_rules import TPRules
-    from ._progress import Progress
     from ._types import StrPath
+    from ._write.progress import Progress
 
 __all__ = ["STALE_WEIGHT_PATTERNS", "PushResult", "push_to_hub"]
 
@@ -300,7 +300,7 @@ def _check_source(
     """Everything push can check locally, before it creates a repo: conversion arguments and a readable source."""
     from ._formats import open as open_checkpoint
     from ._metadata import parse_dtype
-    from ._sharding import parse_size
+    from ._write.sharding import parse_size
 
     parse_dtype(dtype)
     parse_size(max_shard_size)

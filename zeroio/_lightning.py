@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from ._atomic import clean_stale, fsync_dir, temp_name, try_lock
 from ._checkpoint import Checkpoint
+from ._io.remote_path import as_path
 from ._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
-from ._remote import as_path
 from ._types import DTypeLike, StrPath
+from ._write.atomic import clean_stale, fsync_dir, temp_name, try_lock
 from .errors import OutputError, UnsupportedCheckpointError, ZeroIOError
 
 __all__ = [

@@ -15,7 +15,6 @@ import torch
 
 from ._checkpoint import Checkpoint
 from ._dtypes import to_torch
-from ._fileio import create_new, preallocate, pwrite_all, write_new_file
 from ._formats.optim_views import ComposedOptimizerState
 from ._formats.optimizer import (
     OptimizerLayout,
@@ -30,9 +29,10 @@ from ._formats.optimizer import (
     step_of,
     trainable_source,
 )
-from ._formats.plans import FlatPlan, read_plan_into
-from ._safetensors_writer import SafetensorsLayout, plan_file, write_chunks
-from ._sharding import ShardPlan, index_json, plan_shards
+from ._formats.read_plans import FlatPlan, read_plan_into
+from ._io.fileio import create_new, preallocate, pwrite_all, write_new_file
+from ._write.safetensors_writer import SafetensorsLayout, plan_file, write_chunks
+from ._write.sharding import ShardPlan, index_json, plan_shards
 
 __all__ = [
     "OPTIMIZER_INDEX",

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from . import _constants as C
-from ._atomic import AtomicDir
-from ._fileio import ChunkBuffers, create_new, write_new_file
-from ._formats.plans import ReadPlan, read_plan_into
+from ._formats.read_plans import ReadPlan, read_plan_into
+from ._io.fileio import ChunkBuffers, create_new, write_new_file
 from ._optim import OptimizerLayout, moment_source, optimizer_layout
 from ._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
-from ._progress import ByteProgress, Progress
 from ._types import StrPath
+from ._write.atomic import AtomicDir
+from ._write.progress import ByteProgress, Progress
 from .errors import CheckpointFormatError, UnsupportedCheckpointError
 
 __all__ = ["LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILES", "UniversalOutput", "write_universal"]
@@ -308,7 +308,7 @@ class _Planner:
 def _copy_file(src: Path, dst: Path) -> int:
     """A model states file, byte for byte (``ds_to_universal`` copies them with ``shutil.copy2``), fsynced.
 
-    ``src.open``, not ``open(src)``: the source may be at a URL (``zeroio._remote.RemotePath``)."""
+    ``src.open``, not ``open(src)``: the source may be at a URL (``zeroio._io.remote_path.RemotePath``)."""
     fd = create_new(dst)
     with src.open("rb") as reader, os.fdopen(fd, "wb") as writer:
         shutil.copyfileobj(reader, writer, 16 * 1024 * 1024)

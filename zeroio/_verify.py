@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._checkpoint import Checkpoint
 from ._dtypes import as_dtype
+from ._io.remote_path import as_path, is_url, with_storage_options
 from ._metadata import dtype_name, parse_dtype
-from ._remote import as_path, is_url, with_storage_options
 from ._types import StrPath
 
 if TYPE_CHECKING:

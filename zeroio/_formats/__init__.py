@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .._checkpoint import Checkpoint
-from .._layout import is_zero_checkpoint
+from .._io.remote_path import RemotePath, as_path
 from .._pickles import require_regular_file
-from .._remote import RemotePath, as_path
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
@@ -23,6 +22,7 @@ from .tensor_parallel import is_tensor_parallel, open_tensor_parallel
 from .tensor_parallel_rules import TPRules, parse_tp_rules
 from .universal import is_universal, open_universal
 from .zero import open_zero
+from .zero_files import is_zero_checkpoint
 
 __all__ = ["FORMATS", "Format", "open", "open_checkpoint"]
 

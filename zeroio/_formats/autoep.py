@@ -20,7 +20,7 @@ from .._metadata import TensorInfo, require, require_dict
 from .._partition import Piece, zero3_partition_numel
 from ..errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError
 from .autoep_layers import AUTOEP_LAYERS, AutoEPLayer, autoep_layers
-from .plans import FlatPlan, TensorPlans
+from .read_plans import FlatPlan, TensorPlans
 from .validate import OptimizerPartitions, numel_of, shape_of
 
 __all__ = ["AUTOEP_LAYERS", "AutoEP", "autoep_trainable", "is_autoep"]

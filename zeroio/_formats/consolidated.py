@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .. import _constants as C
 from .._checkpoint import Checkpoint
-from .._remote import as_path
+from .._io.remote_path import as_path
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from .index import read_index
 from .safetensors import open_safetensors

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import _constants as C
-from .._layout import ZeroLayout
 from .._metadata import CheckpointMetadata
 from .._pickles import TensorRef
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from .provenance import archive_records, check_archive_names
+from .zero_files import ZeroLayout
 
 __all__ = ["MicsGroups", "check_mics_replicas", "mics_shard_group", "zero_variant_metadata"]
 

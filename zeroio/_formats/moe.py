@@ -13,7 +13,7 @@ from .._metadata import require_dict
 from .._partition import Piece
 from .._pickles import TensorRef
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
-from .plans import FlatPlan, casts_to
+from .read_plans import FlatPlan, casts_to
 from .validate import tensor_ref
 
 __all__ = [

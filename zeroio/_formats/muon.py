@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .._partition import Piece
-from .plans import FlatPlan
+from .read_plans import FlatPlan
 
 __all__ = ["WholeMatrices", "uses_whole_matrices", "whole_matrices", "whole_matrix_source"]
 

@@ -18,7 +18,7 @@ from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, load_pickle
 from ..errors import CheckpointFormatError, TensorNotFoundError
 from .optimizer import optimizer_state
-from .plans import FlatPlan, ReadPlan
+from .read_plans import FlatPlan, ReadPlan
 from .validate import base_optimizer_state
 
 __all__ = ["ComposedOptimizerState", "StageView", "merge_tp_states", "stage_of", "stage_views"]

@@ -24,7 +24,7 @@ from .optimizer_ranks import (
     require_laid_out,
     require_same_keys,
 )
-from .plans import FlatPlan, ReadPlan, read_plan_into
+from .read_plans import FlatPlan, ReadPlan, read_plan_into
 
 if TYPE_CHECKING:
     import torch

@@ -16,15 +16,13 @@ from typing import Any
 from .. import _constants as C
 from .._checkpoint import Checkpoint
 from .._dtypes import FLOAT32, DType
-from .._layout import ZeroLayout, find_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require_dict
 from .._pickles import RankFile, TensorRef, load_pickle
 from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, UnsupportedCheckpointError
 from .optim_views import StageView, stage_of, stage_views
 from .pipeline_files import PipelineFiles, has_layer_files, layer_file_name, scan_pipeline_dir
-from .planned import PlannedCheckpoint
-from .plans import TensorPlans, WholePlan, buffer_plans, casts_to
+from .planned_checkpoint import PlannedCheckpoint
 from .provenance import (
     MIXED_SAVES,
     archive_records,
@@ -32,6 +30,7 @@ from .provenance import (
     check_distinct_partitions,
     check_optimizer_steps,
 )
+from .read_plans import TensorPlans, WholePlan, buffer_plans, casts_to
 from .tensor_parallel import TensorParallelCheckpoint, plan_tp_merges
 from .tensor_parallel_rules import Rule, TPRules, describe_rule, parse_tp_rules
 from .validate import (
@@ -45,6 +44,7 @@ from .validate import (
 )
 from .zero import open_zero
 from .zero12 import zero12_trainable
+from .zero_files import ZeroLayout, find_tag_dir
 
 __all__ = ["PipelineCheckpoint", "open_pipeline"]
 

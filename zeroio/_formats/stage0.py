@@ -13,7 +13,7 @@ from .._metadata import CheckpointMetadata, TensorInfo, TensorKind
 from .._partition import Piece
 from .._pickles import TensorRef
 from ..errors import CheckpointFormatError
-from .plans import FlatPlan, ReadPlan, WholePlan, ZeroContents, buffer_plans, casts_to, same_bits
+from .read_plans import FlatPlan, ReadPlan, WholePlan, ZeroContents, buffer_plans, casts_to, same_bits
 from .validate import ModelStates, ref_list, tensor_ref
 
 __all__ = ["open_stage0"]

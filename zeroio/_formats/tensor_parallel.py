@@ -21,15 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
 from .._dtypes import DType
-from .._integrity import CheckedFile
-from .._layout import find_tag_dir, model_parallel_ranks, scan_tag_dir
+from .._io.integrity import CheckedFile
+from .._io.sources import ByteRange
 from .._metadata import CheckpointMetadata, TensorInfo
-from .._storage import ByteRange
 from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .optim_views import merge_tp_states
 from .optimizer import optimizer_state
-from .plans import sample_ranges
+from .read_plans import sample_ranges
 from .tensor_parallel_rules import (
     REPLICATED,
     UNSUPPORTED,
@@ -41,6 +40,7 @@ from .tensor_parallel_rules import (
     user_rule,
 )
 from .zero import ZeroCheckpoint, open_zero
+from .zero_files import find_tag_dir, model_parallel_ranks, scan_tag_dir
 
 if TYPE_CHECKING:
     import torch

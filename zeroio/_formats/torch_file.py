@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
 from .._dtypes import FLOAT32
-from .._integrity import CheckedFile
+from .._io.integrity import CheckedFile
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
 from ..errors import CheckpointFormatError

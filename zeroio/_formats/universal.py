@@ -16,16 +16,16 @@ from typing import Any
 from .. import _constants as C
 from .._checkpoint import Checkpoint
 from .._dtypes import FLOAT32
-from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._pickles import RankFile, TensorRef, load_pickle, to_plain
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, TensorNotFoundError
-from .planned import PlannedCheckpoint
-from .plans import ReadPlan, TensorPlans, WholePlan, buffer_plans
+from .planned_checkpoint import PlannedCheckpoint
+from .read_plans import ReadPlan, TensorPlans, WholePlan, buffer_plans
 from .validate import ModelStates, ParamShapes, config_stage, model_states, numel_of, param_shapes, tensor_ref
 from .zero import open_zero
 from .zero3 import zero3_frozen
 from .zero12 import zero12_frozen
+from .zero_files import ZeroLayout, find_tag_dir, scan_tag_dir
 
 __all__ = ["LATEST_UNIVERSAL", "UniversalCheckpoint", "is_universal", "is_universal_tag_dir", "open_universal"]
 

@@ -11,29 +11,28 @@ from typing import Any
 
 from .. import _constants as C
 from .._dtypes import BFLOAT16, FLOAT32, DType
-from .._layout import ZeroLayout, find_tag_dir, scan_tag_dir
+from .._io.remote_path import as_path, is_url
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
-from .._remote import as_path, is_url
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .autoep import AutoEP, autoep_trainable, is_autoep
 from .mics import check_mics_replicas, mics_shard_group, zero_variant_metadata
 from .moe import Experts, insert_experts, parse_experts
 from .nvme import attach_swapped_state
 from .optimizer import optimizer_state
-from .planned import PlannedCheckpoint
-from .plans import (
-    ReadPlan,
-    WholePlan,
-    ZeroContents,
-    buffer_plans,
-)
+from .planned_checkpoint import PlannedCheckpoint
 from .provenance import (
     archive_records,
     check_archive_names,
     check_distinct_partitions,
     check_model_states_agree,
     check_optimizer_steps,
+)
+from .read_plans import (
+    ReadPlan,
+    WholePlan,
+    ZeroContents,
+    buffer_plans,
 )
 from .stage0 import open_stage0
 from .training import training_facts
@@ -48,6 +47,7 @@ from .validate import (
 )
 from .zero3 import zero3_frozen, zero3_trainable
 from .zero12 import zero12_frozen, zero12_trainable
+from .zero_files import ZeroLayout, find_tag_dir, scan_tag_dir
 
 __all__ = ["ZeroCheckpoint", "open_zero"]
 

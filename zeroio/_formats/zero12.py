@@ -11,8 +11,8 @@ from .._partition import Piece, zero12_offsets, zero12_plan
 from .._pickles import TensorRef
 from ..errors import PartitionMismatchError, UnsupportedCheckpointError
 from .moe import Experts, Placement, PlannedParam, expert_group_layouts, is_expert_param, plan_matches_experts
-from .plans import FlatPlan, TensorPlans, WholePlan
 from .provenance import check_slice_mappings
+from .read_plans import FlatPlan, TensorPlans, WholePlan
 from .validate import ModelStates, OptimizerPartitions, ParamShapes, numel_of, tensor_ref
 
 __all__ = ["plan_zero12_group", "zero12_frozen", "zero12_trainable"]

@@ -10,7 +10,7 @@ from .. import _constants as C
 from .._metadata import TensorInfo, require, require_dict
 from .._partition import Piece, zero3_offsets, zero3_partition_numel, zero3_plan
 from ..errors import PartitionMismatchError
-from .plans import FlatPlan, TensorPlans
+from .read_plans import FlatPlan, TensorPlans
 from .validate import OptimizerPartitions, numel_of, tensor_ref
 
 __all__ = ["zero3_frozen", "zero3_trainable"]

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from .._dtypes import DType
-from .._integrity import CheckedFile
-from .._storage import ByteRange, open_source
+from .._io.integrity import CheckedFile
+from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .legacy import is_legacy_head
 from .limits import MAX_PICKLE_BYTES
@@ -139,7 +139,7 @@ class RankFile:
     """For a legacy (non-zip) stream: each storage's data offset, indexed at parse time (see ``.legacy``)."""
     _header_starts: list[int] | None = field(default=None, init=False, repr=False)
     source: CheckedFile = field(init=False, repr=False)
-    """The file's bytes; reads of zip storage records are checked against their CRC-32 (``zeroio._integrity``).
+    """The file's bytes; reads of zip storage records are checked against their CRC-32 (``zeroio._io.integrity``).
     A legacy stream has no CRC: no record is registered, so nothing is checked."""
 
     def __post_init__(self) -> None:
@@ -253,7 +253,7 @@ def _file_kind(mode: int) -> str:
 
 
 def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo], directory: int) -> None:
-    """A remote file (``zeroio._remote``) fetches the pickle's whole record (header, name, padding, ``data.pkl``) in
+    """A remote file (``zeroio._io.remote_path``) fetches the pickle's whole record (header, name, padding, ``data.pkl``) in
     one request: from its header to the next record's (or the zip directory), so no tensor byte is fetched."""
     prefetch = getattr(fh, "prefetch", None)
     if prefetch is not None:

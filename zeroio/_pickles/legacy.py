@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._storage import ByteSource
+from .._io.sources import ByteSource
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .limits import MAX_PICKLE_BYTES
 

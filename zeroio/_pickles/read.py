@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .._dtypes import DType
-from .._remote import as_path
-from .._storage import Fenced, LocalFile, open_source
+from .._io.remote_path import as_path
+from .._io.sources import Fenced, LocalFile, open_source
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, read_archive

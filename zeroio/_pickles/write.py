@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from .._fileio import pwrite_all, tensor_bytes
+from .._io.fileio import pwrite_all, tensor_bytes
 from ..errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError
 from .archive import TensorRef
 from .plain import TensorRule, Walk, Where, to_plain

@@ -11,16 +11,16 @@ from typing import Any
 
 import torch
 
-from . import _constants as C
-from ._atomic import AtomicDir
-from ._fileio import write_new_file
-from ._optim import optimizer_layout
-from ._progress import ByteProgress, Progress, check_progress
-from ._remote import as_path, is_url
-from ._reshard_plan import ReshardPlan, plan_reshard
-from ._reshard_trees import RankTrees
-from ._types import StrPath
-from .errors import UnsupportedCheckpointError
+from .. import _constants as C
+from .._io.fileio import write_new_file
+from .._io.remote_path import as_path, is_url
+from .._optim import optimizer_layout
+from .._types import StrPath
+from .._write.atomic import AtomicDir
+from .._write.progress import ByteProgress, Progress, check_progress
+from ..errors import UnsupportedCheckpointError
+from .targets import ReshardPlan, plan_reshard
+from .trees import RankTrees
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard"]
 
@@ -132,8 +132,8 @@ def reshard(
     out = AtomicDir(Path(dst), overwrite=overwrite)
     out.check()
 
-    from ._formats import open as zeroio_open
-    from ._formats.zero import ZeroCheckpoint
+    from .._formats import open as zeroio_open
+    from .._formats.zero import ZeroCheckpoint
 
     with zeroio_open(src, tag, verify_crc=verify_crc, storage_options=storage_options) as ckpt:
         # 2. The source: ZeRO-3 with optimizer state (fails here, before anything is written).
@@ -155,8 +155,8 @@ def reshard(
 def _reshard_to_url(
     src: StrPath, url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, **options: Any
 ) -> ReshardResult:
-    """Reshard into a local staging folder, then upload it, ``latest`` last (``zeroio._remote_output``)."""
-    from ._remote_output import write_to_url
+    """Reshard into a local staging folder, then upload it, ``latest`` last (``zeroio._write.remote_output``)."""
+    from .._write.remote_output import write_to_url
 
     def write_local(local: Path) -> ReshardResult:
         source = storage_options if is_url(str(src)) else None

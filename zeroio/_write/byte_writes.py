@@ -6,11 +6,11 @@ arithmetic, so ``zeroio convert`` need not import torch (seconds) for them:
 
 1. :func:`copy_in_kernel`: no cast, local files: ``copy_file_range``, the bytes never enter user space;
 2. :func:`copy_through_memory`: otherwise, each run read into a reused buffer (``pread``), cast with numpy where
-   the output dtype differs (:mod:`zeroio._casts`), and ``pwrite``\\ n.
+   the output dtype differs (:mod:`zeroio._io.casts`), and ``pwrite``\\ n.
 
 Each returns False before writing anything when it cannot do the tensor (no byte runs, a dtype pair not cast
 here): the caller then streams it with torch. Zip records are CRC-checked as
-their bytes pass, exactly as on the torch path (the sources are :class:`~zeroio._integrity.CheckedFile`\\ s).
+their bytes pass, exactly as on the torch path (the sources are :class:`~zeroio._io.integrity.CheckedFile`\\ s).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import sys
 import threading
 from collections.abc import Callable
 
-from ._casts import can_cast, cast_into
-from ._checkpoint import TensorReader
-from ._dtypes import DType
-from ._fileio import ByteBuffers, pwrite_all
-from ._metadata import output_spec
-from ._safetensors_writer import TensorSlot
-from ._storage import ByteRange, kernel_copy_enabled
+from .._checkpoint import TensorReader
+from .._dtypes import DType
+from .._io.casts import can_cast, cast_into
+from .._io.fileio import ByteBuffers, pwrite_all
+from .._io.sources import ByteRange, kernel_copy_enabled
+from .._metadata import output_spec
+from .safetensors_writer import TensorSlot
 
 __all__ = ["copy_in_kernel", "copy_through_memory"]
 
@@ -121,10 +121,10 @@ def copy_through_memory(
 
 
 def _cast_with_torch(raw: memoryview, stored: DType, wanted: DType, out: memoryview) -> None:
-    """A chunk holding a NaN: torch's own cast of the 1-D chunk, as the torch path does (``zeroio._casts``)."""
+    """A chunk holding a NaN: torch's own cast of the 1-D chunk, as the torch path does (``zeroio._io.casts``)."""
     import torch
 
-    from ._storage import tensor_bytes
+    from .._io.sources import tensor_bytes
 
     cast = torch.frombuffer(raw, dtype=stored.torch).to(wanted.torch)
     out[:] = tensor_bytes(cast)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ._dtypes import DType
+    from .._dtypes import DType
 
 __all__ = ["CONFIG_DTYPE_KEYS", "SIDE_FILES", "config_with_dtype", "copy_side_files", "find_side_files"]
 

@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._checkpoint import Checkpoint
-from ._device_copy import DeviceFiller
-from ._key_map import KeyMap, apply_key_map, normalise_prefixes
-from ._metadata import CheckpointMetadata, parse_dtype
-from ._progress import ByteProgress, Progress, check_progress
-from ._text import SHOWN, listing
-from ._types import DTypeLike, InitHook, StrPath
-from .errors import InitHookError, StateDictMismatchError
+from .._checkpoint import Checkpoint
+from .._metadata import CheckpointMetadata, parse_dtype
+from .._text import SHOWN, listing
+from .._types import DTypeLike, InitHook, StrPath
+from .._write.progress import ByteProgress, Progress, check_progress
+from ..errors import InitHookError, StateDictMismatchError
+from .device_copy import DeviceFiller
+from .key_map import KeyMap, apply_key_map, normalise_prefixes
 
 if TYPE_CHECKING:
-    from ._formats.tensor_parallel_rules import TPRules
+    from .._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["KeyMap", "LoadReport", "load"]
 
@@ -318,7 +318,7 @@ def load(
     if isinstance(path, Checkpoint):
         ckpt = path
     else:
-        from ._formats import open as open_checkpoint
+        from .._formats import open as open_checkpoint
 
         ckpt = open_checkpoint(path, tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
     try:

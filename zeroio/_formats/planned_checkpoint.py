@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._checkpoint import Checkpoint
-from .._integrity import CheckedFile
+from .._io.integrity import CheckedFile
+from .._io.sources import ByteRange
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile
-from .._storage import ByteRange
-from .plans import ReadPlan, plan_byte_ranges, read_plan_into
+from .read_plans import ReadPlan, plan_byte_ranges, read_plan_into
 
 if TYPE_CHECKING:
     import torch

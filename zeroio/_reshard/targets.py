@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _constants as C
-from ._metadata import require, require_dict
-from ._optim import OptimizerLayout
-from ._partition import zero3_partition_numel, zero3_sub_groups
-from .errors import PartitionMismatchError, UnsupportedCheckpointError
+from .. import _constants as C
+from .._metadata import require, require_dict
+from .._optim import OptimizerLayout
+from .._partition import zero3_partition_numel, zero3_sub_groups
+from ..errors import PartitionMismatchError, UnsupportedCheckpointError
 
 if TYPE_CHECKING:
-    from ._formats.plans import FlatPlan, WholePlan
-    from ._formats.zero import ZeroCheckpoint
+    from .._formats.read_plans import FlatPlan, WholePlan
+    from .._formats.zero import ZeroCheckpoint
 
 __all__ = ["DEFAULT_SUB_GROUP_SIZE", "RankRead", "ReshardPlan", "SubGroup", "plan_reshard", "rank_reads"]
 

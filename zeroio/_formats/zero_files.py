@@ -7,10 +7,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from . import _constants as C
-from ._pickles import require_regular_file
-from ._text import listing
-from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
+from .. import _constants as C
+from .._pickles import require_regular_file
+from .._text import listing
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
 __all__ = ["ZeroLayout", "find_tag_dir", "is_zero_checkpoint", "model_parallel_ranks", "scan_tag_dir"]
 

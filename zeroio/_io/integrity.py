@@ -22,9 +22,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ._crc32 import crc32_combine
-from ._storage import ByteSource, Fenced, can_copy_in_kernel, writable_bytes
-from .errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
+from .crc32 import crc32_combine
+from .sources import ByteSource, Fenced, can_copy_in_kernel, writable_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ zeroio's output by its names alone (no marker file), so outputs of earlier zeroi
 - ``convert``: ``model.safetensors`` / ``model-0000K-of-0000N.safetensors`` / ``model.safetensors.index.json``,
   ``pytorch_model.bin`` / ``pytorch_model-0000K-of-0000N.bin`` / ``pytorch_model.bin.index.json``,
   ``optimizer.safetensors`` / ``optimizer-0000K-of-0000N.safetensors`` / ``optimizer.safetensors.index.json`` /
-  ``optimizer.json``, and the config and tokenizer files it copies (:data:`~zeroio._side_files.SIDE_FILES`);
+  ``optimizer.json``, and the config and tokenizer files it copies (:data:`~zeroio._write.side_files.SIDE_FILES`);
 - ``reshard``: ``latest`` and tag folders holding only DeepSpeed rank files
   (``zero_pp_rank_R_mp_rank_00_model_states.pt``, ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``);
 - ``convert(fmt="universal")``: ``latest_universal`` and tag folders holding only model states files and a ``zero/``
@@ -21,13 +21,13 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import _constants as C
-from ._side_files import SIDE_FILES
+from .. import _constants as C
+from .side_files import SIDE_FILES
 
 __all__ = ["LATEST_UNIVERSAL", "LOCK_NAME", "foreign_entries", "foreign_names", "is_output_name"]
 
 LOCK_NAME = ".zeroio-lock"
-"""The file in a temporary output folder that its writer holds an ``flock`` on (see :mod:`zeroio._atomic`)."""
+"""The file in a temporary output folder that its writer holds an ``flock`` on (see :mod:`zeroio._write.atomic`)."""
 
 _OUTPUT_FILE = re.compile(
     r"^(?:model(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"

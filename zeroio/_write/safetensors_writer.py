@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._constants import SAFETENSORS_MAX_HEADER_SIZE
-from ._dtypes import SAFETENSORS_ORDER, DType, as_dtype
-from ._fileio import pwrite_all, tensor_bytes
+from .._constants import SAFETENSORS_MAX_HEADER_SIZE
+from .._dtypes import SAFETENSORS_ORDER, DType, as_dtype
+from .._io.fileio import pwrite_all, tensor_bytes
 
 if TYPE_CHECKING:
     import torch

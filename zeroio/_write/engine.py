@@ -1,10 +1,10 @@
 """The one write engine: plan -> execute -> commit, for one process or the N processes of a torch.distributed job.
 
-Every process opens the source and plans the same files from metadata (:mod:`zeroio._plan`); each writes the
-shards :func:`~zeroio._sharding.assign_shards` gives it into rank 0's temporary folder (:mod:`zeroio._write_files`);
+Every process opens the source and plans the same files from metadata (:mod:`zeroio._write.write_plan`); each writes the
+shards :func:`~zeroio._write.sharding.assign_shards` gives it into rank 0's temporary folder (:mod:`zeroio._write.execute`);
 rank 0 writes the extra files, the index last, copies the side files and renames the folder into place
-(:class:`~zeroio._atomic.AtomicDir`). After each phase every process learns whether all succeeded
-(:class:`~zeroio._comm.Job`). With one process (:class:`~zeroio._comm.LocalComm`) that exchange is a no-op.
+(:class:`~zeroio._write.atomic.AtomicDir`). After each phase every process learns whether all succeeded
+(:class:`~zeroio._write.comm.Job`). With one process (:class:`~zeroio._write.comm.LocalComm`) that exchange is a no-op.
 """
 
 from __future__ import annotations
@@ -17,24 +17,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._checkpoint import Checkpoint
-from ._comm import COMMIT, PLAN, TEMP, WRITE, Job
-from ._dtypes import DType, as_dtype
-from ._fileio import naming, write_new_file
-from ._metadata import CheckpointMetadata
-from ._plan import WritePlan, plan_write
-from ._progress import Progress
-from ._remote import as_path
-from ._sharding import assign_shards
-from ._side_files import copy_side_files
-from ._types import StrPath
-from ._write_files import write_shards
-from .errors import OutputError
+from .._checkpoint import Checkpoint
+from .._dtypes import DType, as_dtype
+from .._io.fileio import naming, write_new_file
+from .._io.remote_path import as_path
+from .._metadata import CheckpointMetadata
+from .._types import StrPath
+from ..errors import OutputError
+from .comm import COMMIT, PLAN, TEMP, WRITE, Job
+from .execute import write_shards
+from .progress import Progress
+from .sharding import assign_shards
+from .side_files import copy_side_files
+from .write_plan import WritePlan, plan_write
 
 if TYPE_CHECKING:
     import torch
 
-    from ._formats.tensor_parallel_rules import TPRules
+    from .._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
 
@@ -121,7 +121,7 @@ def _run(
     trusted_globals: frozenset[str],
     tp_rules: TPRules | None,
 ) -> WriteOutcome:
-    from ._formats import open as open_checkpoint
+    from .._formats import open as open_checkpoint
 
     rank, world_size, out = job.comm.rank, job.comm.world_size, job.out
     with contextlib.ExitStack() as stack:

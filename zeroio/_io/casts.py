@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from ._dtypes import DType
+from .._dtypes import DType
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
-from .errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
 
 if TYPE_CHECKING:
     import torch
@@ -190,7 +190,7 @@ def can_copy_in_kernel(source: ByteSource) -> bool:
 
 
 def open_source(path: Path, size: int | None = None) -> ByteSource:
-    """The byte source of a file: a :class:`LocalFile`, or a remote path's own (``zeroio._remote.RemotePath``).
+    """The byte source of a file: a :class:`LocalFile`, or a remote path's own (``zeroio._io.remote_path.RemotePath``).
 
     Format modules open every file through this (never ``LocalFile(path)``), so they read remote roots unchanged.
     """

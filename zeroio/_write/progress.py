@@ -6,7 +6,7 @@ import sys
 import threading
 from typing import Any
 
-from ._types import ProgressCallback
+from .._types import ProgressCallback
 
 __all__ = ["ByteProgress", "Progress", "check_progress"]
 

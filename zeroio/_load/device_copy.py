@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checkpoint import Checkpoint
+from .._checkpoint import Checkpoint
 
 __all__ = ["RING", "STAGING_CHUNK_BYTES", "DeviceFiller"]
 

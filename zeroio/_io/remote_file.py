@@ -1,4 +1,4 @@
-"""A remote object read with ranged requests: a :class:`~zeroio._storage.ByteSource` over an fsspec filesystem.
+"""A remote object read with ranged requests: a :class:`~zeroio._io.sources.ByteSource` over an fsspec filesystem.
 
 How bytes are fetched (docs/remote.md has the measured numbers):
 
@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._storage import writable_bytes
-from .errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
+from .sources import writable_bytes
 
 if TYPE_CHECKING:
     import torch

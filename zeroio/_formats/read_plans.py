@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._dtypes import FLOAT32, DType, as_dtype, to_torch
+from .._io.sources import ByteRange
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._partition import Piece
 from .._pickles import RankFile, TensorRef
-from .._storage import ByteRange
 from .bits import ref_bytes, rounds_to
 from .validate import tensor_ref
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from . import _constants as C
-from ._fileio import ChunkBuffers
-from ._optim import moment_source
-from ._partition import zero3_partition_numel
-from ._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
-from ._reshard_plan import RankRead, ReshardPlan, rank_reads
+from .. import _constants as C
+from .._io.fileio import ChunkBuffers
+from .._optim import moment_source
+from .._partition import zero3_partition_numel
+from .._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
+from .targets import RankRead, ReshardPlan, rank_reads
 
 __all__ = ["RankTrees"]
 
@@ -56,7 +56,7 @@ def _ref_chunks(ref: TensorRef, buffers: _Buffers) -> Chunks:
 
 def _slices_chunks(reads: list[RankRead], dtype: torch.dtype, buffers: _Buffers) -> Chunks:
     """``(source, start, count, padding)`` rows: ``count`` elements of a consolidated tensor, then zeros."""
-    from ._formats.plans import read_plan_into
+    from .._formats.read_plans import read_plan_into
 
     def run() -> Iterator[torch.Tensor]:
         buf = buffers.read(dtype)

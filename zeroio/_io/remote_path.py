@@ -2,7 +2,7 @@
 
 The readers find files with a small subset of :class:`pathlib.Path` (``/``, ``name``, ``parent``, ``exists``,
 ``is_file``, ``is_dir``, ``iterdir``, ``glob``, ``read_text``, ``stat``, ``open``) and open byte sources with
-:func:`zeroio._storage.open_source`. :class:`RemotePath` implements exactly that subset over an fsspec filesystem
+:func:`zeroio._io.sources.open_source`. :class:`RemotePath` implements exactly that subset over an fsspec filesystem
 (s3fs, gcsfs, huggingface_hub's ``HfFileSystem``, fsspec's HTTP), answering every name question from one listing
 made on first use (a recursive listing of the URL, and a one-level listing of any other folder asked about), so
 detecting a layout costs one or two list requests, not one per file. :func:`as_path` is what readers call instead
@@ -24,9 +24,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
-from ._remote_file import RemoteFile, call_with_retries
-from ._types import StrPath
-from .errors import RemoteStorageError
+from .._types import StrPath
+from ..errors import RemoteStorageError
+from .remote_file import RemoteFile, call_with_retries
 
 __all__ = ["RemotePath", "as_path", "filesystem", "is_url", "with_storage_options"]
 

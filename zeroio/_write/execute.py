@@ -10,12 +10,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._byte_writes import copy_in_kernel, copy_through_memory
-from ._checkpoint import Checkpoint
-from ._fileio import ByteBuffers, ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
-from ._plan import WritePlan
-from ._progress import ByteProgress, Progress
-from ._safetensors_writer import write_chunks
+from .._checkpoint import Checkpoint
+from .._io.fileio import ByteBuffers, ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
+from .byte_writes import copy_in_kernel, copy_through_memory
+from .progress import ByteProgress, Progress
+from .safetensors_writer import write_chunks
+from .write_plan import WritePlan
 
 if TYPE_CHECKING:
     import torch

@@ -18,11 +18,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import _constants as C
-from ._own_files import LATEST_UNIVERSAL, foreign_names
-from ._remote import as_path, filesystem
-from ._remote_file import call_with_retries
-from .errors import CheckpointNotFoundError, OutputError
+from .. import _constants as C
+from .._io.remote_file import call_with_retries
+from .._io.remote_path import as_path, filesystem
+from ..errors import CheckpointNotFoundError, OutputError
+from .own_files import LATEST_UNIVERSAL, foreign_names
 
 __all__ = ["write_file_to_url", "write_to_url"]
 

@@ -1,6 +1,6 @@
 """All-or-nothing output folders: build beside the destination, fsync, rename into place; clean up on any failure.
 
-A temporary folder's writer holds an ``flock`` on a file inside it (:data:`~zeroio._own_files.LOCK_NAME`) for
+A temporary folder's writer holds an ``flock`` on a file inside it (:data:`~zeroio._write.own_files.LOCK_NAME`) for
 the folder's whole life; another conversion removes a leftover temporary folder only when it can take that lock,
 so a live conversion is never removed, even one in another PID namespace (containers sharing a filesystem).
 """
@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 from types import TracebackType
 
-from ._own_files import LOCK_NAME, foreign_entries
-from ._text import listing
-from .errors import OutputError
+from .._text import listing
+from ..errors import OutputError
+from .own_files import LOCK_NAME, foreign_entries
 
 try:
     import fcntl
@@ -244,7 +244,7 @@ class AtomicDir:
         dst: the folder to create.
         overwrite: replace an existing ``dst`` (an existing *empty* folder is replaced without it) (swapped atomically where the OS supports it; otherwise there
             is a moment between two renames when ``dst`` is absent): a file, a link, or a folder holding only
-            zeroio's outputs (:func:`~zeroio._own_files.foreign_entries`); any other folder is refused.
+            zeroio's outputs (:func:`~zeroio._write.own_files.foreign_entries`); any other folder is refused.
     """
 
     def __init__(self, dst: Path, *, overwrite: bool = False) -> None:
@@ -335,7 +335,7 @@ class AtomicDir:
             _remove(self.tmp)
         finally:
             self.release()
-        from .errors import ZeroIOError
+        from ..errors import ZeroIOError
 
         if isinstance(exc, ZeroIOError):
             # OutputError already names dst; any other ZeroIOError is about the source and says what to do.

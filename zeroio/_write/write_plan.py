@@ -7,13 +7,13 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from . import _constants as C
-from ._checkpoint import Checkpoint
-from ._dtypes import DType
-from ._metadata import output_spec
-from ._safetensors_writer import SafetensorsLayout, plan_file, storable
-from ._sharding import ShardPlan, index_json, plan_shards
-from .errors import UnsupportedCheckpointError
+from .. import _constants as C
+from .._checkpoint import Checkpoint
+from .._dtypes import DType
+from .._metadata import output_spec
+from ..errors import UnsupportedCheckpointError
+from .safetensors_writer import SafetensorsLayout, plan_file, storable
+from .sharding import ShardPlan, index_json, plan_shards
 
 __all__ = ["WRITE_FORMATS", "WritePlan", "plan_write"]
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-from ._atomic import AtomicDir
-from .errors import OutputError, ZeroIOError
+from ..errors import OutputError, ZeroIOError
+from .atomic import AtomicDir
 
 __all__ = [
     "COMMIT",

@@ -1,0 +1,1 @@
+"""Loading a checkpoint into a live ``nn.Module``: key mapping, in-place fills, device copies."""

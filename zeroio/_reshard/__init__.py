@@ -1,0 +1,1 @@
+"""Rewriting a ZeRO-3 checkpoint for another world size (rank files DeepSpeed resumes from)."""
