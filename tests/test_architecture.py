@@ -25,8 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_io",),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
     ("_pickles",),
-    # 3. metadata, partition arithmetic, the reader contract (_checkpoint) and the format readers (_formats/)
-    ("_metadata", "_partition", "_checkpoint", "_formats"),
+    # 3. metadata, partition arithmetic, the reader contracts (_checkpoint), reading options and the format readers
+    ("_metadata", "_partition", "_checkpoint", "_options", "_formats"),
     # 4. the write engine (_write/): plan -> execute -> commit, atomic outputs, side files, URL outputs
     ("_write",),
     # 5. the verbs and what only they use
@@ -234,6 +234,23 @@ def test_imports_flow_downward():
             if unit in layer and unit != source and layer[unit] > layer[source]:
                 offenders.append(f"{module} (layer {layer[source]}) imports {target} (layer {layer[unit]})")
     assert offenders == [], "imports from a higher layer:\n" + "\n".join(offenders)
+
+
+READERS_FACE = "zeroio._formats"
+"""The format readers' package: modules above its layer import its face (``__init__``), never its submodules."""
+
+
+def test_upper_layers_import_readers_through_their_face():
+    """The write engine and the verbs (layers above ``_formats``) import ``zeroio._formats``, not its modules, so
+    a reader's module can be split or renamed without touching them (the reader contract is the face's names)."""
+    layer = _layer_of()
+    offenders = []
+    for module, targets in sorted(_graph().items()):
+        unit = _unit(module)
+        if unit not in layer or layer[unit] <= layer["_formats"]:
+            continue
+        offenders += [f"{module} imports {t}" for t in sorted(targets) if t.startswith(READERS_FACE + ".")]
+    assert offenders == [], f"imports past {READERS_FACE}'s face (export the name there):\n" + "\n".join(offenders)
 
 
 # --------------------------------------------------------------------------- (c) no private names across modules

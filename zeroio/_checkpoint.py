@@ -6,7 +6,8 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from typing_extensions import Self
 
@@ -20,7 +21,9 @@ from .errors import CheckpointClosedError, TensorNotFoundError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
+    from ._formats.read_plans import ReadPlan
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "PartitionedCheckpoint", "TensorReader"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,47 @@ class TensorReader(Protocol):
     def finish_crc_checks(self) -> None: ...
 
     def optimizer_state(self, name: str) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class PartitionedCheckpoint(Protocol):
+    """The data-parallel partitions behind a checkpoint: what reshard, universal output, Lightning output and
+    optimizer state reading use beyond :class:`TensorReader`.
+
+    A reader that keeps its tensors as read plans over per-rank files, each rank's optimizer state partitioned
+    like them, and the rank files' parsed trees provides it (``ZeroCheckpoint``; one pipeline stage's view for
+    optimizer state); the world size is ``metadata.world_size``. Verbs check ``isinstance(ckpt,
+    PartitionedCheckpoint)``, never a reader class, so any format that serves these members is accepted.
+    """
+
+    @property
+    def metadata(self) -> CheckpointMetadata: ...
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]: ...
+
+    @property
+    def tied(self) -> dict[str, str]: ...
+
+    @property
+    def plans(self) -> dict[str, ReadPlan]: ...
+
+    @property
+    def optimizer_states(self) -> tuple[Any, ...]: ...
+
+    def info(self, name: str) -> TensorInfo: ...
+
+    def source_name(self, name: str) -> str: ...
+
+    def read_plan(self, name: str) -> ReadPlan: ...
+
+    def file_tree(self, path: Path) -> Any: ...
+
+    def ensure_open(self, name: str | None = None) -> None: ...
+
+    def finish_crc_checks(self) -> None: ...
+
+    def __contains__(self, name: object) -> bool: ...
 
 
 class _State(enum.Enum):

@@ -2,43 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from ._checkpoint import Checkpoint
-from ._dtypes import DType
-from ._io.remote_path import as_path, is_url, with_storage_options
-from ._metadata import output_spec, parse_dtype_spec
+from ._io.remote_path import as_path, is_url
+from ._metadata import output_spec
 from ._model_card import card_facts
+from ._options import ReadOptions, read_options
 from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.comm import Job, LocalComm
 from ._write.engine import ExtraFiles, WriteOutcome, write_checkpoint
-from ._write.progress import Progress, check_progress
-from ._write.sharding import parse_size
+from ._write.options import DEFAULT_CHUNK_BYTES, OutputFormat, WriteOptions, write_options
+from ._write.progress import Progress
 from ._write.write_plan import WritePlan
 from .errors import OutputError
 
 if TYPE_CHECKING:
     import torch
 
-    from ._formats.tensor_parallel_rules import TPRules
+    from ._formats import TPRules
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "ConvertResult", "convert"]
+__all__ = ["ConvertResult", "convert", "convert_with"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
-"""Largest piece of a tensor held in memory per IO thread while converting to safetensors."""
-
-DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
-"""IO threads: reads of one tensor overlap writes of another (reads and writes release the GIL)."""
-
-Format = Literal["safetensors", "torch", "lightning", "universal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,42 +55,23 @@ class ConvertResult:
     """Config and tokenizer files copied from beside the source (an HF Trainer ``checkpoint-N/``), in the output."""
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- the writers besides the engine
 
 
-def _workers(workers: int | None) -> int:
-    if workers is None:
-        return DEFAULT_WORKERS
-    if isinstance(workers, bool) or not isinstance(workers, int):
-        raise TypeError(f"workers must be a positive int (IO threads), got {workers!r}.")
-    if workers < 1:
-        raise ValueError(f"workers must be a positive int (IO threads), got {workers!r}.")
-    return workers
-
-
-def _convert_lightning(
-    src: StrPath,
-    dst: Path,
-    *,
-    tag: str | None,
-    target: DType | None,
-    overwrite: bool,
-    verify_crc: bool,
-    trusted_globals: frozenset[str],
-    tp_rules: TPRules | None = None,
-) -> ConvertResult:
+def _convert_lightning(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
     """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
-    from ._formats import open as zeroio_open
+    from ._formats import open_checkpoint
     from ._lightning import write_lightning_ckpt
 
     # 1. Refuse an existing file (or a file in the way of a parent folder) before reading anything, as for folders;
     #    a folder at dst is refused by write_lightning_ckpt, overwrite or not (a Lightning checkpoint is one file).
     dst = Path(os.path.abspath(dst))
+    overwrite, target = write.overwrite, write.dtype
     if not dst.is_dir():
         AtomicDir(dst, overwrite=overwrite).check()
-    if overwrite and dst.is_file() and dst.resolve() == as_path(src).resolve():
+    if overwrite and dst.is_file() and dst.resolve() == src.resolve():
         raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
-    with zeroio_open(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc, tp_rules=tp_rules) as ckpt:
+    with open_checkpoint(src, read) as ckpt:
         # 2. Missing parent folders are created, as convert creates them for an output folder.
         if not dst.is_dir():
             try:
@@ -113,7 +87,7 @@ def _convert_lightning(
             dst,
             dtype=None if target is None else target.torch,
             overwrite=overwrite,
-            trusted_globals=trusted_globals,
+            trusted_globals=read.trusted_globals,
             loadable=True,
         )
         infos = ckpt.infos
@@ -133,32 +107,11 @@ def _convert_lightning(
     )
 
 
-def _convert_universal(
-    src: StrPath,
-    dst: Path,
-    *,
-    tag: str | None,
-    target: DType | None,
-    exclude_frozen: bool,
-    overwrite: bool,
-    chunk_bytes: int,
-    progress: Progress,
-    distributed: bool,
-    verify_crc: bool,
-    trusted_globals: frozenset[str],
-) -> ConvertResult:
+def _convert_universal(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
     """``fmt="universal"``: a DeepSpeed universal checkpoint (``zeroio/_universal_write.py``)."""
     from ._universal_write import write_universal
 
-    if target is not None or exclude_frozen or distributed:
-        raise ValueError(
-            "fmt='universal' writes the fp32 masters and optimizer state DeepSpeed resumes from, as stored: "
-            "dtype, exclude_frozen and distributed do not apply."
-        )
-    out = write_universal(
-        src, dst, tag=tag, overwrite=overwrite, chunk_bytes=chunk_bytes, progress=progress, verify_crc=verify_crc,
-        trusted_globals=trusted_globals,
-    )  # fmt: skip
+    out = write_universal(src, dst, read, write)
     return ConvertResult(
         files=out.files, index_path=None, total_size=out.total_size, num_tensors=out.num_tensors, tied=out.tied
     )
@@ -171,7 +124,7 @@ def convert(
     src: StrPath,
     dst: StrPath,
     *,
-    fmt: Format = "safetensors",
+    fmt: OutputFormat = "safetensors",
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     tag: str | None = None,
@@ -283,107 +236,79 @@ def convert(
         >>> [p.name for p in result.files]  # doctest: +SKIP
         ['model.safetensors']
     """
-    # 1. Arguments, without IO.
-    if fmt not in ("safetensors", "torch", "lightning", "universal"):
-        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning' or 'universal', got {fmt!r}.")
-    target = parse_dtype_spec(dtype)  # a torch-free DType: converting without a cast never imports torch
-    if isinstance(trusted_globals, str):
-        raise TypeError(f"trusted_globals must be an iterable of names, not a string: [{trusted_globals!r}].")
-    trusted = frozenset(trusted_globals)
-    limit = parse_size(max_shard_size)
-    n_workers = _workers(workers)
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
-        raise TypeError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
-    check_progress(progress)
+    # 1. Arguments, without IO: validated here once, then passed down as two values.
+    write = write_options(
+        fmt=fmt, dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, overwrite=overwrite,
+        workers=workers, progress=progress, chunk_bytes=chunk_bytes, distributed=distributed,
+        include_optimizer=include_optimizer,
+    )  # fmt: skip
+    read = read_options(
+        tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
+        storage_options=storage_options,
+    )  # fmt: skip
+    return convert_with(src, dst, read, write)
+
+
+def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOptions) -> ConvertResult:
+    """:func:`convert` with its keywords already validated (``push_to_hub`` converts through it too).
+
+    ``read.storage_options`` configure ``src`` and/or ``dst``, whichever is a URL, as for :func:`convert`.
+    """
     if is_url(str(dst)):
-        if distributed:
+        if write.distributed:
             raise ValueError(
                 "distributed=True writes local folders (each process its shards): write locally, then upload."
             )
+        source_read = read if is_url(str(src)) else dataclasses.replace(read, storage_options=None)
 
         def write_local(local: Path) -> ConvertResult:
-            return convert(
-                src, local, fmt=fmt, dtype=dtype, max_shard_size=max_shard_size, tag=tag,
-                exclude_frozen=exclude_frozen, workers=workers, progress=progress, chunk_bytes=chunk_bytes,
-                include_optimizer=include_optimizer, verify_crc=verify_crc, trusted_globals=trusted,
-                tp_rules=tp_rules, storage_options=storage_options if is_url(str(src)) else None,
-            )  # fmt: skip
+            return convert_with(src, local, source_read, dataclasses.replace(write, overwrite=False))
 
         from ._write.remote_output import write_file_to_url, write_to_url
 
-        if fmt == "lightning":  # one file: the URL names the object
-            result, at = write_file_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
-            return replace(result, files=(at,))
-        result, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
+        if write.fmt == "lightning":  # one file: the URL names the object
+            result, at = write_file_to_url(str(dst), read.storage_options, overwrite=write.overwrite, write=write_local)
+            return dataclasses.replace(result, files=(at,))
+        result, uploaded = write_to_url(str(dst), read.storage_options, overwrite=write.overwrite, write=write_local)
 
         def remote(path: Path) -> Path:
             return uploaded[path.resolve()]
 
-        return replace(
+        return dataclasses.replace(
             result, files=tuple(map(remote, result.files)), copied=tuple(map(remote, result.copied)),
             index_path=remote(result.index_path) if result.index_path is not None else None,
         )  # fmt: skip
-    src = with_storage_options(src, storage_options)
+    # The source's one path: a URL's listing, made once, serves the reader and the side files alike.
+    source = as_path(src, read.storage_options)
     dst_path = Path(dst)
-    if include_optimizer and (fmt != "safetensors" or distributed):
-        raise ValueError(
-            "include_optimizer=True writes optimizer.safetensors beside model.safetensors: use fmt='safetensors' "
-            "without distributed=True."
-        )
-    if fmt == "universal":
-        return _convert_universal(
-            src, dst_path, tag=tag, target=target, exclude_frozen=exclude_frozen, overwrite=overwrite,
-            chunk_bytes=chunk_bytes, progress=progress, distributed=distributed, verify_crc=verify_crc,
-            trusted_globals=trusted,
-        )  # fmt: skip
-    if distributed is not False:
-        if not isinstance(distributed, bool):
-            raise TypeError(f"distributed must be True or False, got {distributed!r}.")
+    if write.fmt == "universal":
+        return _convert_universal(source, dst_path, read, write)
+    if write.distributed:
         from ._distributed import convert_distributed
 
-        outcome = convert_distributed(
-            src, dst_path, fmt=fmt, target=target, limit=limit, tag=tag, exclude_frozen=exclude_frozen,
-            overwrite=overwrite, workers=n_workers, progress=progress, chunk_bytes=chunk_bytes, verify_crc=verify_crc,
-            trusted_globals=trusted, tp_rules=tp_rules,
-        )  # fmt: skip
-        return _result(outcome)
-    if fmt == "lightning":
-        if exclude_frozen:
-            raise ValueError(
-                "exclude_frozen=True cannot be used with fmt='lightning': load_from_checkpoint loads strictly and "
-                "needs every parameter. Drop exclude_frozen, or write fmt='safetensors'."
-            )
-        return _convert_lightning(
-            src, dst_path, tag=tag, target=target, overwrite=overwrite, verify_crc=verify_crc, trusted_globals=trusted,
-            tp_rules=tp_rules,
-        )  # fmt: skip
+        return _result(convert_distributed(source, dst_path, read, write))
+    if write.fmt == "lightning":
+        return _convert_lightning(source, dst_path, read, write)
 
     # 2. The write engine, as one process of one: refuse an existing destination before reading anything, plan
     #    every file from metadata, stream the tensors into a temporary folder beside dst, rename it into place.
-    extra_files = _optimizer_files(limit, chunk_bytes) if include_optimizer else None
-    outcome = write_checkpoint(
-        Job(LocalComm(), AtomicDir(dst_path, overwrite=overwrite)), src, tag=tag, fmt=fmt, target=target,
-        max_shard_size=limit, exclude_frozen=exclude_frozen, workers=n_workers, chunk_bytes=chunk_bytes,
-        progress=progress, extra_files=extra_files, verify_crc=verify_crc, trusted_globals=trusted,
-        tp_rules=tp_rules,
-    )  # fmt: skip
-    return _result(outcome)
+    extra_files = _optimizer_files(write) if write.include_optimizer else None
+    job = Job(LocalComm(), AtomicDir(dst_path, overwrite=write.overwrite))
+    return _result(write_checkpoint(job, source, read, write, extra_files=extra_files))
 
 
-def _optimizer_files(limit: int, chunk_bytes: int) -> ExtraFiles:
+def _optimizer_files(write: WriteOptions) -> ExtraFiles:
     """``include_optimizer``: optimizer.safetensors + optimizer.json beside the weights (zeroio/_optim.py),
     planned with the weights (a source without optimizer state fails before anything is created)."""
     from ._optim import plan_optimizer_files, write_optimizer_files
 
     def plan(ckpt: Checkpoint, weights: WritePlan) -> Callable[[Path], None]:
-        optim = plan_optimizer_files(ckpt, list(weights.names), max_shard_size=limit)
+        optim = plan_optimizer_files(ckpt, list(weights.names), max_shard_size=write.max_shard_size)
 
-        def write(tmp: Path) -> None:
-            write_optimizer_files(ckpt, optim, tmp, chunk_bytes=chunk_bytes)
+        def write_files(tmp: Path) -> None:
+            write_optimizer_files(ckpt, optim, tmp, chunk_bytes=write.chunk_bytes)
 
-        return write
+        return write_files
 
     return plan
 

@@ -15,21 +15,17 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ._types import StrPath
+from ._options import ReadOptions
 from ._write.atomic import AtomicDir
 from ._write.comm import CommLost, Job
 from ._write.engine import WriteOutcome, write_checkpoint
-from ._write.progress import Progress
+from ._write.options import WriteOptions
 from ._write.write_plan import WRITE_FORMATS
 from .errors import OutputError
-
-if TYPE_CHECKING:
-    from ._dtypes import DType
-    from ._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
 
@@ -189,23 +185,7 @@ def _warn_if_one_host(comm: _GlooComm) -> None:
         )
 
 
-def convert_distributed(
-    src: StrPath,
-    dst: Path,
-    *,
-    fmt: str,
-    target: DType | torch.dtype | None,
-    limit: int,
-    tag: str | None,
-    exclude_frozen: bool,
-    overwrite: bool,
-    workers: int,
-    progress: Progress,
-    chunk_bytes: int,
-    verify_crc: bool = True,
-    trusted_globals: frozenset[str] = frozenset(),
-    tp_rules: TPRules | None = None,
-) -> WriteOutcome:
+def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> WriteOutcome:
     """:func:`zeroio.convert` with ``distributed=True`` (arguments already validated): see ``docs/distributed.md``.
 
     The write engine (:mod:`zeroio._write.engine`) over a gloo group of every process: each writes the shards
@@ -213,13 +193,13 @@ def convert_distributed(
     rank 0 writes the index last and renames the folder into place once every process reported success. Any
     failure fails every process.
     """
-    if fmt not in WRITE_FORMATS:
+    if write.fmt not in WRITE_FORMATS:
         raise ValueError(
-            f"distributed=True writes sharded 'safetensors' or 'torch' folders, not fmt={fmt!r} (one file): "
+            f"distributed=True writes sharded 'safetensors' or 'torch' folders, not fmt={write.fmt!r} (one file): "
             "convert it in one process."
         )
     timeout = _timeout()
-    out = AtomicDir(dst, overwrite=overwrite)
+    out = AtomicDir(dst, overwrite=write.overwrite)
     lost_advice = (
         f"A process was killed, crashed or stopped answering (timeout {timeout.total_seconds():g} s, "
         f"set with {TIMEOUT_ENV}): check the other processes' logs and run the conversion again."
@@ -227,8 +207,4 @@ def convert_distributed(
     with _sigterm_as_interrupt() as sigterm, _process_group(out.dst, timeout) as comm:
         _warn_if_one_host(comm)
         job = Job(comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
-        return write_checkpoint(
-            job, src, tag=tag, fmt=fmt, target=target, max_shard_size=limit, exclude_frozen=exclude_frozen,
-            workers=workers, chunk_bytes=chunk_bytes, progress=progress, verify_crc=verify_crc,
-            trusted_globals=trusted_globals, tp_rules=tp_rules,
-        )  # fmt: skip
+        return write_checkpoint(job, src, read, write)

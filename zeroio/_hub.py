@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -15,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from ._io.remote_path import as_path, is_url
 from ._model_card import default_commit_message, render_model_card
-from ._write.progress import check_progress
+from ._options import ReadOptions, read_options
+from ._write.options import write_options
 from .errors import HubError
 
 if TYPE_CHECKING:
     import torch
 
-    from ._formats.tensor_parallel_rules import TPRules
+    from ._formats import TPRules
     from ._types import StrPath
     from ._write.progress import Progress
 
@@ -150,8 +152,9 @@ def push_to_hub(
             f"revision={revision!r}. Drop revision to open a pull request, or pass revision='refs/pr/N' without "
             "create_pr to add a commit to an open pull request."
         )
-    check_progress(progress)
-    src_path = as_path(src, storage_options)
+    write = write_options(dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+    read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules)
+    src_path = as_path(src, storage_options)  # a URL's one listing serves the check and the conversion
     if not src_path.exists():
         from .errors import CheckpointNotFoundError
 
@@ -161,7 +164,7 @@ def push_to_hub(
             path=src_path,
         )
     converted = _is_converted(src_path) and dtype is None and not is_url(str(src_path))  # a URL: converted here
-    _check_source(src_path, converted=converted, dtype=dtype, max_shard_size=max_shard_size, tag=tag, tp_rules=tp_rules)
+    _check_source(src_path, dataclasses.replace(read, tag=None) if converted else read)
     try:
         from huggingface_hub import HfApi
     except ImportError as e:  # pragma: no cover - a declared dependency
@@ -196,20 +199,11 @@ def push_to_hub(
         if converted:
             weights_dir = src_path
         else:
-            from ._convert import convert
+            from ._convert import convert_with
 
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-push-")))
             weights_dir = tmp / "model"
-            result = convert(
-                src_path,
-                weights_dir,
-                dtype=dtype,
-                max_shard_size=max_shard_size,
-                tag=tag,
-                progress=progress,
-                verify_crc=verify_crc,
-                tp_rules=tp_rules,
-            )
+            result = convert_with(src_path, weights_dir, read, write)
             card_facts = dict(result.card_facts)
 
         # 4. Stage weights + card without touching the user's folder (symlinks, not copies). Config and tokenizer
@@ -288,25 +282,11 @@ def _link_tree(src: Path, dst: Path) -> None:
         _link(path, dst / rel)
 
 
-def _check_source(
-    src: Path,
-    *,
-    converted: bool,
-    dtype: str | torch.dtype | None,
-    max_shard_size: int | str,
-    tag: str | None,
-    tp_rules: TPRules | None,
-) -> None:
-    """Everything push can check locally, before it creates a repo: conversion arguments and a readable source."""
-    from ._formats import open as open_checkpoint
-    from ._metadata import parse_dtype
-    from ._write.sharding import parse_size
+def _check_source(src: Path, read: ReadOptions) -> None:
+    """Everything push can check locally, before it creates a repo: a readable source (arguments are checked)."""
+    from ._formats import open_checkpoint
 
-    parse_dtype(dtype)
-    parse_size(max_shard_size)
-    with open_checkpoint(
-        src, None if converted else tag, tp_rules=tp_rules
-    ):  # metadata only: headers, rank-file layout
+    with open_checkpoint(src, read):  # metadata only: headers, rank-file layout
         pass
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, PartitionedCheckpoint
 from ._io.remote_path import as_path
 from ._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
 from ._types import DTypeLike, StrPath
@@ -152,11 +152,9 @@ def _read_client_state(ckpt: Checkpoint, path: Path, trusted_globals: frozenset[
     A ZeRO checkpoint's rank-0 model states were parsed by ``zeroio.open`` (with its ``trusted_globals``): that
     tree is used as is. A Lightning ``.ckpt`` file is parsed here.
     """
-    from ._formats.zero import ZeroCheckpoint
-
     file = None
     try:
-        if isinstance(ckpt, ZeroCheckpoint):  # open() always parses rank 0's model states
+        if isinstance(ckpt, PartitionedCheckpoint):  # open() always parses rank 0's model states
             tree = ckpt.file_tree(path)
         else:
             tree, file = load_pickle(path, trusted_globals=trusted_globals)

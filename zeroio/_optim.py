@@ -13,38 +13,27 @@ from typing import Any
 
 import torch
 
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, PartitionedCheckpoint
 from ._dtypes import to_torch
-from ._formats.optim_views import ComposedOptimizerState
-from ._formats.optimizer import (
+from ._formats import (
+    ComposedOptimizerState,
+    FlatPlan,
     OptimizerLayout,
-    PartitionedCheckpoint,
     moment_source,
     optimizer_layout,
-    optimizer_state,
     param_group_of,
+    read_plan_into,
     require_partitioned,
     state_dtype,
     state_keys_of,
     step_of,
     trainable_source,
 )
-from ._formats.read_plans import FlatPlan, read_plan_into
 from ._io.fileio import create_new, preallocate, pwrite_all, write_new_file
 from ._write.safetensors_writer import SafetensorsLayout, plan_file, write_chunks
 from ._write.sharding import ShardPlan, index_json, plan_shards
 
-__all__ = [
-    "OPTIMIZER_INDEX",
-    "OPTIMIZER_JSON",
-    "OptimizerFiles",
-    "OptimizerLayout",
-    "moment_source",
-    "optimizer_layout",
-    "optimizer_state",
-    "plan_optimizer_files",
-    "write_optimizer_files",
-]
+__all__ = ["OPTIMIZER_INDEX", "OPTIMIZER_JSON", "OptimizerFiles", "plan_optimizer_files", "write_optimizer_files"]
 
 logger = logging.getLogger(__name__)
 

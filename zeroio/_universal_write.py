@@ -19,13 +19,15 @@ from typing import Any
 import torch
 
 from . import _constants as C
-from ._formats.read_plans import ReadPlan, read_plan_into
+from ._checkpoint import Checkpoint, PartitionedCheckpoint
+from ._formats import OptimizerLayout, ReadPlan, moment_source, open_checkpoint, optimizer_layout, read_plan_into
 from ._io.fileio import ChunkBuffers, create_new, write_new_file
-from ._optim import OptimizerLayout, moment_source, optimizer_layout
+from ._options import ReadOptions
 from ._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
 from ._types import StrPath
 from ._write.atomic import AtomicDir
-from ._write.progress import ByteProgress, Progress
+from ._write.options import WriteOptions
+from ._write.progress import ByteProgress
 from .errors import CheckpointFormatError, UnsupportedCheckpointError
 
 __all__ = ["LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILES", "UniversalOutput", "write_universal"]
@@ -130,12 +132,10 @@ def _ref_chunks(ref: TensorRef, buffers: ChunkBuffers, chunk_bytes: int) -> Chun
 # --------------------------------------------------------------------------- the source
 
 
-def _check_source(ckpt: Any) -> tuple[Path, OptimizerLayout]:
+def _check_source(ckpt: Checkpoint) -> tuple[Path, OptimizerLayout]:
     """A ZeRO-1/2/3 checkpoint with Adam moments, no experts, no tensor-parallel merge rules; rank 0's optim file."""
-    from ._formats.zero import ZeroCheckpoint
-
     meta = ckpt.metadata
-    if not isinstance(ckpt, ZeroCheckpoint) or meta.zero_stage not in (1, 2, 3):
+    if not isinstance(ckpt, PartitionedCheckpoint) or meta.zero_stage not in (1, 2, 3):
         what = f"ZeRO stage {meta.zero_stage}" if meta.format == "zero" else f"a {meta.format} checkpoint"
         raise UnsupportedCheckpointError(
             f"'{meta.path}' is {what}; convert(fmt='universal') needs a DeepSpeed ZeRO-1/2/3 checkpoint with "
@@ -320,17 +320,7 @@ def _copy_file(src: Path, dst: Path) -> int:
 # --------------------------------------------------------------------------- the verb helper
 
 
-def write_universal(
-    src: StrPath,
-    dst: Path,
-    *,
-    tag: str | None,
-    overwrite: bool,
-    chunk_bytes: int,
-    progress: Progress,
-    verify_crc: bool,
-    trusted_globals: frozenset[str],
-) -> UniversalOutput:
+def write_universal(src: StrPath, dst: Path, read: ReadOptions, write: WriteOptions) -> UniversalOutput:
     """Write ``dst/latest_universal`` and ``dst/<tag>_universal/`` from a ZeRO-1/2/3 checkpoint, atomically.
 
     Raises:
@@ -340,16 +330,14 @@ def write_universal(
     """
     if not hasattr(torch.serialization, "skip_data"):
         raise ImportError("convert(fmt='universal') needs torch >= 2.6 (torch.serialization.skip_data)")
-    out = AtomicDir(Path(dst), overwrite=overwrite)
+    out = AtomicDir(Path(dst), overwrite=write.overwrite)
     out.check()
-    from ._formats import open as zeroio_open
-
-    with zeroio_open(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc) as ckpt:
+    with open_checkpoint(src, read) as ckpt:
         # 1. The source, checked before anything is written; every file planned from metadata.
         optim0_path, layout = _check_source(ckpt)
         meta = ckpt.metadata
         utag = f"{meta.tag or f'global_step{meta.global_step or 0}'}_universal"
-        planner = _Planner(ckpt, layout, optim0_path, chunk_bytes)
+        planner = _Planner(ckpt, layout, optim0_path, write.chunk_bytes)
         planner.plan_trainable()
         if planner.stage != 3:
             planner.plan_module_values()
@@ -357,7 +345,7 @@ def write_universal(
         model_files = [meta.path / name for name in meta.extra["model_files"]]
         total = sum(f.nbytes for f in planner.files)
         # 2. The files, one tensor file at a time, in a temporary folder renamed into place when complete.
-        meter = ByteProgress(progress, total, "Writing universal checkpoint")
+        meter = ByteProgress(write.progress, total, "Writing universal checkpoint")
         meter.start()
         written: list[Path] = []
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from ._checkpoint import Checkpoint
 from ._dtypes import as_dtype
 from ._io.remote_path import as_path, is_url, with_storage_options
 from ._metadata import dtype_name, parse_dtype
+from ._options import read_options
 from ._types import StrPath
 
 if TYPE_CHECKING:
@@ -200,7 +202,7 @@ def verify(
         >>> report.ok  # doctest: +SKIP
         True
     """
-    from ._formats import open as zeroio_open
+    from ._formats import open_checkpoint
 
     target = parse_dtype(dtype)
     if storage_options:
@@ -210,7 +212,9 @@ def verify(
         b = with_storage_options(b, storage_options) if is_url(b) else b
     if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:
         raise ValueError(f"max_report must be a non-negative int, got {max_report!r}.")
-    with zeroio_open(a, tag, verify_crc=verify_crc) as ca, zeroio_open(b, verify_crc=verify_crc) as cb:
+    read_a = read_options(tag=tag, verify_crc=verify_crc)
+    read_b = dataclasses.replace(read_a, tag=None)
+    with open_checkpoint(a, read_a) as ca, open_checkpoint(b, read_b) as cb:
         infos_a, infos_b = ca.infos, cb.infos
         tied_a, tied_b = ca.tied, cb.tied
         names = list(infos_a) + [n for n in infos_b if n not in infos_a]

@@ -1,6 +1,7 @@
 """Format readers and their registry: ``open`` asks each registered format, in order, whether it reads a path.
 
-Adding a checkpoint layout takes one module (detect + open) and one line in ``FORMATS``; no verb changes.
+Adding a checkpoint layout takes one module (detect + open) and one line in ``FORMATS``; no verb changes. This
+package's face (the names below) is all that the write engine and the verbs import from the readers.
 """
 
 from __future__ import annotations
@@ -12,19 +13,55 @@ from typing import Any
 
 from .._checkpoint import Checkpoint
 from .._io.remote_path import RemotePath, as_path
+from .._options import ReadOptions, read_options
 from .._pickles import require_regular_file
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
+from .optim_views import ComposedOptimizerState
+from .optimizer import (
+    OptimizerLayout,
+    moment_source,
+    optimizer_layout,
+    optimizer_state,
+    param_group_of,
+    require_partitioned,
+    state_dtype,
+    state_keys_of,
+    step_of,
+    trainable_source,
+)
 from .pipeline import open_pipeline
 from .pipeline_files import is_pipeline
+from .read_plans import FlatPlan, ReadPlan, WholePlan, read_plan_into
 from .tensor_parallel import is_tensor_parallel, open_tensor_parallel
-from .tensor_parallel_rules import TPRules, parse_tp_rules
+from .tensor_parallel_rules import TPRules
 from .universal import is_universal, open_universal
 from .zero import open_zero
 from .zero_files import is_zero_checkpoint
 
-__all__ = ["FORMATS", "Format", "open", "open_checkpoint"]
+__all__ = [
+    "FORMATS",
+    "ComposedOptimizerState",
+    "FlatPlan",
+    "Format",
+    "OptimizerLayout",
+    "ReadPlan",
+    "TPRules",
+    "WholePlan",
+    "moment_source",
+    "open",
+    "open_checkpoint",
+    "optimizer_layout",
+    "optimizer_state",
+    "param_group_of",
+    "read_plan_into",
+    "require_partitioned",
+    "state_dtype",
+    "state_keys_of",
+    "step_of",
+    "trainable_source",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +102,7 @@ FORMATS: list[Format] = [
     # Last, and takes any path: its errors say what a DeepSpeed checkpoint folder should hold.
     Format("zero", _anything, _open_zero),
 ]
-"""Registered formats, tried in order; the first whose ``detect`` is true opens the path."""
-
-
-def open_checkpoint(path: Path, tag: str | None, trusted_globals: frozenset[str], **options: Any) -> Checkpoint:
-    """Open ``path`` with the first registered format that detects it (passing it the options it takes)."""
-    for fmt in FORMATS:
-        if fmt.detect(path):
-            return fmt.open(path, tag, trusted_globals, **{k: v for k, v in options.items() if k in fmt.options})
-    raise CheckpointFormatError(f"'{path}' is not a checkpoint layout zeroio reads.", path=path)
+"""Registered formats, tried in order; the first whose ``detect`` is true opens the path (the last detects any)."""
 
 
 def open(
@@ -119,16 +148,29 @@ def open(
         ...     print(ckpt.metadata.zero_stage, ckpt.metadata.world_size, ckpt["emb.weight"].shape)
         3 2 torch.Size([13, 7])
     """
-    p = as_path(path, storage_options)
+    options = read_options(
+        tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
+        ignore_recorded_tp=ignore_recorded_tp, storage_options=storage_options,
+    )  # fmt: skip
+    return open_checkpoint(path, options)
+
+
+def open_checkpoint(path: StrPath | RemotePath, options: ReadOptions) -> Checkpoint:
+    """:func:`open` with its keywords already validated: how every verb opens its source.
+
+    ``path`` may be a :class:`RemotePath` already (its listing is then reused, not made again).
+    """
+    p = as_path(path, options.storage_options)
     if not p.exists():
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
     if not p.is_dir():
         require_regular_file(p)  # a FIFO, /dev/zero or a link to one: reading would block or never end
-    rules = parse_tp_rules(tp_rules)  # a bad rule is the caller's ValueError, not a checkpoint's format error
+    # The first registered format that detects the path opens it, given the options it takes; the last one,
+    # ZeRO, takes any path, so its errors say what a DeepSpeed checkpoint folder should hold.
+    fmt = next((f for f in FORMATS if f.detect(p)), FORMATS[-1])
+    given = {"tp_rules": options.tp_rules, "ignore_recorded_tp": options.ignore_recorded_tp}
     try:
-        ckpt = open_checkpoint(
-            p, tag, frozenset(trusted_globals), tp_rules=rules, ignore_recorded_tp=ignore_recorded_tp
-        )
+        ckpt = fmt.open(p, options.tag, options.trusted_globals, **{k: v for k, v in given.items() if k in fmt.options})
     except ZeroIOError:
         raise
     except (
@@ -142,5 +184,5 @@ def open(
             "is corrupted or was written by an unsupported version; please report it with `zeroio inspect --json`.",
             path=p,
         ) from exc
-    ckpt.verify_crc = verify_crc
+    ckpt.verify_crc = options.verify_crc
     return ckpt

@@ -36,20 +36,26 @@ class ComposedOptimizerState(Protocol):
 
 
 class StageView:
-    """One pipeline stage seen as a ZeRO-1 checkpoint: what :mod:`.optimizer` reads (``PartitionedCheckpoint``)."""
+    """One pipeline stage seen as a ZeRO-1 checkpoint: what :mod:`.optimizer` reads (a ``PartitionedCheckpoint``).
+
+    Its rank files are the stage's optimizer files, parsed for it (``file_tree``) and checked by it
+    (``finish_crc_checks``); they close with the pipeline checkpoint.
+    """
 
     def __init__(
         self,
         metadata: CheckpointMetadata,
         infos: dict[str, TensorInfo],
         plans: dict[str, ReadPlan],
-        optimizer_states: tuple[Any, ...],
+        files: Sequence[tuple[RankFile, Any]],
         ensure_open: Callable[[str | None], None],
     ) -> None:
         self._metadata = metadata
         self._infos = infos
         self._plans = plans
-        self._optimizer_states = optimizer_states
+        self._files = tuple(file for file, _ in files)
+        self._trees = {file.path: tree for file, tree in files}
+        self._optimizer_states = tuple(base_optimizer_state(tree) for _, tree in files)
         self._ensure_open = ensure_open
 
     @property
@@ -81,8 +87,19 @@ class StageView:
     def read_plan(self, name: str) -> ReadPlan:
         return self._plans[name]
 
+    def file_tree(self, path: Path) -> Any:
+        """The parsed tree of one of the stage's optimizer files (KeyError for any other file)."""
+        self._ensure_open(None)
+        return self._trees[path]
+
     def ensure_open(self, name: str | None = None) -> None:
         self._ensure_open(name)
+
+    def finish_crc_checks(self) -> None:
+        """Check the records of the stage's optimizer files read in part (as ``Checkpoint.finish_crc_checks``)."""
+        self._ensure_open(None)
+        for file in self._files:
+            file.source.finish()
 
     def __contains__(self, name: object) -> bool:
         return name in self._infos
@@ -111,16 +128,14 @@ def stage_views(
             by_files.setdefault(files, []).append(name)
     views: dict[str, StageView] = {}
     for files, names in by_files.items():
-        states = []
+        parsed = []
         for path in files:
             tree, file = load_pickle(path)
             opened.append(file)
-            states.append(base_optimizer_state(tree))
+            parsed.append((file, tree))
         extra = dict(metadata.extra, optim_files=[str(p.relative_to(metadata.path)) for p in files])
         stage_meta = dataclasses.replace(metadata, zero_stage=1, world_size=len(files), extra=extra)
-        view = StageView(
-            stage_meta, {n: infos[n] for n in names}, {n: plans[n] for n in names}, tuple(states), ensure_open
-        )
+        view = StageView(stage_meta, {n: infos[n] for n in names}, {n: plans[n] for n in names}, parsed, ensure_open)
         for name in names:
             views.setdefault(name, view)
     return views

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
-from .._checkpoint import Checkpoint
+from .._checkpoint import Checkpoint, PartitionedCheckpoint
 from .._dtypes import FLOAT32
-from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import TensorRef, to_plain
 from .._text import listing
 from ..errors import CheckpointFormatError, TensorNotFoundError, UnsupportedCheckpointError
@@ -24,14 +23,13 @@ from .optimizer_ranks import (
     require_laid_out,
     require_same_keys,
 )
-from .read_plans import FlatPlan, ReadPlan, read_plan_into
+from .read_plans import FlatPlan, read_plan_into
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "OptimizerLayout",
-    "PartitionedCheckpoint",
     "moment_source",
     "optimizer_layout",
     "optimizer_state",
@@ -42,39 +40,6 @@ __all__ = [
     "step_of",
     "trainable_source",
 ]
-
-
-@runtime_checkable
-class PartitionedCheckpoint(Protocol):
-    """What optimizer state reading needs of a checkpoint: read plans over rank files and each rank's state.
-
-    DeepSpeed ZeRO checkpoints (``ZeroCheckpoint``) provide it; consolidated files do not.
-    """
-
-    @property
-    def metadata(self) -> CheckpointMetadata: ...
-
-    @property
-    def infos(self) -> dict[str, TensorInfo]: ...
-
-    @property
-    def tied(self) -> dict[str, str]: ...
-
-    @property
-    def plans(self) -> dict[str, ReadPlan]: ...
-
-    @property
-    def optimizer_states(self) -> tuple[Any, ...]: ...
-
-    def info(self, name: str) -> TensorInfo: ...
-
-    def source_name(self, name: str) -> str: ...
-
-    def read_plan(self, name: str) -> ReadPlan: ...
-
-    def ensure_open(self, name: str | None = None) -> None: ...
-
-    def __contains__(self, name: object) -> bool: ...
 
 
 def _names(names: Sequence[str]) -> str:

@@ -14,6 +14,7 @@ from torch import nn
 
 from .._checkpoint import Checkpoint
 from .._metadata import CheckpointMetadata, parse_dtype
+from .._options import read_options
 from .._text import SHOWN, listing
 from .._types import DTypeLike, InitHook, StrPath
 from .._write.progress import ByteProgress, Progress, check_progress
@@ -22,7 +23,7 @@ from .device_copy import DeviceFiller
 from .key_map import KeyMap, apply_key_map, normalise_prefixes
 
 if TYPE_CHECKING:
-    from .._formats.tensor_parallel_rules import TPRules
+    from .._formats import TPRules
 
 __all__ = ["KeyMap", "LoadReport", "load"]
 
@@ -318,9 +319,10 @@ def load(
     if isinstance(path, Checkpoint):
         ckpt = path
     else:
-        from .._formats import open as open_checkpoint
+        from .._formats import open_checkpoint
 
-        ckpt = open_checkpoint(path, tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
+        read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
+        ckpt = open_checkpoint(path, read)
     try:
         report = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
         ckpt.finish_crc_checks()  # records read in part (flat-group padding)

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from .. import _constants as C
+from .._checkpoint import PartitionedCheckpoint
+from .._formats import open_checkpoint, optimizer_layout
 from .._io.fileio import write_new_file
 from .._io.remote_path import as_path, is_url
-from .._optim import optimizer_layout
+from .._options import ReadOptions, read_options
 from .._types import StrPath
 from .._write.atomic import AtomicDir
 from .._write.progress import ByteProgress, Progress, check_progress
@@ -123,22 +125,30 @@ def reshard(
     check_progress(progress)
     if not hasattr(torch.serialization, "skip_data"):
         raise ImportError("zeroio.reshard needs torch >= 2.6 (torch.serialization.skip_data): pip install -U torch")
+    read = read_options(tag=tag, verify_crc=verify_crc, storage_options=storage_options)
+    target = _Target(world_size, output_tag, sub_group_size, chunk_bytes, progress)
     if is_url(str(dst)):
-        return _reshard_to_url(
-            src, str(dst), storage_options, overwrite=overwrite, world_size=world_size, tag=tag,
-            output_tag=output_tag, sub_group_size=sub_group_size, chunk_bytes=chunk_bytes, progress=progress,
-            verify_crc=verify_crc,
-        )  # fmt: skip
-    out = AtomicDir(Path(dst), overwrite=overwrite)
+        return _reshard_to_url(src, str(dst), read, target, overwrite=overwrite)
+    return _reshard_into(src, AtomicDir(Path(dst), overwrite=overwrite), read, target)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """The output arguments of :func:`reshard`, validated."""
+
+    world_size: int
+    output_tag: str | None
+    sub_group_size: int | None
+    chunk_bytes: int
+    progress: Progress
+
+
+def _reshard_into(src: StrPath, out: AtomicDir, read: ReadOptions, target: _Target) -> ReshardResult:
     out.check()
-
-    from .._formats import open as zeroio_open
-    from .._formats.zero import ZeroCheckpoint
-
-    with zeroio_open(src, tag, verify_crc=verify_crc, storage_options=storage_options) as ckpt:
-        # 2. The source: ZeRO-3 with optimizer state (fails here, before anything is written).
+    with open_checkpoint(src, read) as ckpt:
+        # 2. The source: ZeRO-3 partitions with optimizer state (fails here, before anything is written).
         meta = ckpt.metadata
-        if not isinstance(ckpt, ZeroCheckpoint) or meta.zero_stage != 3:
+        if not isinstance(ckpt, PartitionedCheckpoint) or meta.zero_stage != 3:
             what = f"ZeRO stage {meta.zero_stage}" if meta.format == "zero" else f"a consolidated {meta.format} file"
             raise UnsupportedCheckpointError(
                 f"'{meta.path}' is {what}; zeroio reshards ZeRO-3 checkpoints only (yet). For ZeRO-1/2 use "
@@ -148,23 +158,25 @@ def reshard(
             )
         layout = optimizer_layout(ckpt, what="reshard()")
         # 3. The target layout (metadata only), then the files.
-        plan = plan_reshard(ckpt, layout, world_size=world_size, output_tag=output_tag, sub_group_size=sub_group_size)
-        return _write(plan, RankTrees(plan, chunk_bytes), out, progress)
+        plan = plan_reshard(
+            ckpt, layout, world_size=target.world_size, output_tag=target.output_tag,
+            sub_group_size=target.sub_group_size,
+        )  # fmt: skip
+        return _write(plan, RankTrees(plan, target.chunk_bytes), out, target.progress)
 
 
-def _reshard_to_url(
-    src: StrPath, url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, **options: Any
-) -> ReshardResult:
+def _reshard_to_url(src: StrPath, url: str, read: ReadOptions, target: _Target, *, overwrite: bool) -> ReshardResult:
     """Reshard into a local staging folder, then upload it, ``latest`` last (``zeroio._write.remote_output``)."""
     from .._write.remote_output import write_to_url
 
-    def write_local(local: Path) -> ReshardResult:
-        source = storage_options if is_url(str(src)) else None
-        return reshard(src, local, storage_options=source, **options)
+    source_read = read if is_url(str(src)) else dataclasses.replace(read, storage_options=None)
 
-    local, uploaded = write_to_url(url, storage_options, overwrite=overwrite, write=write_local)
+    def write_local(local: Path) -> ReshardResult:
+        return _reshard_into(src, AtomicDir(Path(local), overwrite=False), source_read, target)
+
+    local, uploaded = write_to_url(url, read.storage_options, overwrite=overwrite, write=write_local)
     files = tuple(uploaded[p.resolve()] for p in local.files)
-    return dataclasses.replace(local, path=as_path(url.rstrip("/"), storage_options), files=files)
+    return dataclasses.replace(local, path=as_path(url.rstrip("/"), read.storage_options), files=files)
 
 
 def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progress) -> ReshardResult:

@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _constants as C
+from .._checkpoint import PartitionedCheckpoint
 from .._metadata import require, require_dict
-from .._optim import OptimizerLayout
 from .._partition import zero3_partition_numel, zero3_sub_groups
 from ..errors import PartitionMismatchError, UnsupportedCheckpointError
 
 if TYPE_CHECKING:
-    from .._formats.read_plans import FlatPlan, WholePlan
-    from .._formats.zero import ZeroCheckpoint
+    from .._formats import FlatPlan, OptimizerLayout, WholePlan
 
 __all__ = ["DEFAULT_SUB_GROUP_SIZE", "RankRead", "ReshardPlan", "SubGroup", "plan_reshard", "rank_reads"]
 
@@ -50,7 +49,7 @@ class SubGroup:
 class ReshardPlan:
     """Everything the rank files of the target are built from: rank 0's parsed source files and the new groups."""
 
-    ckpt: ZeroCheckpoint
+    ckpt: PartitionedCheckpoint
     """The open source checkpoint (read plans, tensor infos)."""
     layout: OptimizerLayout
     """Where the source's optimizer state lies."""
@@ -104,7 +103,9 @@ def _param_groups(layout: OptimizerLayout, param_shapes: list[dict[str, Any]], m
     return groups
 
 
-def _sub_groups(ckpt: ZeroCheckpoint, groups: list[list[str]], world_size: int, sub_group_size: int) -> list[SubGroup]:
+def _sub_groups(
+    ckpt: PartitionedCheckpoint, groups: list[list[str]], world_size: int, sub_group_size: int
+) -> list[SubGroup]:
     subs = []
     for g, names in enumerate(groups):
         numels = [ckpt.info(n).numel for n in names]
@@ -130,7 +131,7 @@ def rank_reads(
 
 
 def plan_reshard(
-    ckpt: ZeroCheckpoint,
+    ckpt: PartitionedCheckpoint,
     layout: OptimizerLayout,
     *,
     world_size: int,

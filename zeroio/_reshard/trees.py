@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from .. import _constants as C
+from .._formats import moment_source, read_plan_into
 from .._io.fileio import ChunkBuffers
-from .._optim import moment_source
 from .._partition import zero3_partition_numel
 from .._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
 from .targets import RankRead, ReshardPlan, rank_reads
@@ -56,7 +56,6 @@ def _ref_chunks(ref: TensorRef, buffers: _Buffers) -> Chunks:
 
 def _slices_chunks(reads: list[RankRead], dtype: torch.dtype, buffers: _Buffers) -> Chunks:
     """``(source, start, count, padding)`` rows: ``count`` elements of a consolidated tensor, then zeros."""
-    from .._formats.read_plans import read_plan_into
 
     def run() -> Iterator[torch.Tensor]:
         buf = buffers.read(dtype)

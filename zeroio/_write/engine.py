@@ -15,26 +15,18 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .._checkpoint import Checkpoint
-from .._dtypes import DType, as_dtype
 from .._io.fileio import naming, write_new_file
-from .._io.remote_path import as_path
 from .._metadata import CheckpointMetadata
-from .._types import StrPath
+from .._options import ReadOptions
 from ..errors import OutputError
 from .comm import COMMIT, PLAN, TEMP, WRITE, Job
 from .execute import write_shards
-from .progress import Progress
+from .options import WriteOptions
 from .sharding import assign_shards
 from .side_files import copy_side_files
 from .write_plan import WritePlan, plan_write
-
-if TYPE_CHECKING:
-    import torch
-
-    from .._formats.tensor_parallel_rules import TPRules
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
 
@@ -71,57 +63,27 @@ def _is_within(inner: Path, outer: Path) -> bool:
 
 
 def write_checkpoint(
-    job: Job,
-    src: StrPath,
-    *,
-    tag: str | None,
-    fmt: str,
-    target: DType | torch.dtype | None,
-    max_shard_size: int,
-    exclude_frozen: bool,
-    workers: int,
-    chunk_bytes: int,
-    progress: Progress,
-    extra_files: ExtraFiles | None = None,
-    verify_crc: bool = True,
-    trusted_globals: frozenset[str] = frozenset(),
-    tp_rules: TPRules | None = None,
+    job: Job, src: Path, read: ReadOptions, write: WriteOptions, *, extra_files: ExtraFiles | None = None
 ) -> WriteOutcome:
-    """Convert ``src`` into ``job.out`` (arguments already validated), all-or-nothing on every process.
+    """Convert ``src`` into ``job.out``, all-or-nothing on every process.
+
+    ``src`` is the source's one path (for a URL, the :class:`~zeroio._io.remote_path.RemotePath` whose listing
+    the reader and the side files share); ``write.overwrite`` is ``job.out``'s already.
 
     Raises:
         OutputError: the destination exists or holds the source, cannot be written, or a process failed.
         ZeroIOError: the source cannot be read (raised before the destination is touched when found in metadata).
     """
     try:
-        return _run(job, src, tag=tag, fmt=fmt, target=target, max_shard_size=max_shard_size,
-                    exclude_frozen=exclude_frozen, workers=workers, chunk_bytes=chunk_bytes, progress=progress,
-                    extra_files=extra_files, verify_crc=verify_crc, trusted_globals=trusted_globals,
-                    tp_rules=tp_rules)  # fmt: skip
+        return _run(job, src, read, write, extra_files)
     except BaseException as exc:
         if job.tmp is not None and job.comm.rank == 0:  # an interrupt between phases: remove the partial output
             job.raise_own(exc)
         raise
 
 
-def _run(
-    job: Job,
-    src: StrPath,
-    *,
-    tag: str | None,
-    fmt: str,
-    target: DType | torch.dtype | None,
-    max_shard_size: int,
-    exclude_frozen: bool,
-    workers: int,
-    chunk_bytes: int,
-    progress: Progress,
-    extra_files: ExtraFiles | None,
-    verify_crc: bool,
-    trusted_globals: frozenset[str],
-    tp_rules: TPRules | None,
-) -> WriteOutcome:
-    from .._formats import open as open_checkpoint
+def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_files: ExtraFiles | None) -> WriteOutcome:
+    from .._formats import open_checkpoint
 
     rank, world_size, out = job.comm.rank, job.comm.world_size, job.out
     with contextlib.ExitStack() as stack:
@@ -133,18 +95,14 @@ def _run(
         try:
             if rank == 0:
                 out.check()
-                if out.overwrite and os.path.lexists(out.dst) and _is_within(as_path(src), out.dst):
+                if out.overwrite and os.path.lexists(out.dst) and _is_within(src, out.dst):
                     raise OutputError(
                         f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
                         path=out.dst,
                     )
-            ckpt = stack.enter_context(
-                open_checkpoint(src, tag, trusted_globals=trusted_globals, verify_crc=verify_crc, tp_rules=tp_rules)
-            )
-            logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, fmt)
-            spec = None if target is None else as_dtype(target)
-            plan = plan_write(ckpt, fmt=fmt, target=spec, max_shard_size=max_shard_size,
-                              exclude_frozen=exclude_frozen)  # fmt: skip
+            ckpt = stack.enter_context(open_checkpoint(src, read))
+            logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, write.fmt)
+            plan = plan_write(ckpt, write)
             owners = assign_shards(plan.file_bytes, world_size)
             share = plan.subset([i for i, owner in enumerate(owners) if owner == rank])
             if extra_files is not None:
@@ -192,8 +150,11 @@ def _run(
                     path=out.dst,
                     rank=rank,
                 )
+            progress = write.progress
             shown = progress if (rank == 0 or callable(progress)) else False  # one bar per job, not per process
-            write_shards(ckpt, share, tmp, out.dst, workers=workers, chunk_bytes=chunk_bytes, progress=shown)
+            write_shards(
+                ckpt, share, tmp, out.dst, workers=write.workers, chunk_bytes=write.chunk_bytes, progress=shown
+            )
             if write_extra is not None and rank == 0:
                 write_extra(tmp)
             ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit
@@ -211,7 +172,7 @@ def _run(
                     with naming(out.dst / plan.index_name):
                         write_new_file(tmp / plan.index_name, plan.index)
                 copied = list(
-                    copy_side_files(as_path(src), tmp, dtype=target)
+                    copy_side_files(src, tmp, dtype=write.dtype)
                 )  # HF Trainer checkpoint-N: config, tokenizer
             except BaseException as exc:  # noqa: BLE001
                 error = exc

@@ -12,6 +12,7 @@ from .._checkpoint import Checkpoint
 from .._dtypes import DType
 from .._metadata import output_spec
 from ..errors import UnsupportedCheckpointError
+from .options import WriteOptions
 from .safetensors_writer import SafetensorsLayout, plan_file, storable
 from .sharding import ShardPlan, index_json, plan_shards
 
@@ -103,14 +104,13 @@ def _check_safetensors_dtypes(ckpt: Checkpoint, dtypes: Mapping[str, DType]) -> 
             )
 
 
-def plan_write(
-    ckpt: Checkpoint, *, fmt: str, target: DType | None, max_shard_size: int, exclude_frozen: bool
-) -> WritePlan:
+def plan_write(ckpt: Checkpoint, write: WriteOptions) -> WritePlan:
     """Plan every file from metadata: names, ties, dtypes, shards, headers, offsets, index.
 
     Raises:
         UnsupportedCheckpointError: a dtype safetensors cannot hold (before anything is created).
     """
+    fmt, target, max_shard_size, exclude_frozen = write.fmt, write.dtype, write.max_shard_size, write.exclude_frozen
     infos = ckpt.infos
     excluded = tuple(n for n, info in infos.items() if exclude_frozen and info.kind == "frozen")
     names = tuple(n for n in infos if n not in excluded)
