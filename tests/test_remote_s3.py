@@ -210,6 +210,31 @@ def test_open_and_read_make_few_requests(s3, capsys):
     assert s3.accounting.gets <= 2 + 3 * ranks, s3.accounting.ranges
 
 
+def _listings(ranges: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """(recursive, one-level) ListObjectsV2 requests among the GETs: a recursive one has an empty delimiter."""
+    from urllib.parse import parse_qs, urlsplit
+
+    lists = [urlsplit(path).query for path, _ in ranges if "list-type=" in path]
+    deep = [q for q in lists if not parse_qs(q).get("delimiter")]
+    return deep, [q for q in lists if q not in deep]
+
+
+@pytest.mark.parametrize("sub", ["", "/global_step2"], ids=["root", "tag folder"])
+def test_convert_lists_the_source_once(s3, tmp_path, sub):
+    """``convert(url)`` makes the one recursive listing ``open`` makes (the side files are looked up in it, not
+    in a second one; a tag folder's parent, where the HF Trainer keeps config.json, is listed one level), and
+    no more GETs than opening and reading every tensor: the listing, ``latest``, three metadata GETs and one
+    data GET per rank file. Before, the side files' fresh path listed the source again."""
+    name = "z3_ws2_fp32"
+    ranks = len(list((FIXTURES / name).glob("global_step*/*.pt")))
+    s3.accounting.reset()
+    zeroio.convert(f"s3://fixtures/{name}{sub}", tmp_path / "out", progress=False)
+    deep, shallow = _listings(s3.accounting.ranges)
+    assert len(deep) == 1, s3.accounting.ranges
+    assert len(shallow) == (1 if sub else 0), s3.accounting.ranges
+    assert s3.accounting.gets <= 2 + 4 * ranks, s3.accounting.ranges
+
+
 # --------------------------------------------------------------------------- faults
 
 
