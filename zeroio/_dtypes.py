@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
     import torch as _torch
 
-__all__ = ["BFLOAT16", "BY_NAME", "FLOAT16", "FLOAT32", "DType", "as_dtype", "to_torch"]
+__all__ = ["BFLOAT16", "BY_NAME", "FLOAT16", "FLOAT32", "DType", "as_dtype", "find_dtype", "to_torch"]
 
 
 class DType:
@@ -132,14 +132,25 @@ BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in SAFETENSORS_ORDER 
 BY_STORAGE: dict[str, DType] = {d.storage: d for d in _TABLE if d.storage is not None}
 
 
-def as_dtype(value: Any) -> DType:
-    """A :class:`DType` from a ``DType``, a ``torch.dtype`` or a name (``"float32"``, ``"torch.float32"``)."""
+def find_dtype(value: Any) -> DType | None:
+    """:func:`as_dtype`, or None for an element type zeroio does not know (e.g. one newer than this table)."""
     if isinstance(value, DType):
         return value
-    name = str(value).removeprefix("torch.")
-    if name not in BY_NAME:
-        raise KeyError(name)
-    return BY_NAME[name]
+    return BY_NAME.get(str(value).removeprefix("torch."))
+
+
+def as_dtype(value: Any) -> DType:
+    """A :class:`DType` from a ``DType``, a ``torch.dtype`` or a name (``"float32"``, ``"torch.float32"``).
+
+    Raises:
+        KeyError: an element type zeroio does not know. Internal contract: callers pass dtypes that are known
+            (torch's own, or names already checked against :data:`BY_NAME`); where one may not be, they use
+            :func:`find_dtype`, and a reader's failure becomes ``zeroio.open``'s CheckpointFormatError.
+    """
+    found = find_dtype(value)
+    if found is None:
+        raise KeyError(f"'{value}' is not an element type zeroio knows")
+    return found
 
 
 def to_torch(value: DType | torch.dtype) -> torch.dtype:

@@ -17,6 +17,7 @@ import secrets
 import shutil
 from pathlib import Path
 from types import TracebackType
+from typing import NoReturn
 
 from .._text import listing
 from ..errors import OutputError
@@ -299,7 +300,12 @@ class AtomicDir:
                     path=self.dst,
                 )
 
-    def __enter__(self) -> Path:
+    def create(self) -> Path:
+        """Check again, then create the empty temporary folder beside ``dst`` (what entering the context does).
+
+        The write engine calls it on one process and :meth:`adopt` on the others, then :meth:`commit` or
+        :meth:`discard` once every process has reported, as a ``with`` block does on one process.
+        """
         self.check()
         tmp = temp_name(self.dst)
         try:
@@ -320,10 +326,32 @@ class AtomicDir:
         self.tmp = tmp
         return tmp
 
+    def adopt(self, tmp: Path) -> None:
+        """Take ``tmp``, the temporary folder another process created for the same ``dst``, as this one's: a
+        failure here then says the partial output was removed (the creating process removes or commits it)."""
+        self.tmp = tmp
+
+    def commit(self) -> None:
+        """fsync the temporary folder and rename it to ``dst`` (a clean exit of the context); on failure remove
+        it and raise :class:`~zeroio.errors.OutputError`."""
+        self._finish(None)
+
+    def discard(self, exc: BaseException) -> NoReturn:
+        """Remove the temporary folder and raise for ``exc`` (an exit of the context by ``exc``): OutputError
+        naming ``dst``, or ``exc`` itself when it is a zeroio error about the source (or nothing was created)."""
+        self._finish(exc)
+        raise exc
+
+    def __enter__(self) -> Path:
+        return self.create()
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.tmp is None:  # __enter__ failed
+        self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if self.tmp is None:  # create() failed
             return
         try:
             if exc is None:

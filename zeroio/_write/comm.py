@@ -105,7 +105,7 @@ class Job:
         if self.tmp is not None:
             self.before_cleanup()
             self.tmp = None
-            self.out.__exit__(type(error), error, error.__traceback__)  # removes the folder, raises OutputError
+            self.out.discard(error)  # removes the folder, raises OutputError
         raise error
 
     def settle(self, phase: str, error: BaseException | None, payload: Any = None) -> list[Any]:

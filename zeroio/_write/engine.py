@@ -129,14 +129,14 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         error, tmp_text = None, None
         try:
             if rank == 0:
-                job.tmp = out.__enter__()
+                job.tmp = out.create()
                 tmp_text = str(job.tmp)
         except BaseException as exc:  # noqa: BLE001
             error = exc
         tmp = Path(job.settle(TEMP, error, tmp_text)[0])
         job.tmp = tmp
         if rank != 0:
-            out.tmp = tmp  # so a failure here removes the shared folder and names it "partial output"
+            out.adopt(tmp)  # so a failure here removes the shared folder and names it "partial output"
 
         # 3. Execute: each process writes its own shards into the shared folder (fsynced), reading only their
         #    tensors' byte ranges; rank 0 then the extra files. Everyone reports success or failure.
@@ -179,7 +179,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
             if error is None:
                 job.tmp = None
                 try:
-                    out.__exit__(None, None, None)  # fsync, rename; on failure removes the folder and raises
+                    out.commit()  # fsync, rename; on failure removes the folder and raises
                 except BaseException as exc:  # noqa: BLE001
                     error = exc
         else:

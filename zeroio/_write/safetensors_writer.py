@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._constants import SAFETENSORS_MAX_HEADER_SIZE
-from .._dtypes import SAFETENSORS_ORDER, DType, as_dtype
+from .._dtypes import SAFETENSORS_ORDER, DType, as_dtype, find_dtype
 from .._io.fileio import pwrite_all, tensor_bytes
 
 if TYPE_CHECKING:
@@ -41,10 +41,7 @@ _RANK: dict[DType, int] = {d: i for i, d in enumerate(SAFETENSORS_ORDER)}
 
 
 def _spec(dtype: torch.dtype | DType) -> DType | None:
-    try:
-        spec = as_dtype(dtype)
-    except KeyError:
-        return None
+    spec = find_dtype(dtype)
     return spec if spec in _RANK else None
 
 

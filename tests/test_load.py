@@ -140,7 +140,7 @@ def case(name: str) -> Case:
         return _transformers_case(name)
     if name in _script("generate.py").FIXTURES:
         return _tinylm_case(name)
-    raise AssertionError(f"fixture {name!r}: test_deploy.py does not know how to build its model")
+    raise AssertionError(f"fixture {name!r}: test_load.py does not know how to build its model")
 
 
 def make(name: str, mode: str):
