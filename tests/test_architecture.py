@@ -404,3 +404,30 @@ def test_tests_import_only_the_public_api():
         "tests import private zeroio modules (use the public API, or test a pure internal listed in "
         "PURE_INTERNALS):\n" + "\n".join(offenders)
     )
+
+
+# --------------------------------------------------------------------------- (f) the architecture page names every module
+
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+
+
+def _doc_names(module_path: Path) -> tuple[str, ...]:
+    """How docs/architecture.md may name a module: its path under zeroio/ in backticks (`_io/sources.py`); a
+    package's ``__init__.py`` also by its folder (`_io/`)."""
+    rel = module_path.relative_to(PACKAGE).as_posix()
+    names = [f"`{rel}`"]
+    if module_path.name == "__init__.py" and module_path.parent != PACKAGE:
+        names.append(f"`{module_path.parent.relative_to(PACKAGE).as_posix()}/`")
+    return tuple(names)
+
+
+def test_architecture_doc_names_every_module():
+    """docs/architecture.md names every module under zeroio/, so its diagram cannot drift from the tree."""
+    text = ARCHITECTURE_DOC.read_text(encoding="utf-8")
+    missing = [
+        names[0] for names in (_doc_names(p) for p in MODULES.values()) if not any(name in text for name in names)
+    ]
+    assert missing == [], (
+        f"modules not named in {ARCHITECTURE_DOC.relative_to(ROOT)} (add each to the layer diagram, as its path "
+        f"under zeroio/ in backticks): {', '.join(sorted(missing))}"
+    )
