@@ -80,6 +80,7 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
     "zeroio._formats.bits": "fp32 -> fp16/bf16 rounding on raw bytes, checked against torch's casts",
     "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
+    "zeroio._formats.patterns": "bounded regex matching: which patterns are refused, and match results equal re's",
 }
 
 
