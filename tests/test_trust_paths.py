@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixture_data import FIXTURES
+from hostile_folders import nvme_swap_link_out
 from safetensors.torch import load_file, save_file
 
 import zeroio
@@ -117,12 +118,8 @@ def test_nvme_optimizer_key_cannot_leave_the_checkpoint(tmp_path: Path, nvme_opt
 
 def test_nvme_swap_file_linking_out_is_refused(tmp_path: Path) -> None:
     """A swap file that is a link to a secret outside the checkpoint: convert refuses instead of copying it."""
-    root = _copy(NVME, tmp_path / "ckpt")
+    root, _ = nvme_swap_link_out(tmp_path)
     swap = root / "global_step2" / "offloaded_tensors" / "rank00" / "0_5.tensor.swp"
-    secret = tmp_path / "secret"
-    secret.write_bytes(b"TOKEN=hf_xxx!!!!" * (swap.stat().st_size // 16))
-    swap.unlink()
-    swap.symlink_to(secret)
     with pytest.raises(errors.CheckpointFormatError) as excinfo:
         zeroio.convert(root, tmp_path / "out", progress=False)
     assert str(excinfo.value) == (

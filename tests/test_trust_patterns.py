@@ -3,49 +3,20 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-import torch
 from fixture_data import FIXTURES
+from hostile_folders import tp_huge_name, tp_invalid_pattern, tp_nested_pattern
 
 import zeroio
 from zeroio import errors
 from zeroio._formats.patterns import MAX_MATCH_COST, PatternError, bounded_match, bounded_pattern
 
 TP2 = FIXTURES / "layouts" / "autotp_z1_ws2_tp2_bf16"
-TAG = "global_step2"
-RECORDED = "tp_replicated_parameter_patterns"
-
-
-def _record(pattern: str):
-    """Insert ``pattern`` into the recorded replicated patterns and drop the per-parameter affine map, as a
-    checkpoint from a DeepSpeed without affine maps records them (the patterns then decide)."""
-
-    def edit(tree: dict) -> None:
-        info = tree["universal_checkpoint_info"]
-        info.pop("affine_map")
-        info[RECORDED].insert(0, pattern)
-
-    return edit
-
-
-def _copy(tmp_path: Path) -> Path:
-    return Path(shutil.copytree(TP2, tmp_path / "ckpt", ignore=shutil.ignore_patterns("expected", "manifest.json")))
-
-
-def _edit_states(root: Path, edit) -> Path:
-    """Edit every tp rank's model states (plain data) and save them back; returns rank 0's."""
-    for path in sorted((root / TAG).glob("mp_rank_*_model_states.pt")):
-        tree = torch.load(path, weights_only=True)
-        edit(tree)
-        torch.save(tree, path)
-    return root / TAG / "mp_rank_00_model_states.pt"
 
 
 def _inspect(root: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -61,8 +32,7 @@ def _inspect(root: Path, *args: str, timeout: float = 30) -> subprocess.Complete
 
 def test_recorded_exponential_pattern_is_refused_in_seconds(tmp_path: Path) -> None:
     """A recorded pattern '(.*.*)*X' (over 60 s of backtracking per name) is refused before any match."""
-    root = _copy(tmp_path)
-    path = _edit_states(root, _record("(.*.*)*X"))
+    root, path = tp_nested_pattern(tmp_path)
     started = time.monotonic()
     result = _inspect(root)
     assert time.monotonic() - started < 20
@@ -77,29 +47,16 @@ def test_recorded_exponential_pattern_is_refused_in_seconds(tmp_path: Path) -> N
 
 def test_recorded_invalid_pattern_is_a_format_error(tmp_path: Path) -> None:
     """A recorded pattern '(' raises CheckpointFormatError naming the file, not re.error."""
-    root = _copy(tmp_path)
-    path = _edit_states(root, _record("("))
+    root, path = tp_invalid_pattern(tmp_path)
     with pytest.raises(errors.CheckpointFormatError, match="is not a valid regular expression") as excinfo:
         zeroio.open(root)
     assert excinfo.value.path == path
     assert "'(' on parameter 'model.embed_tokens.weight' is refused" in str(excinfo.value)
 
 
-def _rename(old: str, new: str):
-    def edit(tree: dict) -> None:
-        tree["module"] = OrderedDict((new if k == old else k, v) for k, v in tree["module"].items())
-        for group in tree["param_shapes"]:
-            if old in group:
-                group[new] = group.pop(old)
-
-    return edit
-
-
 def test_huge_parameter_name_is_refused_in_seconds(tmp_path: Path) -> None:
     """A 405 KB name of repeated 'layernorm' (quadratic for the megatron preset: minutes) is refused at once."""
-    root = _copy(tmp_path)
-    name = "layernorm" * 45_000
-    path = _edit_states(root, _rename("model.layers.0.input_layernorm.weight", name))
+    root, path = tp_huge_name(tmp_path, 45_000)
     started = time.monotonic()
     result = _inspect(root, "--tp-rules", "megatron")
     assert time.monotonic() - started < 20, result.stderr
