@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixture_data import FIXTURES
-from hostile_folders import nvme_swap_link_out
+from hostile_folders import nvme_swap_link_out, universal_name_escape
 from safetensors.torch import load_file, save_file
 
 import zeroio
@@ -183,3 +183,24 @@ def test_hugging_face_cache_snapshot_still_reads(tmp_path: Path) -> None:
         for name, tensor in tensors.items():
             assert torch.equal(ckpt[name], tensor)
     assert load_file(source / "model-00001-of-00002.safetensors")["a"].equal(tensors["a"])
+
+
+def test_url_roots_refuse_the_same_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An s3:// universal checkpoint naming '../../../victim/...' is refused by name, before any request for it
+    (an https:// server would resolve the '..' and serve the other folder)."""
+    pytest.importorskip("s3fs")
+    from s3_server import S3Server
+
+    universal_name_escape(tmp_path)
+    server = S3Server()
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        server.upload_tree(tmp_path, "attack", "run")
+        url = "s3://attack/run/ckpt"
+        with pytest.raises(errors.CheckpointFormatError) as excinfo:
+            zeroio.open(url)
+        assert excinfo.value.name == "../../../victim/zero/norm.bias"
+        assert "is not a plain file name inside" in str(excinfo.value)
+    finally:
+        server.stop()
