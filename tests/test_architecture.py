@@ -80,6 +80,7 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
     "zeroio._formats.bits": "fp32 master vs 16-bit copy on raw bytes (rounded by zeroio._io.casts), against torch",
     "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
+    "zeroio._formats.patterns": "bounded regex matching: which patterns are refused, and match results equal re's",
 }
 
 

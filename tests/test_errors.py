@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import shutil
+from pathlib import Path
 
 import pytest
 from fixture_data import FIXTURES
 from hostile_files import ATTACKS
+from hostile_folders import FOLDER_ATTACKS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -236,6 +238,44 @@ def test_damaged_attack_files_only_raise_zeroio_errors(tmp_path_factory, attack,
     path.write_bytes(data if mode == "as crafted" else _flip_or_truncate(data, position, mode, value))
     try:
         with zeroio.open(path) as ckpt:
+            ckpt.describe()
+            ckpt.state_dict()
+    except errors.ZeroIOError as exc:
+        assert "\n" not in str(exc) and str(exc).endswith(".")
+
+
+@pytest.fixture(scope="module")
+def hostile_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
+    """Each folder attack of tests/hostile_folders.py, built once: ``{name: (where, root, edited)}``."""
+    built = {}
+    for name, build in FOLDER_ATTACKS.items():
+        where = tmp_path_factory.mktemp(name)
+        built[name] = (where, *build(where))
+    return built
+
+
+@settings(max_examples=30, deadline=20000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    attack=st.sampled_from(sorted(FOLDER_ATTACKS)),
+    position=st.integers(0, 10**6),
+    mode=st.sampled_from(["as crafted", "flip", "truncate"]),
+    value=st.integers(0, 255),
+)
+def test_damaged_attack_folders_only_raise_zeroio_errors(
+    tmp_path_factory, hostile_folders, attack, position, mode, value
+):
+    """The hostile folders (tests/hostile_folders.py), as built or with their edited file damaged, yield a result
+    or a one-line ZeroIOError."""
+    where, root, edited = hostile_folders[attack]
+    copy = tmp_path_factory.mktemp("folder") / "w"
+    shutil.copytree(where, copy, symlinks=True)
+    if mode != "as crafted":
+        target = copy / edited.relative_to(where)
+        target.write_bytes(_flip_or_truncate(target.read_bytes(), position, mode, value))
+    try:
+        with zeroio.open(
+            copy / root.relative_to(where), tp_rules="megatron" if attack == "tp_huge_name" else None
+        ) as ckpt:
             ckpt.describe()
             ckpt.state_dict()
     except errors.ZeroIOError as exc:

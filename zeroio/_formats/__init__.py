@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from .._checkpoint import Checkpoint
+from .._io.confine import require_regular_file
 from .._io.remote_path import RemotePath, as_path
 from .._options import ReadOptions, read_options
-from .._pickles import require_regular_file
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated

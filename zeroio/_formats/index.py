@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .._io.confine import confined_path
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["read_index", "shard_paths"]
@@ -36,22 +37,19 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def shard_paths(index_path: Path, weight_map: dict[str, str]) -> dict[str, Path]:
-    """``{shard file name: path}`` of every shard the index names, checked to exist next to the index."""
+    """``{shard file name: path}`` of every shard the index names, checked to exist inside its folder.
+
+    Links may lead out of the folder only into a Hugging Face cache's ``blobs/`` (``snapshots/<rev>/x`` links to
+    ``../../blobs/<sha>``)."""
     root = index_path.parent
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
     shards: dict[str, Path] = {}
     for shard in dict.fromkeys(weight_map.values()):
-        shard_path = root / shard
-        if Path(shard).is_absolute() or ".." in Path(shard).parts:
-            raise CheckpointFormatError(
-                f"The index '{index_path}' names shard '{shard}' outside its folder. Shard names must be plain "
-                "file names next to the index.",
-                path=index_path,
-                name=shard,
-            )
+        shard_path = confined_path(root, shard, source=index_path, what="shard", links_into=blobs)
         if not shard_path.is_file():
             raise CheckpointNotFoundError(
                 f"Shard '{shard}' listed in '{index_path}' does not exist. Copy every shard next to the index.",
-                path=shard_path,
+                path=root / shard,
             )
         shards[shard] = shard_path
     return shards

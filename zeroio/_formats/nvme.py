@@ -19,6 +19,7 @@ from typing import Any
 
 from .. import _constants as C
 from .._dtypes import FLOAT32
+from .._io.confine import confined_path, require_regular_file
 from .._partition import zero3_partition_numel, zero3_sub_groups
 from .._pickles.archive import RankFile, Storage, TensorRef
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError
@@ -61,6 +62,12 @@ def nvme_path(ds_config: Any) -> str | None:
 def swap_rank_folder(tag_dir: Path, rank: int) -> Path:
     """Where ``save_checkpoint`` copies rank ``rank``'s swap folder: ``<tag>/offloaded_tensors/rank{rank:02d}``."""
     return tag_dir / "offloaded_tensors" / f"rank{rank:02d}"
+
+
+def _swap_path(tag_dir: Path, rank: int, name: str, source: Path) -> Path:
+    """Rank ``rank``'s swap file ``name`` (built from optimizer state keys ``source`` recorded), kept in the tag."""
+    folder = swap_rank_folder(tag_dir, rank)
+    return confined_path(tag_dir, folder.parent.name, folder.name, name, source=source, what="swap file")
 
 
 def _require_folder(folder: Path, recorded: str, rank: int) -> None:
@@ -106,6 +113,7 @@ def _swap_ref(path: Path, numel: int, rank: int) -> tuple[TensorRef, RankFile]:
             path=path,
             rank=rank,
         )
+    require_regular_file(path)
     size = path.stat().st_size
     if size < numel * 4:
         raise CheckpointFormatError(
@@ -147,8 +155,11 @@ def _ds_id_names(
     )
 
 
-def _swapped_moments(base: Any, group: int, stem: str, numel: int, folder: Path, rank: int) -> tuple[Any, list[Any]]:
-    """``base`` with flat group ``group``'s empty per-element state replaced by its swap files."""
+def _swapped_moments(
+    base: Any, group: int, stem: str, numel: int, rank: int, tag_dir: Path, source: Path
+) -> tuple[Any, list[Any]]:
+    """``base`` with flat group ``group``'s empty per-element state replaced by its swap files (named by the
+    state's keys, recorded in ``source``)."""
     if not isinstance(base, dict) or not isinstance(base.get("state"), dict):
         return base, []
     pids = [pid for pg in base.get("param_groups") or [] if isinstance(pg, dict) for pid in pg.get("params") or []]
@@ -158,7 +169,8 @@ def _swapped_moments(base: Any, group: int, stem: str, numel: int, folder: Path,
     files = []
     for key, value in entry.items():
         if isinstance(value, TensorRef) and value.numel == 0 and len(value.shape) == 1:
-            entry[key], file = _swap_ref(folder / f"{key}-{stem}.tensor.swp", numel, rank)
+            path = _swap_path(tag_dir, rank, f"{key}-{stem}.tensor.swp", source)
+            entry[key], file = _swap_ref(path, numel, rank)
             files.append(file)
     return {**base, "state": {**base["state"], pids[group]: entry}}, files
 
@@ -205,8 +217,12 @@ def attach_swapped_state(
         stems = _ds_id_names(swapped, subs, ids, folder) if swapped else {}
         rank_groups = list(optim.flat_groups[rank])
         for i, stem in stems.items():
-            rank_groups[i], file = _swap_ref(folder / f"{stem}.tensor.swp", subs[i][1], rank)
-            base_states[rank], moment_files = _swapped_moments(base_states[rank], i, stem, subs[i][1], folder, rank)
+            source = optim.files[rank]
+            path = _swap_path(tag_dir, rank, f"{stem}.tensor.swp", source)
+            rank_groups[i], file = _swap_ref(path, subs[i][1], rank)
+            base_states[rank], moment_files = _swapped_moments(
+                base_states[rank], i, stem, subs[i][1], rank, tag_dir, source
+            )
             files += [file, *moment_files]
         flat_groups.append(tuple(rank_groups))
     return SwapFiles(

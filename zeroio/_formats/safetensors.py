@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 from .._checkpoint import Checkpoint
 from .._constants import SAFETENSORS_MAX_HEADER_SIZE
 from .._dtypes import BY_NAME, BY_SAFETENSORS, SAFETENSORS_ORDER, DType
+from .._io.confine import require_regular_file
 from .._io.sources import ByteSource, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
-from .._pickles import MAX_DIMS, require_regular_file
+from .._pickles import MAX_DIMS
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .index import read_index, shard_paths
 

@@ -28,10 +28,12 @@ from .._text import listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .optim_views import merge_tp_states
 from .optimizer import optimizer_state
+from .patterns import MAX_NAME_CHARS
 from .read_plans import sample_ranges
 from .tensor_parallel_rules import (
     REPLICATED,
     UNSUPPORTED,
+    PatternError,
     Rule,
     TPRules,
     describe_rule,
@@ -389,7 +391,17 @@ def plan_tp_merges(
         if name in tied:
             continue
         infos = [rank.info(name) for rank in ranks]
-        rule, source, problem = _choose(name, infos, uc_info, rules)
+        if len(name) > MAX_NAME_CHARS and (uc_info or rules):  # matching a pattern on it could take minutes
+            raise CheckpointFormatError(
+                f"'{path0}' records a parameter name of {len(name)} characters ({name[:40]!r}...); zeroio matches "
+                f"names of up to {MAX_NAME_CHARS}. The checkpoint is corrupted or hostile.",
+                path=path0,
+                name=name[:MAX_NAME_CHARS],
+            )
+        try:
+            rule, source, problem = _choose(name, infos, uc_info, rules)
+        except PatternError as exc:
+            raise CheckpointFormatError(f"'{path0}': {exc}", path=path0, name=name) from None
         shape = None if rule is None else _merged_shape(rule, infos)
         if rule is not None and shape is None:
             problem = f"{describe_rule(rule)} does not fit the shard shapes {[i.shape for i in infos]}"

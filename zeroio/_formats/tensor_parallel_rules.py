@@ -12,10 +12,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
+from .patterns import PatternError, bounded_match, bounded_pattern
+
 __all__ = [
     "PRESETS",
     "REPLICATED",
     "UNSUPPORTED",
+    "PatternError",
     "Rule",
     "TPRules",
     "describe_rule",
@@ -70,9 +73,9 @@ def _check_rule(pattern: Any, value: Any) -> tuple[str, Rule]:
     if not isinstance(pattern, str):
         raise TypeError(f"tp_rules keys are regular expressions (str), got {pattern!r}.")
     try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"tp_rules: {pattern!r} is not a valid regular expression ({exc}).") from None
+        bounded_pattern(pattern)
+    except PatternError as exc:
+        raise ValueError(f"tp_rules pattern {_short(pattern)} is refused: {exc}.") from None
     if value == REPLICATED:
         return pattern, REPLICATED
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -107,7 +110,7 @@ def user_rule(rules: Mapping[str, Rule], name: str) -> tuple[Rule | None, list[s
 
     Two matching patterns that disagree leave it undecided (the caller refuses it, naming both).
     """
-    matched = [p for p in rules if re.search(p, name)]
+    matched = [p for p in rules if _match(p, name, search=True, origin="tp_rules")]
     values = {rules[p] for p in matched}
     return (values.pop() if len(values) == 1 else None), matched
 
@@ -182,8 +185,29 @@ def _affine_rule(entry: Any, tp: int) -> Rule | Literal["unsupported"]:
     return rule
 
 
+def _short(text: str) -> str:
+    """``repr`` of a pattern or name, cut to 100 characters (a hostile one may be megabytes long)."""
+    shown = repr(text)
+    return shown if len(shown) <= 100 else f"{shown[:80]}... ({len(text)} characters)"
+
+
+def _match(pattern: str, name: str, *, search: bool, origin: str) -> bool:
+    """Bounded ``re.search``/``re.match`` (``patterns.py``); a refusal names the pattern, the name and ``origin``."""
+    try:
+        return bounded_match(bounded_pattern(pattern), name, search=search)
+    except PatternError as exc:
+        fix = "Simplify the pattern" if origin == "tp_rules" else "The checkpoint is corrupted or hostile"
+        raise PatternError(
+            f"{origin} pattern {_short(pattern)} on parameter {_short(name)} is refused: {exc}. {fix} "
+            "(docs/security.md, 'Recorded patterns')."
+        ) from None
+
+
 def _matches(patterns: Any, name: str) -> bool:
-    return isinstance(patterns, list) and any(isinstance(p, str) and re.match(p, name) for p in patterns)
+    return isinstance(patterns, list) and any(
+        isinstance(p, str) and _match(p, name, search=False, origin="recorded universal_checkpoint_info")
+        for p in patterns
+    )
 
 
 def recorded_rule(info: Mapping[str, Any], name: str, tp: int) -> Rule | Literal["unsupported"] | None:

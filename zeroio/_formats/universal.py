@@ -16,6 +16,7 @@ from typing import Any
 from .. import _constants as C
 from .._checkpoint import Checkpoint
 from .._dtypes import FLOAT32
+from .._io.confine import confined_path
 from .._metadata import CheckpointMetadata, TensorInfo, require
 from .._pickles import RankFile, TensorRef, load_pickle, to_plain
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, TensorNotFoundError
@@ -86,11 +87,13 @@ class UniversalCheckpoint(PlannedCheckpoint):
                 path=self._metadata.path,
                 name=name,
             )
-        folder = self._zero_dir / source
+        recorded = self._zero_dir.parent / str(self._metadata.extra["model_files"][0])
+        folder = confined_path(self._zero_dir, source, source=recorded, what="parameter")
         result: dict[str, Any] = {}
-        for path in sorted(folder.glob("*.pt")):
-            if path.name == FP32_FILE:
+        for found in sorted(folder.glob("*.pt")):
+            if found.name == FP32_FILE:
                 continue
+            path = confined_path(self._zero_dir, source, found.name, source=recorded, what="parameter")
             tree, file = load_pickle(path, trusted_globals=self._trusted_globals)
             try:
                 value = _stored_ref(tree, path).materialize()
@@ -119,7 +122,7 @@ class UniversalCheckpoint(PlannedCheckpoint):
 
     def _common_state(self) -> tuple[list[dict[str, Any]], dict[int, Any]]:
         """``zero/optimizer_state.pt``: each param group's hyper-parameters and (ZeRO-3 sources) its ``step``."""
-        path = self._zero_dir / OPTIMIZER_STATE_FILE
+        path = confined_path(self._zero_dir, OPTIMIZER_STATE_FILE, source=self._zero_dir, what="file")
         if not path.is_file():
             return [], {}
         tree, file = load_pickle(path, trusted_globals=self._trusted_globals)
@@ -175,7 +178,7 @@ def open_universal(path: Path, tag: str | None, trusted_globals: frozenset[str])
     else:
         frozen = zero12_frozen(states, shapes, None)
     found_plans.update(frozen)
-    found_plans.update(_trainable(tag_dir / ZERO_DIR, shapes, files, trusted_globals))
+    found_plans.update(_trainable(tag_dir / ZERO_DIR, shapes, states.path, files, trusted_globals))
 
     infos, tied = _tie_and_order(found_plans, shapes.shared, states.module)
     metadata = _metadata(tag_dir, tag_name, layout, states, shapes)
@@ -198,13 +201,15 @@ def _universal_tag_dir(path: Path, tag: str | None) -> tuple[Path, str | None] |
 
 
 def _trainable(
-    zero_dir: Path, shapes: ParamShapes, files: list[RankFile], trusted_globals: frozenset[str]
+    zero_dir: Path, shapes: ParamShapes, recorded: Path, files: list[RankFile], trusted_globals: frozenset[str]
 ) -> TensorPlans:
-    """Each trainable parameter's fp32 master: ``zero/<name>/fp32.pt``, reshaped to its recorded shape."""
+    """Each trainable parameter's fp32 master: ``zero/<name>/fp32.pt``, reshaped to its recorded shape.
+
+    The names come from the model states file ``recorded``: each must name a folder inside ``zero/``."""
     found = TensorPlans()
     for group in shapes.groups:
         for name, shape in group:
-            path = zero_dir / name / FP32_FILE
+            path = confined_path(zero_dir, name, FP32_FILE, source=recorded, what="parameter")
             if not path.is_file():
                 raise CheckpointNotFoundError(
                     f"'{path}' is missing: a universal checkpoint holds each trainable parameter's fp32 weights in "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from ..errors import CheckpointFormatError
+from .fd_pool import FileIdentity, pool
 
 if TYPE_CHECKING:
     import torch
@@ -116,15 +117,17 @@ def writable_bytes(out: torch.Tensor | Buffer) -> memoryview:
 
 
 class LocalFile:
-    """A local file read with positional reads (``preadv``) on one lazily opened descriptor.
+    """A local file read with positional reads (``preadv``) on a descriptor leased from the process's bounded pool
+    (``fd_pool.py``): opened on first use, perhaps closed and reopened between reads when many files are open.
 
-    ``preadv`` does not move a shared file position, so threads may read one descriptor at once.
+    ``preadv`` does not move a shared file position, so threads may read one descriptor at once. A reopened file
+    must be the one first opened (same device, inode, size, modification time), else the read raises.
     """
 
     def __init__(self, path: Path, size: int | None = None) -> None:
         self.path = Path(path)
         self._size = size
-        self._fd: int | None = None
+        self._identity: FileIdentity | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -137,51 +140,63 @@ class LocalFile:
     @property
     def size(self) -> int:
         if self._size is None:
-            self._size = os.fstat(self.fileno()).st_size
-        return self._size
+            self._lease()  # the first open records the size
+            pool.end_lease(self)
+        return cast(int, self._size)
 
-    def fileno(self) -> int:
-        """The open descriptor (opened on first use)."""
-        with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            return self._fd
+    def _lease(self) -> int:
+        """A descriptor from the pool for one read or copy; the caller ends the lease (``pool.end_lease``)."""
+        fd, identity = pool.acquire(self, self.path, self._identity)
+        if self._identity is None:
+            with self._lock:
+                if self._identity is None:
+                    self._identity = identity
+                    if self._size is None:
+                        self._size = identity[2]
+        return fd
 
     def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        pool.release(self)
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
-        return os.pread(self.fileno(), nbytes, offset)
+        fd = self._lease()
+        try:
+            return os.pread(fd, nbytes, offset)
+        finally:
+            pool.end_lease(self)
 
     def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
         view = writable_bytes(out)  # read straight into the tensor (or buffer): no intermediate copy
         nbytes = len(view)
         if nbytes == 0:
             return
-        fd = self.fileno()
         done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointFormatError(
-                    f"'{self.path}' ends after {offset + done} bytes, inside {what}: the file is truncated. "
-                    "Copy it again from where it was saved.",
-                    path=self.path,
-                )
-            done += got
+        fd = self._lease()
+        try:
+            while done < nbytes:
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise CheckpointFormatError(
+                        f"'{self.path}' ends after {offset + done} bytes, inside {what}: the file is truncated. "
+                        "Copy it again from where it was saved.",
+                        path=self.path,
+                    )
+                done += got
+        finally:
+            pool.end_lease(self)
 
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
         if not kernel_copy_enabled():
             return None
+        src = self._lease()  # held for the whole copy: the pool never closes a leased descriptor
         try:
-            return os.copy_file_range(self.fileno(), fd, nbytes, offset, dst_offset)
+            return os.copy_file_range(src, fd, nbytes, offset, dst_offset)
         except OSError as exc:
             if exc.errno in _NO_KERNEL_COPY:
                 return None
             raise
+        finally:
+            pool.end_lease(self)
 
 
 def can_copy_in_kernel(source: ByteSource) -> bool:

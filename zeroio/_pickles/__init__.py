@@ -9,7 +9,7 @@ written chunk by chunk).
 
 from __future__ import annotations
 
-from .archive import RankFile, TensorRef, require_regular_file
+from .archive import RankFile, TensorRef
 from .limits import MAX_DEPTH, MAX_DIMS, MAX_PICKLE_BYTES
 from .plain import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
 from .read import load_pickle
@@ -50,7 +50,6 @@ __all__ = [
     "keep_standin",
     "load_pickle",
     "read_tensor",
-    "require_regular_file",
     "to_plain",
     "where_text",
     "writable",

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import bisect
-import stat
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from .._dtypes import DType
+from .._io.confine import require_regular_file
 from .._io.integrity import CheckedFile
 from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
@@ -31,7 +31,6 @@ __all__ = [
     "TensorRef",
     "check_pickle_record",
     "read_archive",
-    "require_regular_file",
 ]
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -232,24 +231,6 @@ class Archive:
     """The ``data.pkl`` record: the object tree."""
     records: dict[str, zipfile.ZipInfo]
     """Storage records by key (``data/<key>``), all stored uncompressed."""
-
-
-def require_regular_file(path: Path) -> None:
-    """Refuse a path that is not a regular file (a FIFO would block the read forever, ``/dev/zero`` never ends)."""
-    mode = path.stat().st_mode
-    if not stat.S_ISREG(mode):
-        raise CheckpointFormatError(
-            f"'{path}' is not a regular file (it is a {_file_kind(mode)}). Point zeroio at a checkpoint file or folder.",
-            path=path,
-        )
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):  # fmt: skip
-        if test(mode):
-            return kind
-    return "special file"
 
 
 def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo], directory: int) -> None:
