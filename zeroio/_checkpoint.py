@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,6 +14,7 @@ from ._io.integrity import CheckedFile
 from ._io.remote_path import as_path
 from ._io.sources import ByteRange
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
+from ._text import get_logger
 from .errors import CheckpointClosedError, TensorNotFoundError
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "TensorReader"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest single read when streaming a tensor: memory stays bounded by this, not by tensor size."""

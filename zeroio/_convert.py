@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -14,6 +13,7 @@ from ._dtypes import DType
 from ._io.remote_path import as_path, is_url, with_storage_options
 from ._metadata import output_spec, parse_dtype_spec
 from ._model_card import card_facts
+from ._text import get_logger
 from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.comm import Job, LocalComm
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "ConvertResult", "convert"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest piece of a tensor held in memory per IO thread while converting to safetensors."""
@@ -314,9 +314,11 @@ def convert(
         from ._write.remote_output import write_file_to_url, write_to_url
 
         if fmt == "lightning":  # one file: the URL names the object
-            result, at = write_file_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
+            result, at = write_file_to_url(
+                str(dst), storage_options, overwrite=overwrite, write=write_local, source=src
+            )
             return replace(result, files=(at,))
-        result, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local)
+        result, uploaded = write_to_url(str(dst), storage_options, overwrite=overwrite, write=write_local, source=src)
 
         def remote(path: Path) -> Path:
             return uploaded[path.resolve()]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import re
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._text import get_logger
 from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.comm import CommLost, Job
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """How long a process waits for the others at each synchronisation point before failing the job.

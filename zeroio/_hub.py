@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import shutil
 import tempfile
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._io.remote_path import as_path, is_url
 from ._model_card import default_commit_message, render_model_card
+from ._text import get_logger, redact_exception
 from ._write.progress import check_progress
 from .errors import HubError
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STALE_WEIGHT_PATTERNS", "PushResult", "push_to_hub"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 CONVERTED_MARKERS = ("model.safetensors", "model.safetensors.index.json")
 """A folder holding either file is taken as already converted and uploaded as is."""
@@ -335,6 +335,7 @@ def _as_hub_error(*, repo_id: str, endpoint: str, src: Path, revision: str | Non
     try:
         yield
     except _hub_failures() as e:
+        redact_exception(e)  # its message quotes URLs, HF_ENDPOINT's user:password@ included
         had_token = token_given or _token_found()
         raise _to_hub_error(
             e, repo_id=repo_id, endpoint=endpoint, src=src, revision=revision, had_token=had_token

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -31,6 +30,7 @@ from ._formats.optimizer import (
 )
 from ._formats.read_plans import FlatPlan, read_plan_into
 from ._io.fileio import create_new, preallocate, pwrite_all, write_new_file
+from ._text import get_logger
 from ._write.safetensors_writer import SafetensorsLayout, plan_file, write_chunks
 from ._write.sharding import ShardPlan, index_json, plan_shards
 
@@ -46,7 +46,7 @@ __all__ = [
     "write_optimizer_files",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 OPTIMIZER_FILE_PATTERN = "optimizer{suffix}.safetensors"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"

@@ -8,7 +8,6 @@ a temporary fragment folder: each tensor is streamed from the source's rank file
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from ._formats.read_plans import ReadPlan, read_plan_into
 from ._io.fileio import ChunkBuffers, create_new, write_new_file
 from ._optim import OptimizerLayout, moment_source, optimizer_layout
 from ._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
+from ._text import get_logger
 from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.progress import ByteProgress, Progress
@@ -30,7 +30,7 @@ from .errors import CheckpointFormatError, UnsupportedCheckpointError
 
 __all__ = ["LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILES", "UniversalOutput", "write_universal"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LATEST_UNIVERSAL = "latest_universal"
 """The root file naming the universal tag folder (``engine.load_checkpoint`` reads it when ``load_universal``)."""

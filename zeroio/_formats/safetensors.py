@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from .._dtypes import BY_NAME, BY_SAFETENSORS, SAFETENSORS_ORDER, DType
 from .._io.sources import ByteSource, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import MAX_DIMS, require_regular_file
+from .._text import get_logger
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .index import read_index, shard_paths
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SafetensorsCheckpoint", "open_safetensors"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _RESERVED_METADATA = frozenset({"format", "total_size"})
 """Metadata keys that are never tie records (safetensors' ``format``, an index's ``total_size``)."""

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._text import redact, redact_exception
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
 from .sources import writable_bytes
 
@@ -95,8 +96,10 @@ def call_with_retries(url: str, what: str, fix_auth: str, fn: Callable[[], Any])
         try:
             return fn()
         except FileNotFoundError as exc:
+            redact_exception(exc)
             raise CheckpointNotFoundError(f"'{url}' does not exist ({what}).", path=url) from exc
         except Exception as exc:  # fsspec backends raise many types; sort them into the three outcomes
+            redact_exception(exc)  # raised as the zeroio error's cause: a traceback prints it
             if _is_auth_error(exc):
                 raise RemoteStorageError(
                     f"Access to '{url}' was refused ({type(exc).__name__}: {str(exc)[:160]}): {fix_auth}",
@@ -146,7 +149,7 @@ class RemoteFile:
         """Ranged requests made (retries included): for tests and docs/remote.md's numbers."""
 
     def __repr__(self) -> str:
-        return f"RemoteFile('{self._url}')"
+        return f"RemoteFile('{redact(self._url)}')"
 
     @property
     def name(self) -> str:

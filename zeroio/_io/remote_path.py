@@ -23,12 +23,14 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
+from urllib.parse import unquote
 
+from .._text import redact
 from .._types import StrPath
 from ..errors import RemoteStorageError
 from .remote_file import RemoteFile, call_with_retries
 
-__all__ = ["RemotePath", "as_path", "filesystem", "is_url", "with_storage_options"]
+__all__ = ["RemotePath", "as_path", "filesystem", "is_url", "url_identity", "with_storage_options"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -64,6 +66,16 @@ _FS_LOCK = threading.Lock()
 def is_url(path: object) -> bool:
     """True for ``scheme://...`` text (``file://`` included); a local path never matches."""
     return isinstance(path, str) and bool(_URL.match(path))
+
+
+def url_identity(url: str) -> tuple[str, str]:
+    """``(scheme, bucket/key)`` naming the same objects for equal results: scheme aliases (``s3a``, ``gcs``,
+    ``https``) folded, credentials (``user:secret@``) dropped, repeated and trailing slashes removed."""
+    scheme, _, rest = url.partition("://")
+    scheme = _ALIASES.get(scheme.lower(), scheme.lower())
+    host, slash, path = rest.partition("/")
+    host = host.rsplit("@", 1)[-1]
+    return scheme, "/".join(p for p in f"{host}{slash}{path}".split("/") if p not in ("", "."))
 
 
 def as_path(path: StrPath | RemotePath, storage_options: Mapping[str, Any] | None = None) -> Path:
@@ -112,6 +124,7 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
     import fsspec.core  # type: ignore[import-untyped]
 
     options = dict(storage_options or {})
+    url = _credentials_to_options(url, protocol, options)
     if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
@@ -134,6 +147,26 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
         raise RemoteStorageError(f"Cannot open '{url}': {exc}. {install}", path=url) from exc
     fs.invalidate_cache()  # zeroio lists once per open (RemoteTree); a listing cached by an earlier open may be stale
     return fs, str(key).rstrip("/"), protocol
+
+
+def _credentials_to_options(url: str, protocol: str, options: dict[str, Any]) -> str:
+    """``s3://KEY:SECRET@bucket/key`` -> ``s3://bucket/key`` with ``key``/``secret`` in ``options`` (unless given).
+
+    s3fs takes ``KEY:SECRET@bucket`` for a bucket name and quotes it in its errors; moved out of the URL, the
+    secret reaches no object key, path or message. (HTTP keeps its ``user:password@``: aiohttp sends it as Basic
+    auth, and messages hide it, ``zeroio._text.redact``.)"""
+    if _ALIASES.get(protocol, protocol) != "s3":
+        return url
+    scheme, _, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    if "@" not in host:
+        return url
+    userinfo, host = host.rsplit("@", 1)
+    key_id, _, secret = userinfo.partition(":")
+    options.setdefault("key", unquote(key_id))
+    if secret:
+        options.setdefault("secret", unquote(secret))
+    return f"{scheme}://{host}{slash}{path}"
 
 
 class RemoteTree:
@@ -261,7 +294,7 @@ class RemotePath:
         return self._tree.url(self._key)
 
     def __repr__(self) -> str:
-        return f"RemotePath('{self}')"
+        return f"RemotePath('{redact(str(self))}')"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RemotePath) and str(other) == str(self)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from .. import _constants as C
 from .._io.fileio import write_new_file
 from .._io.remote_path import as_path, is_url
 from .._optim import optimizer_layout
+from .._text import get_logger
 from .._types import StrPath
 from .._write.atomic import AtomicDir
 from .._write.progress import ByteProgress, Progress, check_progress
@@ -24,7 +24,7 @@ from .trees import RankTrees
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest piece of a tensor held in memory while resharding."""
@@ -162,7 +162,7 @@ def _reshard_to_url(
         source = storage_options if is_url(str(src)) else None
         return reshard(src, local, storage_options=source, **options)
 
-    local, uploaded = write_to_url(url, storage_options, overwrite=overwrite, write=write_local)
+    local, uploaded = write_to_url(url, storage_options, overwrite=overwrite, write=write_local, source=src)
     files = tuple(uploaded[p.resolve()] for p in local.files)
     return dataclasses.replace(local, path=as_path(url.rstrip("/"), storage_options), files=files)
 

@@ -10,7 +10,6 @@ rank 0 writes the extra files, the index last, copies the side files and renames
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from .._dtypes import DType, as_dtype
 from .._io.fileio import naming, write_new_file
 from .._io.remote_path import as_path
 from .._metadata import CheckpointMetadata
+from .._text import get_logger
 from .._types import StrPath
 from ..errors import OutputError
 from .comm import COMMIT, PLAN, TEMP, WRITE, Job
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ExtraFiles = Callable[[Checkpoint, WritePlan], Callable[[Path], None]]
 """A hook for more files beside the weights (the optimizer state): called while planning (so it fails before
