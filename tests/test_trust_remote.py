@@ -159,3 +159,21 @@ def test_hf_endpoint_credentials_never_reach_errors(s3, capsys, monkeypatch):
     _secret_free(_chain(excinfo.value))
     assert main(["inspect", "hf://user/repo"]) == 1
     _secret_free(*capsys.readouterr())
+
+
+# --------------------------------------------------------------------------- item 6: one version per object
+
+
+def test_object_replaced_mid_read_is_a_typed_error(s3):
+    """Objects replaced after open by others of the same size: the ETag listed at open is sent as If-Match with
+    every ranged GET, and S3's 412 is a RemoteStorageError naming the object (before: exit 0, two versions mixed)."""
+    s3.upload_tree(FIXTURES / "z2_ws2_fp32", "trust", "swap")
+    keys = sorted(_objects(s3, "trust", "swap/"))
+    with zeroio.open("s3://trust/swap") as ckpt:
+        names = list(ckpt)
+        ckpt[names[0]]  # some tensors read from the listed version
+        for key in keys:  # then every object replaced: same size, other bytes
+            data = s3.client.get_object(Bucket="trust", Key=key)["Body"].read()
+            s3.client.put_object(Bucket="trust", Key=key, Body=bytes(b ^ 0x5A for b in data))
+        with pytest.raises(RemoteStorageError, match=r"'s3://trust/swap/.*' changed while it was read"):
+            {name: ckpt[name] for name in names}

@@ -14,7 +14,7 @@ from ._io.integrity import CheckedFile
 from ._io.remote_path import as_path
 from ._io.sources import ByteRange
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
-from ._text import get_logger
+from ._text import get_logger, redact
 from .errors import CheckpointClosedError, TensorNotFoundError
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         meta = self._metadata
         state = "closed" if self.closed else f"{len(self._infos)} tensors"
         stage = f", zero_stage={meta.zero_stage}, world_size={meta.world_size}" if meta.format == "zero" else ""
-        return f"<zeroio.Checkpoint {meta.format} '{meta.path}'{stage}, {state}>"
+        return f"<zeroio.Checkpoint {meta.format} '{redact(str(meta.path))}'{stage}, {state}>"
 
     # ----------------------------------------------------------------- metadata
 

@@ -16,7 +16,7 @@ from .._io.sources import ByteSource, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import MAX_DIMS, require_regular_file
 from .._text import get_logger
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .index import read_index, shard_paths
 
 if TYPE_CHECKING:
@@ -99,6 +99,8 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
             raw = fh.read(length)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"'{path}' does not exist.", path=path) from exc
+    except ZeroIOError:
+        raise  # already one line naming the object (a remote source's refusal, timeout or bad response)
     except OSError as exc:
         raise CheckpointFormatError(f"Cannot read '{path}': {exc}.", path=path) from exc
     try:

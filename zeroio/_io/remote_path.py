@@ -28,6 +28,7 @@ from urllib.parse import unquote
 from .._text import redact
 from .._types import StrPath
 from ..errors import RemoteStorageError
+from .remote_fetch import Timeouts, backend_timeouts, fetcher, pinned_version
 from .remote_file import RemoteFile, call_with_retries
 
 __all__ = ["RemotePath", "as_path", "filesystem", "is_url", "url_identity", "with_storage_options"]
@@ -56,9 +57,6 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 _ALIASES = {"s3a": "s3", "gcs": "gs", "https": "http"}
 _CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_", "STORAGE_EMULATOR_HOST", "GCSFS_")
-# HfFileSystem inherits fsspec's cat_file, which opens a file with a read-ahead cache (5 MB past each read, the
-# Adam moments after the weights); without a cache each read is one request for exactly its range.
-_EXACT_READS: dict[str, dict[str, Any]] = {"hf": {"cache_type": "none"}}
 _FILESYSTEMS: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _FS_LOCK = threading.Lock()
 
@@ -125,6 +123,7 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
 
     options = dict(storage_options or {})
     url = _credentials_to_options(url, protocol, options)
+    backend_timeouts(_ALIASES.get(protocol, protocol), options, Timeouts.pop(options))
     if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
@@ -172,11 +171,13 @@ def _credentials_to_options(url: str, protocol: str, options: dict[str, Any]) ->
 class RemoteTree:
     """What is at and under one URL, listed once and shared by every :class:`RemotePath` derived from it."""
 
-    def __init__(self, fs: Any, protocol: str, root: str) -> None:
+    def __init__(self, fs: Any, protocol: str, root: str, timeouts: Timeouts | None = None) -> None:
         self.fs = fs
         self.protocol = protocol
         self.root = root
         self.fix_auth = _backend(protocol)[2]
+        self.timeouts = timeouts or Timeouts()
+        self._versions: dict[str, str | None] = {}  # key -> ETag (or Last-Modified) listed, pinned for its reads
         self._lock = threading.RLock()
         self._sizes: dict[str, int | None] = {}  # key -> size, None for a folder
         self._children: dict[str, set[str]] = {}  # folder key -> child names, for listed folders
@@ -189,10 +190,12 @@ class RemoteTree:
         return key if "://" in key else f"{self.protocol}://{key}"  # fsspec's HTTP keys keep their scheme
 
     def _call(self, key: str, what: str, fn: Any) -> Any:
-        return call_with_retries(self.url(key), what, self.fix_auth, fn)
+        return call_with_retries(self.url(key), what, self.fix_auth, fn, retry_timeout=self.timeouts.retry_timeout)
 
-    def _record(self, key: str, size: int | None, stop: str) -> None:
+    def _record(self, key: str, size: int | None, stop: str, info: Mapping[str, Any] | None = None) -> None:
         self._sizes[key] = size
+        if info is not None and size is not None:
+            self._versions[key] = pinned_version(_ALIASES.get(self.protocol, self.protocol), info)
         while key != stop and "/" in key:
             parent, name = key.rsplit("/", 1)
             self._children.setdefault(parent, set()).add(name)
@@ -208,14 +211,16 @@ class RemoteTree:
         """The one recursive listing of the URL the user gave (called on first use)."""
         if self._deep or self.root in self._sizes:
             return
-        if not self._listable:  # plain HTTP: one object, its size from a HEAD request
-            self._sizes[self.root] = int(self._call(self.root, "object info", lambda: self.fs.info(self.root))["size"])
+        if not self._listable:  # plain HTTP: one object, its size (and ETag) from a HEAD request
+            info = self._call(self.root, "object info", lambda: self.fs.info(self.root))
+            self._record(self.root, int(info["size"]), self.root, info)
             return
         found = self._call(self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True))
         for key, info in found.items():
             key = key.rstrip("/")
             if key == self.root or key.startswith(self.root + "/"):
-                self._record(key, None if info.get("type") == "directory" else int(info.get("size") or 0), self.root)
+                size = None if info.get("type") == "directory" else int(info.get("size") or 0)
+                self._record(key, size, self.root, info)
         if any(k.startswith(self.root + "/") for k in self._sizes):
             self._sizes[self.root] = None
             self._children.setdefault(self.root, set())
@@ -226,7 +231,7 @@ class RemoteTree:
             except FileNotFoundError:
                 return
             if info.get("type") != "directory":
-                self._sizes[self.root] = int(info.get("size") or 0)
+                self._record(self.root, int(info.get("size") or 0), self.root, info)
 
     def _list_folder(self, key: str) -> None:
         """One level of a folder outside the recursive listing (the parent of a tag folder or a file)."""
@@ -240,7 +245,8 @@ class RemoteTree:
         for info in infos:
             child = str(info["name"]).rstrip("/")
             if child.startswith(key + "/") and "/" not in child[len(key) + 1 :]:
-                self._record(child, None if info.get("type") == "directory" else int(info.get("size") or 0), key)
+                size = None if info.get("type") == "directory" else int(info.get("size") or 0)
+                self._record(child, size, key, info)
         if self._children[key]:
             self._sizes[key] = None
 
@@ -257,12 +263,13 @@ class RemoteTree:
         with self._lock:
             found = self._sources.get(key)
             if found is None or found.size != size:
-                fs, exact = self.fs, _EXACT_READS.get(self.protocol, {})
+                protocol = _ALIASES.get(self.protocol, self.protocol)
                 found = self._sources[key] = RemoteFile(
                     self.url(key),
-                    lambda start, end: fs.cat_file(key, start=start, end=end, **exact),
+                    fetcher(self.fs, protocol, key, size, self._versions.get(key)),
                     size,
                     self.fix_auth,
+                    retry_timeout=self.timeouts.retry_timeout,
                 )
             return found
 
@@ -287,7 +294,7 @@ class RemotePath:
     def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> RemotePath:
         """The path of ``url``; nothing is requested until a question is asked about it."""
         fs, key, protocol = _filesystem(url, storage_options)
-        return cls(RemoteTree(fs, protocol, key), key)
+        return cls(RemoteTree(fs, protocol, key, Timeouts.pop(dict(storage_options or {}))), key)
 
     # ----------------------------------------------------------------- names
     def __str__(self) -> str:
