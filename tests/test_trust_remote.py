@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import logging
 import struct
+import time
 import zipfile
 from collections.abc import Iterator
 
@@ -94,12 +95,11 @@ def test_cli_convert_onto_its_source_is_refused(s3, capsys):
     assert _objects(s3, "trust") == before
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "universal"])
-def test_object_created_after_the_listing_is_not_replaced(s3, fmt):
-    """Someone else's object that appears between zeroio's listing and its upload is left as it is (a Lightning
-    output takes the same conditional put; its torch.save reports no progress to race with here)."""
-    prefix = f"race-{fmt}"
-    target = f"{prefix}/model.safetensors" if fmt == "safetensors" else f"{prefix}/latest_universal"
+def test_object_created_after_the_listing_is_not_replaced(s3):
+    """Someone else's object that appears between zeroio's listing and its upload is left as it is (reshard,
+    universal and Lightning outputs take the same conditional put)."""
+    prefix, fmt = "race", "safetensors"
+    target = f"{prefix}/model.safetensors"
     url = f"s3://trust/{prefix}"
 
     def meanwhile(done: int, total: int) -> None:  # runs while zeroio writes its staging folder: after the listing
@@ -195,3 +195,16 @@ def _other_tensor_bytes(data: bytes) -> bytes:
                 start = info.header_offset + 30 + header[9] + header[10]
                 out[start : start + info.file_size] = bytes(b ^ 0x5A for b in data[start : start + info.file_size])
     return bytes(out)
+
+
+def test_stalled_s3_is_a_typed_error_within_seconds(s3):
+    """Every ranged GET answered after 8 s: botocore's and s3fs's own retries took 63 s with read_timeout=1; the
+    retry budget now cancels the call, retries included."""
+    s3.slow_s, s3.faults = 8.0, ["slow"] * 40
+    started = time.monotonic()
+    try:
+        with pytest.raises(RemoteStorageError, match="Timeout"):
+            zeroio.open("s3://trust/ckpt", storage_options={"read_timeout": 1, "retry_timeout": 2})
+    finally:
+        s3.slow_s, s3.faults = 0.0, []
+    assert time.monotonic() - started < 6

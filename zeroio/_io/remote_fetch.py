@@ -52,8 +52,9 @@ class Timeouts:
     """Opening a connection."""
     read_timeout: float = 60.0
     """Silence between two reads of a response (a server that sends headers and then stalls)."""
-    retry_timeout: float = 180.0
-    """One request with all its retries: no retry starts after this long (a stalled server was retried for ~30 min)."""
+    retry_timeout: float = 120.0
+    """One request with all its retries: no try outlasts it, and none starts after it (a stalled server was
+    retried for ~30 min; botocore's own retries of a read timeout alone take 5 x ``read_timeout``)."""
 
     @classmethod
     def pop(cls, options: dict[str, Any]) -> Timeouts:
@@ -113,12 +114,15 @@ def _text(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def fetcher(fs: Any, protocol: str, key: str, size: int, version: str | None) -> Callable[[int, int], bytes]:
-    """``fetch(start, end)`` for one object: one checked ranged request (retries are the caller's)."""
+def fetcher(
+    fs: Any, protocol: str, key: str, size: int, version: str | None, timeouts: Timeouts
+) -> Callable[[int, int], bytes]:
+    """``fetch(start, end)`` for one object: one checked ranged request (retries are the caller's), cancelled
+    after ``timeouts.retry_timeout`` whatever the backend's own retries would do."""
     if protocol == "http":
-        return _http(fs, key, size, version)
+        return _http(fs, key, size, version, timeouts.retry_timeout)
     if protocol == "s3":
-        return _s3(fs, key, size, version)
+        return _s3(fs, key, size, version, timeouts.retry_timeout)
     exact = {"cache_type": "none"} if protocol == "hf" else {}  # HfFileSystem's cat_file reads 5 MB ahead otherwise
     return lambda start, end: bytes(fs.cat_file(key, start=start, end=end, **exact))
 
@@ -139,7 +143,7 @@ def check_content_range(header: str | None, start: int, end: int, size: int) -> 
         raise ObjectChanged(f"its Content-Range {header!r} gives a size of {match[3]} bytes, {size} at open")
 
 
-def _http(fs: Any, url: str, size: int, version: str | None) -> Callable[[int, int], bytes]:
+def _http(fs: Any, url: str, size: int, version: str | None, limit_s: float) -> Callable[[int, int], bytes]:
     from fsspec.asyn import sync  # type: ignore[import-untyped]
 
     strong_etag = version if version and version.startswith('"') else None
@@ -187,7 +191,7 @@ def _http(fs: Any, url: str, size: int, version: str | None) -> Callable[[int, i
                 raise RangeError(f"sends more than the {limit} bytes asked (bytes {start}..{end})")
             return bytes(body)
 
-    return lambda start, end: bytes(sync(fs.loop, get, start, end))
+    return lambda start, end: bytes(sync(fs.loop, get, start, end, timeout=limit_s))
 
 
 def _check_version(headers: Mapping[str, str], version: str | None) -> None:
@@ -200,7 +204,7 @@ def _check_version(headers: Mapping[str, str], version: str | None) -> None:
         raise ObjectChanged(f"its {name} is {seen!r}, {version!r} at open")
 
 
-def _s3(fs: Any, path: str, size: int, etag: str | None) -> Callable[[int, int], bytes]:
+def _s3(fs: Any, path: str, size: int, etag: str | None, limit_s: float) -> Callable[[int, int], bytes]:
     from fsspec.asyn import sync
 
     bucket, key, version_id = fs.split_path(path)
@@ -210,8 +214,14 @@ def _s3(fs: Any, path: str, size: int, etag: str | None) -> Callable[[int, int],
 
     def get(start: int, end: int) -> bytes:
         try:
-            response = fs.call_s3(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **pin, **fs.req_kw
+            response = fs.call_s3(  # fsspec's sync wrapper: ``timeout`` cancels the call, botocore's retries too
+                "get_object",
+                Bucket=bucket,
+                Key=key,
+                Range=f"bytes={start}-{end - 1}",
+                timeout=limit_s,
+                **pin,
+                **fs.req_kw,
             )
         except Exception as exc:
             if "PreconditionFailed" in f"{type(exc).__name__} {exc} {exc.__cause__!r}" or "412" in str(exc):
@@ -227,7 +237,7 @@ def _s3(fs: Any, path: str, size: int, etag: str | None) -> Callable[[int, int],
             length = int(response.get("ContentLength") or 0)
             if length > end - start:
                 raise RangeError(f"announces a {length}-byte body for {end - start} bytes asked")
-            return bytes(sync(fs.loop, body.read))  # the body is aiohttp's stream: read on s3fs's event loop
+            return bytes(sync(fs.loop, body.read, timeout=limit_s))  # aiohttp's stream: read on s3fs's loop
         finally:
             body.close()
 

@@ -114,7 +114,7 @@ def call_with_retries(
                 or spent + pause > retry_timeout
             ):
                 detail = str(exc)[:160] or (
-                    "timed out: no answer within storage_options' connect_timeout/read_timeout"
+                    "timed out (storage_options: connect_timeout, read_timeout, retry_timeout)"
                     if isinstance(exc, TimeoutError)
                     else "no detail"
                 )

@@ -178,6 +178,8 @@ class RemoteTree:
         self.fix_auth = _backend(protocol)[2]
         self.timeouts = timeouts or Timeouts()
         self._versions: dict[str, str | None] = {}  # key -> ETag (or Last-Modified) listed, pinned for its reads
+        # An async backend's call (s3fs, gcsfs, HTTP) is cancelled after the retry budget, its own retries included.
+        self._bounded: dict[str, float] = {"timeout": self.timeouts.retry_timeout} if fs.async_impl else {}
         self._lock = threading.RLock()
         self._sizes: dict[str, int | None] = {}  # key -> size, None for a folder
         self._children: dict[str, set[str]] = {}  # folder key -> child names, for listed folders
@@ -212,10 +214,12 @@ class RemoteTree:
         if self._deep or self.root in self._sizes:
             return
         if not self._listable:  # plain HTTP: one object, its size (and ETag) from a HEAD request
-            info = self._call(self.root, "object info", lambda: self.fs.info(self.root))
+            info = self._call(self.root, "object info", lambda: self.fs.info(self.root, **self._bounded))
             self._record(self.root, int(info["size"]), self.root, info)
             return
-        found = self._call(self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True))
+        found = self._call(
+            self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True, **self._bounded)
+        )
         for key, info in found.items():
             key = key.rstrip("/")
             if key == self.root or key.startswith(self.root + "/"):
@@ -227,7 +231,7 @@ class RemoteTree:
             self._deep.append(self.root)
         elif self.root not in self._sizes:  # a single object (or nothing) at the URL
             try:
-                info = self._call(self.root, "object info", lambda: self.fs.info(self.root))
+                info = self._call(self.root, "object info", lambda: self.fs.info(self.root, **self._bounded))
             except FileNotFoundError:
                 return
             if info.get("type") != "directory":
@@ -238,7 +242,7 @@ class RemoteTree:
         if key in self._children or self._covered(key) or not self._listable:
             return
         try:
-            infos = self._call(key, "listing", lambda: self.fs.ls(key, detail=True))
+            infos = self._call(key, "listing", lambda: self.fs.ls(key, detail=True, **self._bounded))
         except FileNotFoundError:
             infos = []
         self._children.setdefault(key, set())
@@ -266,7 +270,7 @@ class RemoteTree:
                 protocol = _ALIASES.get(self.protocol, self.protocol)
                 found = self._sources[key] = RemoteFile(
                     self.url(key),
-                    fetcher(self.fs, protocol, key, size, self._versions.get(key)),
+                    fetcher(self.fs, protocol, key, size, self._versions.get(key), self.timeouts),
                     size,
                     self.fix_auth,
                     retry_timeout=self.timeouts.retry_timeout,
