@@ -7,8 +7,8 @@
   never read past the bytes asked (or past the object's size when the server ignores ``Range``), whatever
   ``Content-Length`` says (a 1.5 GB body for a 1.7 KB file drove memory to 3.1 GB); ``Content-Range`` must name
   exactly the range asked and the size seen at open (a range starting 4 bytes early shifted every element); the
-  ``ETag`` seen at open is sent as ``If-Match`` (a strong one) and compared with each response's ``ETag`` and
-  ``Last-Modified``;
+  ``ETag`` (or ``Last-Modified``) seen at open must be each response's: compared, not sent as ``If-Match``, since
+  a Hub or CDN URL redirects and the first hop may judge ``If-Match`` against its own, different, ETag;
 * ``s3://``: ``GetObject`` with ``Range`` and ``IfMatch`` set to the ETag of the listing (no extra request), the
   body length and ``ContentRange`` checked the same way;
 * other backends (``gs://``, ``hf://``): the backend's ``cat_file`` (docs/security.md says what each pins).
@@ -146,18 +146,14 @@ def check_content_range(header: str | None, start: int, end: int, size: int) -> 
 def _http(fs: Any, url: str, size: int, version: str | None, limit_s: float) -> Callable[[int, int], bytes]:
     from fsspec.asyn import sync  # type: ignore[import-untyped]
 
-    strong_etag = version if version and version.startswith('"') else None
-
     async def get(start: int, end: int) -> bytes:
         session = await fs.set_session()
         kwargs = dict(fs.kwargs)
         headers = dict(kwargs.pop("headers", None) or {})
         headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
-        if strong_etag:
-            headers["If-Match"] = strong_etag
         async with session.get(fs.encode_url(url), headers=headers, auto_decompress=False, **kwargs) as response:
-            if response.status == 412:
-                raise ObjectChanged(f"the server answers If-Match {strong_etag} with 412: it holds another version")
+            if response.status == 412:  # a precondition the caller's own headers set
+                raise ObjectChanged("the server answers 412 Precondition Failed: it holds another version")
             if response.status == 404:
                 raise FileNotFoundError(url)
             response.raise_for_status()
