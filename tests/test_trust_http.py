@@ -239,3 +239,16 @@ def test_path_objects_do_not_show_credentials(site):
     with zeroio.open(url.replace("http://", f"http://user:{SECRET}@") + "/honest/model.safetensors") as ckpt:
         assert SECRET not in repr(ckpt.metadata.path) and SECRET not in repr(ckpt)
         assert len({name: ckpt[name] for name in ckpt}) == 11  # the credentials are still sent
+
+
+def test_debug_traceback_shows_no_credentials(site):
+    """``ZEROIO_DEBUG=1 zeroio inspect http://user:PASS@...``: the whole traceback Python prints, causes included."""
+    url, _ = site
+    missing = url.replace("http://", f"http://user:{SECRET}@") + f"/missing/model.safetensors?token={SECRET}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), ZEROIO_DEBUG="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "zeroio", "inspect", missing], env=env, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" in done.stderr and "CheckpointNotFoundError" in done.stderr
+    assert SECRET not in done.stdout + done.stderr
