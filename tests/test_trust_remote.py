@@ -95,10 +95,12 @@ def test_cli_convert_onto_its_source_is_refused(s3, capsys):
     assert _objects(s3, "trust") == before
 
 
-def test_object_created_after_the_listing_is_not_replaced(s3):
-    """Someone else's object that appears between zeroio's listing and its upload is left as it is (reshard,
-    universal and Lightning outputs take the same conditional put)."""
-    prefix, fmt = "race", "safetensors"
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_object_created_after_the_listing_is_not_replaced(s3, overwrite):
+    """Someone else's object that appears between zeroio's listing and its upload is left as it is, with
+    ``overwrite`` too (it replaces only what the listing found and checked); reshard, universal and Lightning
+    outputs take the same conditional put."""
+    prefix, fmt = f"race-{overwrite}", "safetensors"
     target = f"{prefix}/model.safetensors"
     url = f"s3://trust/{prefix}"
 
@@ -106,7 +108,7 @@ def test_object_created_after_the_listing_is_not_replaced(s3):
         s3.client.put_object(Bucket="trust", Key=target, Body=b"theirs")
 
     with pytest.raises(OutputError, match="created after zeroio listed"):
-        zeroio.convert(FIXTURES / NAME, url, fmt=fmt, progress=meanwhile)
+        zeroio.convert(FIXTURES / NAME, url, fmt=fmt, progress=meanwhile, overwrite=overwrite)
     assert s3.client.get_object(Bucket="trust", Key=target)["Body"].read() == b"theirs"
     assert list(_objects(s3, "trust", prefix + "/")) == [target]  # zeroio's other uploads were removed
 

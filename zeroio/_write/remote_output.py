@@ -81,12 +81,16 @@ def _protocol(fs: Any) -> str:
     return str(protocol if isinstance(protocol, str) else protocol[0])
 
 
-def _appeared(url: str, name: str | None) -> OutputError:
+def _appeared(url: str, name: str | None, *, overwrite: bool) -> OutputError:
     where = f"{url}/{name}" if name else url
+    fix = (
+        "Run again: overwrite=True replaces only objects found (and checked) at the listing."
+        if overwrite
+        else "Pass overwrite=True (--overwrite) to replace it, or choose another prefix."
+    )
     return OutputError(
         f"Refusing to replace '{where}': the object was created after zeroio listed the destination (another "
-        "writer?); nothing of it was changed. Pass overwrite=True (--overwrite) to replace it, or choose another "
-        "prefix.",
+        f"writer?); nothing of it was changed. {fix}",
         path=url,
     )
 
@@ -164,7 +168,7 @@ def write_to_url(
                     _put(fs, path, f"{key}/{name}", exclusive=name not in existing)
                 except FileExistsError:
                     uploaded.pop()  # not zeroio's: never removed
-                    raise _appeared(url, name) from None
+                    raise _appeared(url, name, overwrite=overwrite) from None
         except BaseException as exc:
             _remove(fs, key, uploaded)
             if isinstance(exc, OutputError):
@@ -220,7 +224,7 @@ def write_file_to_url(
             logger.debug("uploading %s to %s", local, url)
             _put(fs, local, key, exclusive=not exists)  # replaces an existing object in one step
         except FileExistsError:
-            raise _appeared(url, None) from None
+            raise _appeared(url, None, overwrite=overwrite) from None
         except Exception as exc:
             redact_exception(exc)
             raise OutputError(
