@@ -2,9 +2,10 @@
 
 How bytes are fetched (docs/remote.md has the measured numbers):
 
-* every fetch is one ranged request (``fs.cat_file(key, start, end)``), retried with exponential backoff and
-  jitter on transient errors (connection resets, 5xx, timeouts, short bodies); credentials and missing objects are
-  not retried but raised as :mod:`zeroio.errors` errors naming the URL and the fix;
+* every fetch is one ranged request (made and checked by :mod:`zeroio._io.remote_fetch`: bounded body, checked
+  range, pinned version), retried with exponential backoff and jitter on transient errors (connection resets,
+  5xx, timeouts, short bodies) within ``retry_timeout``; credentials, missing or changed objects and bad responses
+  are not retried but raised as :mod:`zeroio.errors` errors naming the URL and the fix;
 * a large read is split into parts of :data:`PART_BYTES` fetched in parallel by one process-wide pool of
   :data:`MAX_IN_FLIGHT` threads, so requests in flight are bounded whatever the number of readers;
 * a file of at most :data:`SMALL_FILE_BYTES` is fetched whole by its first data read (a record header or a
