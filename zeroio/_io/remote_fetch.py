@@ -220,7 +220,7 @@ def _s3(fs: Any, path: str, size: int, etag: str | None, limit_s: float) -> Call
                 **fs.req_kw,
             )
         except Exception as exc:
-            if "PreconditionFailed" in f"{type(exc).__name__} {exc} {exc.__cause__!r}" or "412" in str(exc):
+            if "PreconditionFailed" in f"{type(exc).__name__} {exc} {exc.__cause__!r}":
                 raise ObjectChanged(
                     f"S3 answers If-Match {etag} with PreconditionFailed: it holds another version"
                 ) from exc
