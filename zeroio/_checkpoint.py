@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -16,6 +15,7 @@ from ._io.integrity import CheckedFile
 from ._io.remote_path import as_path
 from ._io.sources import ByteRange
 from ._metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
+from ._text import get_logger, redact
 from .errors import CheckpointClosedError, TensorNotFoundError
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "Checkpoint", "PartitionedCheckpoint", "TensorReader"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest single read when streaming a tensor: memory stays bounded by this, not by tensor size."""
@@ -247,7 +247,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         meta = self._metadata
         state = "closed" if self.closed else f"{len(self._infos)} tensors"
         stage = f", zero_stage={meta.zero_stage}, world_size={meta.world_size}" if meta.format == "zero" else ""
-        return f"<zeroio.Checkpoint {meta.format} '{meta.path}'{stage}, {state}>"
+        return f"<zeroio.Checkpoint {meta.format} '{redact(str(meta.path))}'{stage}, {state}>"
 
     # ----------------------------------------------------------------- metadata
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from ._io.remote_path import as_path, is_url
 from ._metadata import output_spec
 from ._model_card import card_facts
 from ._options import ReadOptions, read_options
+from ._text import get_logger
 from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.comm import Job, LocalComm
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ConvertResult", "convert", "convert_with"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,9 +267,13 @@ def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOpti
         from ._write.remote_output import write_file_to_url, write_to_url
 
         if write.fmt == "lightning":  # one file: the URL names the object
-            result, at = write_file_to_url(str(dst), read.storage_options, overwrite=write.overwrite, write=write_local)
+            result, at = write_file_to_url(
+                str(dst), read.storage_options, overwrite=write.overwrite, write=write_local, source=src
+            )
             return dataclasses.replace(result, files=(at,))
-        result, uploaded = write_to_url(str(dst), read.storage_options, overwrite=write.overwrite, write=write_local)
+        result, uploaded = write_to_url(
+            str(dst), read.storage_options, overwrite=write.overwrite, write=write_local, source=src
+        )
 
         def remote(path: Path) -> Path:
             return uploaded[path.resolve()]

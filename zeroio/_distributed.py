@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import re
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from ._options import ReadOptions
+from ._text import get_logger
 from ._write.atomic import AtomicDir
 from ._write.comm import CommLost, Job
 from ._write.engine import WriteOutcome, write_checkpoint
@@ -29,7 +29,7 @@ from .errors import OutputError
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """How long a process waits for the others at each synchronisation point before failing the job.

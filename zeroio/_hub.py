@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._io.remote_path import as_path, is_url
 from ._model_card import default_commit_message, render_model_card
 from ._options import ReadOptions, read_options
+from ._text import get_logger, redact_exception
 from ._write.options import write_options
 from .errors import HubError
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STALE_WEIGHT_PATTERNS", "PushResult", "push_to_hub"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 CONVERTED_MARKERS = ("model.safetensors", "model.safetensors.index.json")
 """A folder holding either file is taken as already converted and uploaded as is."""
@@ -315,6 +315,7 @@ def _as_hub_error(*, repo_id: str, endpoint: str, src: Path, revision: str | Non
     try:
         yield
     except _hub_failures() as e:
+        redact_exception(e)  # its message quotes URLs, HF_ENDPOINT's user:password@ included
         had_token = token_given or _token_found()
         raise _to_hub_error(
             e, repo_id=repo_id, endpoint=endpoint, src=src, revision=revision, had_token=had_token

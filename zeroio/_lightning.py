@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import os
 import pathlib
 from collections.abc import Iterable
@@ -17,6 +16,7 @@ import torch
 from ._checkpoint import Checkpoint, PartitionedCheckpoint
 from ._io.remote_path import as_path
 from ._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
+from ._text import get_logger
 from ._types import DTypeLike, StrPath
 from ._write.atomic import clean_stale, fsync_dir, temp_name, try_lock
 from .errors import OutputError, UnsupportedCheckpointError, ZeroIOError
@@ -30,7 +30,7 @@ __all__ = [
     "write_lightning_ckpt",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LIGHTNING_PREFIX = "_forward_module."
 """Key prefix of Lightning < 2.1 DeepSpeed checkpoints (its ``_LightningModuleWrapperBase``); stripped on write,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -30,12 +29,13 @@ from ._formats import (
     trainable_source,
 )
 from ._io.fileio import create_new, preallocate, pwrite_all, write_new_file
+from ._text import get_logger
 from ._write.safetensors_writer import SafetensorsLayout, plan_file, write_chunks
 from ._write.sharding import ShardPlan, index_json, plan_shards
 
 __all__ = ["OPTIMIZER_INDEX", "OPTIMIZER_JSON", "OptimizerFiles", "plan_optimizer_files", "write_optimizer_files"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 OPTIMIZER_FILE_PATTERN = "optimizer{suffix}.safetensors"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"

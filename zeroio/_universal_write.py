@@ -8,7 +8,6 @@ a temporary fragment folder: each tensor is streamed from the source's rank file
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from ._formats import OptimizerLayout, ReadPlan, moment_source, open_checkpoint,
 from ._io.fileio import ChunkBuffers, create_new, write_new_file
 from ._options import ReadOptions
 from ._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
+from ._text import get_logger
 from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.options import WriteOptions
@@ -32,7 +32,7 @@ from .errors import CheckpointFormatError, UnsupportedCheckpointError
 
 __all__ = ["LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILES", "UniversalOutput", "write_universal"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LATEST_UNIVERSAL = "latest_universal"
 """The root file naming the universal tag folder (``engine.load_checkpoint`` reads it when ``load_universal``)."""

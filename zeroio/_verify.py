@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from ._dtypes import as_dtype
 from ._io.remote_path import as_path, is_url, with_storage_options
 from ._metadata import dtype_name, parse_dtype
 from ._options import read_options
+from ._text import get_logger
 from ._types import StrPath
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Mismatch", "VerifyReport", "verify"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _CHUNK_BYTES = 16 * 1024 * 1024
 

@@ -27,6 +27,10 @@ import os
 from pathlib import Path
 from typing import Any, cast
 
+# Re-exported (not in __all__) for the CLI, which imports only zeroio and zeroio.errors.
+from ._text import redact as redact  # noqa: PLC0414
+from ._text import redact_exception as redact_exception  # noqa: PLC0414
+
 __all__ = [
     "CheckpointClosedError",
     "CheckpointFormatError",
@@ -59,6 +63,7 @@ class ZeroIOError(Exception):
         expected: Any = None,
         found: Any = None,
     ) -> None:
+        message = redact(message)  # a URL's credentials never reach a message (docs/security.md)
         super().__init__(message)
         self.message = message
         self.path = _error_path(path)
@@ -76,7 +81,10 @@ def _error_path(path: object) -> Path | None:
     if path is None:
         return None
     if isinstance(path, str) and "://" in path or not isinstance(path, (str, os.PathLike)):
-        return cast(Path, path)  # a URL stays as the user wrote it (Path() would fold its '//')
+        text = str(path)
+        return cast(
+            Path, path if redact(text) == text else redact(text)
+        )  # a URL stays as the user wrote it (Path() would fold its '//')
     return Path(path)
 
 

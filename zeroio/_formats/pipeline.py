@@ -8,7 +8,6 @@ names (``tied_modules.<key>.<param>`` for a ``TiedLayerSpec``, ``<layer index>.<
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from .._checkpoint import Checkpoint
 from .._dtypes import FLOAT32, DType
 from .._metadata import CheckpointMetadata, TensorInfo, require_dict
 from .._pickles import RankFile, TensorRef, load_pickle
-from .._text import listing
+from .._text import get_logger, listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, UnsupportedCheckpointError
 from .optim_views import StageView, stage_of, stage_views
 from .pipeline_files import PipelineFiles, has_layer_files, layer_file_name, scan_pipeline_dir
@@ -48,7 +47,7 @@ from .zero_files import ZeroLayout, find_tag_dir
 
 __all__ = ["PipelineCheckpoint", "open_pipeline"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _TIED = "tied_modules."
 

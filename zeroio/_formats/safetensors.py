@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +16,8 @@ from .._io.confine import require_regular_file
 from .._io.sources import ByteSource, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import MAX_DIMS
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
+from .._text import get_logger
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .index import read_index, shard_paths
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SafetensorsCheckpoint", "open_safetensors"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _RESERVED_METADATA = frozenset({"format", "total_size"})
 """Metadata keys that are never tie records (safetensors' ``format``, an index's ``total_size``)."""
@@ -100,6 +100,8 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
             raw = fh.read(length)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"'{path}' does not exist.", path=path) from exc
+    except ZeroIOError:
+        raise  # already one line naming the object (a remote source's refusal, timeout or bad response)
     except OSError as exc:
         raise CheckpointFormatError(f"Cannot read '{path}': {exc}.", path=path) from exc
     try:

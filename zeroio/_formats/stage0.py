@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,13 +11,14 @@ from .._dtypes import FLOAT32
 from .._metadata import CheckpointMetadata, TensorInfo, TensorKind
 from .._partition import Piece
 from .._pickles import TensorRef
+from .._text import get_logger
 from ..errors import CheckpointFormatError
 from .read_plans import FlatPlan, ReadPlan, WholePlan, ZeroContents, buffer_plans, casts_to, same_bits
 from .validate import ModelStates, ref_list, tensor_ref
 
 __all__ = ["open_stage0"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from .._dtypes import DType
 from .._io.integrity import CheckedFile
 from .._io.sources import ByteRange
 from .._metadata import CheckpointMetadata, TensorInfo
-from .._text import listing
+from .._text import get_logger, listing
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from .optim_views import merge_tp_states
 from .optimizer import optimizer_state
@@ -56,7 +55,7 @@ __all__ = [
     "plan_tp_merges",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 UC_INFO = "universal_checkpoint_info"
 

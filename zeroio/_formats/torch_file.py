@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +10,7 @@ from .._dtypes import FLOAT32
 from .._io.integrity import CheckedFile
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
+from .._text import get_logger
 from ..errors import CheckpointFormatError
 from .index import read_index, shard_paths
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchCheckpoint", "open_torch"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Where a state dict sits inside a torch file written by a framework: Lightning's .ckpt ("state_dict"),
 # common training scripts ("model_state_dict", "model"), DeepSpeed's model_states ("module").

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ from .._dtypes import BFLOAT16, FLOAT32, DType
 from .._io.remote_path import as_path, is_url
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
+from .._text import get_logger
 from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from .autoep import AutoEP, autoep_trainable, is_autoep
 from .mics import check_mics_replicas, mics_shard_group, zero_variant_metadata
@@ -51,7 +51,7 @@ from .zero_files import ZeroLayout, find_tag_dir, scan_tag_dir
 
 __all__ = ["ZeroCheckpoint", "open_zero"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class ZeroCheckpoint(PlannedCheckpoint):

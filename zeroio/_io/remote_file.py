@@ -2,9 +2,10 @@
 
 How bytes are fetched (docs/remote.md has the measured numbers):
 
-* every fetch is one ranged request (``fs.cat_file(key, start, end)``), retried with exponential backoff and
-  jitter on transient errors (connection resets, 5xx, timeouts, short bodies); credentials and missing objects are
-  not retried but raised as :mod:`zeroio.errors` errors naming the URL and the fix;
+* every fetch is one ranged request (made and checked by :mod:`zeroio._io.remote_fetch`: bounded body, checked
+  range, pinned version), retried with exponential backoff and jitter on transient errors (connection resets,
+  5xx, timeouts, short bodies) within ``retry_timeout``; credentials, missing or changed objects and bad responses
+  are not retried but raised as :mod:`zeroio.errors` errors naming the URL and the fix;
 * a large read is split into parts of :data:`PART_BYTES` fetched in parallel by one process-wide pool of
   :data:`MAX_IN_FLIGHT` threads, so requests in flight are bounded whatever the number of readers;
 * a file of at most :data:`SMALL_FILE_BYTES` is fetched whole by its first data read (a record header or a
@@ -29,7 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._text import redact, redact_exception
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
+from .remote_fetch import WHOLE_OBJECT_BYTES, ObjectChanged, RangeError, Timeouts
 from .sources import writable_bytes
 
 if TYPE_CHECKING:
@@ -47,10 +50,6 @@ SMALL_FILE_BYTES = 2**20
 object store, ~1 ms through moto on loopback) while 1 MiB costs ~1 ms at 1 GB/s, so below this size one GET is
 cheaper than the one-per-record ranged GETs it replaces (model-states files, small ranks, ``latest``-sized
 files). Metadata reads (zip directory, pickle) stay exact, so ``inspect`` never fetches a tensor record."""
-WHOLE_OBJECT_BYTES = 64 * 2**20
-"""Largest object read from a server that ignores HTTP ``Range`` (a plain web server answering every request with
-the whole object): it is then kept in memory and every read served from it. A larger one is refused with the fix
-(download it), since each read would download the whole object again."""
 MAX_IN_FLIGHT = 16
 """Parts fetched at once by the shared pool (plus one per reading thread)."""
 METADATA_CACHE_BYTES = 4 * 2**20
@@ -85,30 +84,47 @@ def _is_auth_error(exc: BaseException) -> bool:
     return any(word.replace(" ", "") in text for word in _AUTH_WORDS)
 
 
-def call_with_retries(url: str, what: str, fix_auth: str, fn: Callable[[], Any]) -> Any:
+def call_with_retries(
+    url: str, what: str, fix_auth: str, fn: Callable[[], Any], *, retry_timeout: float = Timeouts.retry_timeout
+) -> Any:
     """``fn()`` with retries on transient errors; zeroio errors (naming ``url``) for everything else.
 
-    ``fix_auth`` is the one-line fix for a credentials problem, worded for the URL's storage.
+    ``fix_auth`` is the one-line fix for a credentials problem, worded for the URL's storage. No retry starts
+    more than ``retry_timeout`` seconds after the first try (each try is bounded by the backend's timeouts).
     """
     delay = BACKOFF_S
+    started = time.monotonic()
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return fn()
         except FileNotFoundError as exc:
+            redact_exception(exc)
             raise CheckpointNotFoundError(f"'{url}' does not exist ({what}).", path=url) from exc
         except Exception as exc:  # fsspec backends raise many types; sort them into the three outcomes
+            redact_exception(exc)  # raised as the zeroio error's cause: a traceback prints it
             if _is_auth_error(exc):
                 raise RemoteStorageError(
                     f"Access to '{url}' was refused ({type(exc).__name__}: {str(exc)[:160]}): {fix_auth}",
                     path=url,
                 ) from exc
-            if isinstance(exc, (ValueError, TypeError, NotImplementedError)) or attempt == ATTEMPTS:
+            pause = min(BACKOFF_MAX_S, delay) * (0.5 + random.random())
+            spent = time.monotonic() - started
+            if (
+                isinstance(exc, (ValueError, TypeError, NotImplementedError))
+                or attempt == ATTEMPTS
+                or spent + pause > retry_timeout
+            ):
+                detail = str(exc)[:160] or (
+                    "timed out (storage_options: connect_timeout, read_timeout, retry_timeout)"
+                    if isinstance(exc, TimeoutError)
+                    else "no detail"
+                )
                 raise RemoteStorageError(
-                    f"Cannot read '{url}' ({what}) after {attempt} attempt(s) ({type(exc).__name__}: "
-                    f"{str(exc)[:160]}). Check the endpoint and the network, then run again.",
+                    f"Cannot read '{url}' ({what}) after {attempt} attempt(s) in {spent:.1f} s ({type(exc).__name__}: "
+                    f"{detail}). Check the endpoint and the network, then run again.",
                     path=url,
                 ) from exc
-        time.sleep(min(BACKOFF_MAX_S, delay) * (0.5 + random.random()))
+        time.sleep(pause)
         delay *= 2
     raise AssertionError("unreachable")
 
@@ -132,8 +148,17 @@ class _Segment:
 class RemoteFile:
     """One remote object read with bounded, coalesced, retried ranged requests (see the module doc)."""
 
-    def __init__(self, url: str, fetch: Callable[[int, int], bytes], size: int, fix_auth: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        fetch: Callable[[int, int], bytes],
+        size: int,
+        fix_auth: str,
+        *,
+        retry_timeout: float = Timeouts.retry_timeout,
+    ) -> None:
         self._url = url
+        self._retry_timeout = retry_timeout
         self._fetch_raw = fetch
         self._size = size
         self._fix_auth = fix_auth
@@ -146,7 +171,7 @@ class RemoteFile:
         """Ranged requests made (retries included): for tests and docs/remote.md's numbers."""
 
     def __repr__(self) -> str:
-        return f"RemoteFile('{self._url}')"
+        return f"RemoteFile('{redact(self._url)}')"
 
     @property
     def name(self) -> str:
@@ -324,14 +349,14 @@ class RemoteFile:
             data = self._fetch_raw(start, end)
             if len(data) == self._size and len(data) > end - start:  # the server ignored the Range header
                 if self._size > WHOLE_OBJECT_BYTES:
-                    raise _RangesMishandled(
+                    raise RangeError(
                         f"is served without HTTP range support (the server sent the whole {self._size}-byte object "
                         f"for bytes {start}..{end}); zeroio reads such objects only up to {WHOLE_OBJECT_BYTES} bytes"
                     )
                 self._whole = data
                 return data[start:end]
             if len(data) > end - start:
-                raise _RangesMishandled(
+                raise RangeError(
                     f"answers a {end - start}-byte range with {len(data)} bytes, neither the range nor the whole "
                     "object: the server mishandles HTTP ranges"
                 )
@@ -340,9 +365,17 @@ class RemoteFile:
             return data
 
         try:
-            result: bytes = call_with_retries(self._url, f"bytes {start}..{end}", self._fix_auth, once)
+            result: bytes = call_with_retries(
+                self._url, f"bytes {start}..{end}", self._fix_auth, once, retry_timeout=self._retry_timeout
+            )
         except RemoteStorageError as exc:
-            if isinstance(exc.__cause__, _RangesMishandled):
+            if isinstance(exc.__cause__, ObjectChanged):
+                raise RemoteStorageError(
+                    f"'{self._url}' changed while it was read ({exc.__cause__}): another writer replaced it, and "
+                    "zeroio never mixes two versions of an object. Run again once the upload is complete.",
+                    path=self._url,
+                ) from exc
+            if isinstance(exc.__cause__, RangeError):
                 raise RemoteStorageError(
                     f"'{self._url}' {exc.__cause__}. Download the file and open the local copy.", path=self._url
                 ) from exc
@@ -358,7 +391,3 @@ class RemoteFile:
 
 class _ShortBody(OSError):
     """A response body shorter than the range asked (transient until the retries run out)."""
-
-
-class _RangesMishandled(ValueError):
-    """A body longer than the range asked: the server's way, not a transient fault (a ValueError is not retried)."""

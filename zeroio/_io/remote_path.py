@@ -23,12 +23,15 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
+from urllib.parse import unquote
 
+from .._text import redact
 from .._types import StrPath
 from ..errors import RemoteStorageError
+from .remote_fetch import Timeouts, backend_timeouts, fetcher, pinned_version
 from .remote_file import RemoteFile, call_with_retries
 
-__all__ = ["RemotePath", "as_path", "filesystem", "is_url", "with_storage_options"]
+__all__ = ["RemotePath", "as_path", "filesystem", "is_url", "url_identity", "with_storage_options"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -54,9 +57,6 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 _ALIASES = {"s3a": "s3", "gcs": "gs", "https": "http"}
 _CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_", "STORAGE_EMULATOR_HOST", "GCSFS_")
-# HfFileSystem inherits fsspec's cat_file, which opens a file with a read-ahead cache (5 MB past each read, the
-# Adam moments after the weights); without a cache each read is one request for exactly its range.
-_EXACT_READS: dict[str, dict[str, Any]] = {"hf": {"cache_type": "none"}}
 _FILESYSTEMS: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _FS_LOCK = threading.Lock()
 
@@ -64,6 +64,16 @@ _FS_LOCK = threading.Lock()
 def is_url(path: object) -> bool:
     """True for ``scheme://...`` text (``file://`` included); a local path never matches."""
     return isinstance(path, str) and bool(_URL.match(path))
+
+
+def url_identity(url: str) -> tuple[str, str]:
+    """``(scheme, bucket/key)`` naming the same objects for equal results: scheme aliases (``s3a``, ``gcs``,
+    ``https``) folded, credentials (``user:secret@``) dropped, repeated and trailing slashes removed."""
+    scheme, _, rest = url.partition("://")
+    scheme = _ALIASES.get(scheme.lower(), scheme.lower())
+    host, slash, path = rest.partition("/")
+    host = host.rsplit("@", 1)[-1]
+    return scheme, "/".join(p for p in f"{host}{slash}{path}".split("/") if p not in ("", "."))
 
 
 def as_path(path: StrPath | RemotePath, storage_options: Mapping[str, Any] | None = None) -> Path:
@@ -112,6 +122,8 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
     import fsspec.core  # type: ignore[import-untyped]
 
     options = dict(storage_options or {})
+    url = _credentials_to_options(url, protocol, options)
+    backend_timeouts(_ALIASES.get(protocol, protocol), options, Timeouts.pop(options))
     if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
@@ -136,14 +148,38 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
     return fs, str(key).rstrip("/"), protocol
 
 
+def _credentials_to_options(url: str, protocol: str, options: dict[str, Any]) -> str:
+    """``s3://KEY:SECRET@bucket/key`` -> ``s3://bucket/key`` with ``key``/``secret`` in ``options`` (unless given).
+
+    s3fs takes ``KEY:SECRET@bucket`` for a bucket name and quotes it in its errors; moved out of the URL, the
+    secret reaches no object key, path or message. (HTTP keeps its ``user:password@``: aiohttp sends it as Basic
+    auth, and messages hide it, ``zeroio._text.redact``.)"""
+    if _ALIASES.get(protocol, protocol) != "s3":
+        return url
+    scheme, _, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    if "@" not in host:
+        return url
+    userinfo, host = host.rsplit("@", 1)
+    key_id, _, secret = userinfo.partition(":")
+    options.setdefault("key", unquote(key_id))
+    if secret:
+        options.setdefault("secret", unquote(secret))
+    return f"{scheme}://{host}{slash}{path}"
+
+
 class RemoteTree:
     """What is at and under one URL, listed once and shared by every :class:`RemotePath` derived from it."""
 
-    def __init__(self, fs: Any, protocol: str, root: str) -> None:
+    def __init__(self, fs: Any, protocol: str, root: str, timeouts: Timeouts | None = None) -> None:
         self.fs = fs
         self.protocol = protocol
         self.root = root
         self.fix_auth = _backend(protocol)[2]
+        self.timeouts = timeouts or Timeouts()
+        self._versions: dict[str, str | None] = {}  # key -> ETag (or Last-Modified) listed, pinned for its reads
+        # An async backend's call (s3fs, gcsfs, HTTP) is cancelled after the retry budget, its own retries included.
+        self._bounded: dict[str, float] = {"timeout": self.timeouts.retry_timeout} if fs.async_impl else {}
         self._lock = threading.RLock()
         self._sizes: dict[str, int | None] = {}  # key -> size, None for a folder
         self._children: dict[str, set[str]] = {}  # folder key -> child names, for listed folders
@@ -156,10 +192,12 @@ class RemoteTree:
         return key if "://" in key else f"{self.protocol}://{key}"  # fsspec's HTTP keys keep their scheme
 
     def _call(self, key: str, what: str, fn: Any) -> Any:
-        return call_with_retries(self.url(key), what, self.fix_auth, fn)
+        return call_with_retries(self.url(key), what, self.fix_auth, fn, retry_timeout=self.timeouts.retry_timeout)
 
-    def _record(self, key: str, size: int | None, stop: str) -> None:
+    def _record(self, key: str, size: int | None, stop: str, info: Mapping[str, Any] | None = None) -> None:
         self._sizes[key] = size
+        if info is not None and size is not None:
+            self._versions[key] = pinned_version(_ALIASES.get(self.protocol, self.protocol), info)
         while key != stop and "/" in key:
             parent, name = key.rsplit("/", 1)
             self._children.setdefault(parent, set()).add(name)
@@ -175,39 +213,44 @@ class RemoteTree:
         """The one recursive listing of the URL the user gave (called on first use)."""
         if self._deep or self.root in self._sizes:
             return
-        if not self._listable:  # plain HTTP: one object, its size from a HEAD request
-            self._sizes[self.root] = int(self._call(self.root, "object info", lambda: self.fs.info(self.root))["size"])
+        if not self._listable:  # plain HTTP: one object, its size (and ETag) from a HEAD request
+            info = self._call(self.root, "object info", lambda: self.fs.info(self.root, **self._bounded))
+            self._record(self.root, int(info["size"]), self.root, info)
             return
-        found = self._call(self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True))
+        found = self._call(
+            self.root, "listing", lambda: self.fs.find(self.root, withdirs=True, detail=True, **self._bounded)
+        )
         for key, info in found.items():
             key = key.rstrip("/")
             if key == self.root or key.startswith(self.root + "/"):
-                self._record(key, None if info.get("type") == "directory" else int(info.get("size") or 0), self.root)
+                size = None if info.get("type") == "directory" else int(info.get("size") or 0)
+                self._record(key, size, self.root, info)
         if any(k.startswith(self.root + "/") for k in self._sizes):
             self._sizes[self.root] = None
             self._children.setdefault(self.root, set())
             self._deep.append(self.root)
         elif self.root not in self._sizes:  # a single object (or nothing) at the URL
             try:
-                info = self._call(self.root, "object info", lambda: self.fs.info(self.root))
+                info = self._call(self.root, "object info", lambda: self.fs.info(self.root, **self._bounded))
             except FileNotFoundError:
                 return
             if info.get("type") != "directory":
-                self._sizes[self.root] = int(info.get("size") or 0)
+                self._record(self.root, int(info.get("size") or 0), self.root, info)
 
     def _list_folder(self, key: str) -> None:
         """One level of a folder outside the recursive listing (the parent of a tag folder or a file)."""
         if key in self._children or self._covered(key) or not self._listable:
             return
         try:
-            infos = self._call(key, "listing", lambda: self.fs.ls(key, detail=True))
+            infos = self._call(key, "listing", lambda: self.fs.ls(key, detail=True, **self._bounded))
         except FileNotFoundError:
             infos = []
         self._children.setdefault(key, set())
         for info in infos:
             child = str(info["name"]).rstrip("/")
             if child.startswith(key + "/") and "/" not in child[len(key) + 1 :]:
-                self._record(child, None if info.get("type") == "directory" else int(info.get("size") or 0), key)
+                size = None if info.get("type") == "directory" else int(info.get("size") or 0)
+                self._record(child, size, key, info)
         if self._children[key]:
             self._sizes[key] = None
 
@@ -224,12 +267,13 @@ class RemoteTree:
         with self._lock:
             found = self._sources.get(key)
             if found is None or found.size != size:
-                fs, exact = self.fs, _EXACT_READS.get(self.protocol, {})
+                protocol = _ALIASES.get(self.protocol, self.protocol)
                 found = self._sources[key] = RemoteFile(
                     self.url(key),
-                    lambda start, end: fs.cat_file(key, start=start, end=end, **exact),
+                    fetcher(self.fs, protocol, key, size, self._versions.get(key), self.timeouts),
                     size,
                     self.fix_auth,
+                    retry_timeout=self.timeouts.retry_timeout,
                 )
             return found
 
@@ -254,14 +298,14 @@ class RemotePath:
     def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> RemotePath:
         """The path of ``url``; nothing is requested until a question is asked about it."""
         fs, key, protocol = _filesystem(url, storage_options)
-        return cls(RemoteTree(fs, protocol, key), key)
+        return cls(RemoteTree(fs, protocol, key, Timeouts.pop(dict(storage_options or {}))), key)
 
     # ----------------------------------------------------------------- names
     def __str__(self) -> str:
         return self._tree.url(self._key)
 
     def __repr__(self) -> str:
-        return f"RemotePath('{self}')"
+        return f"RemotePath('{redact(str(self))}')"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RemotePath) and str(other) == str(self)

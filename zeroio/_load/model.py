@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import logging
 from collections.abc import Callable, Mapping
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from torch import nn
 from .._checkpoint import Checkpoint
 from .._metadata import CheckpointMetadata, parse_dtype
 from .._options import read_options
-from .._text import SHOWN, listing
+from .._text import SHOWN, get_logger, listing
 from .._types import DTypeLike, InitHook, StrPath
 from .._write.progress import ByteProgress, Progress, check_progress
 from ..errors import InitHookError, StateDictMismatchError
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KeyMap", "LoadReport", "load"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _SHOWN = SHOWN  # list items shown in an error message before "... and N more"
 

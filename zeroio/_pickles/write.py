@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import pickle
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._io.fileio import pwrite_all, tensor_bytes
+from .._text import get_logger
 from ..errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError
 from .archive import TensorRef
 from .plain import TensorRule, Walk, Where, to_plain
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Chunks", "RankFileBuilder", "ds_class", "ds_object", "ds_value", "writable"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 Chunks: TypeAlias = "Callable[[], Iterator[torch.Tensor]]"
 """Produces a tensor's bytes in order, as bounded 1-D chunks (each valid until the next is asked for)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from .._formats import open_checkpoint, optimizer_layout
 from .._io.fileio import write_new_file
 from .._io.remote_path import as_path, is_url
 from .._options import ReadOptions, read_options
+from .._text import get_logger
 from .._types import StrPath
 from .._write.atomic import AtomicDir
 from .._write.progress import ByteProgress, Progress, check_progress
@@ -26,7 +26,7 @@ from .trees import RankTrees
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest piece of a tensor held in memory while resharding."""
@@ -174,7 +174,7 @@ def _reshard_to_url(src: StrPath, url: str, read: ReadOptions, target: _Target, 
     def write_local(local: Path) -> ReshardResult:
         return _reshard_into(src, AtomicDir(Path(local), overwrite=False), source_read, target)
 
-    local, uploaded = write_to_url(url, read.storage_options, overwrite=overwrite, write=write_local)
+    local, uploaded = write_to_url(url, read.storage_options, overwrite=overwrite, write=write_local, source=src)
     files = tuple(uploaded[p.resolve()] for p in local.files)
     return dataclasses.replace(local, path=as_path(url.rstrip("/"), read.storage_options), files=files)
 

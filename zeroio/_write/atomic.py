@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import glob
-import logging
 import os
 import re
 import secrets
@@ -19,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
 
-from .._text import listing
+from .._text import get_logger, listing
 from ..errors import OutputError
 from .own_files import LOCK_NAME, foreign_entries
 
@@ -30,7 +29,7 @@ except ImportError:  # Windows: no flock; the process id in the name decides alo
 
 __all__ = ["AtomicDir", "clean_stale", "fsync_dir", "hold_lock", "temp_name", "try_lock"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # `.<dst name>.zeroio-tmp-<pid>-<8 hex>` (being built) and `.<dst name>.zeroio-old-<pid>-<8 hex>` (being replaced).
 _TEMP = re.compile(r"^\.(?P<target>.+)\.zeroio-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")

@@ -10,7 +10,6 @@ rank 0 writes the extra files, the index last, copies the side files and renames
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from .._checkpoint import Checkpoint
 from .._io.fileio import naming, write_new_file
 from .._metadata import CheckpointMetadata
 from .._options import ReadOptions
+from .._text import get_logger
 from ..errors import OutputError
 from .comm import COMMIT, PLAN, TEMP, WRITE, Job
 from .execute import write_shards
@@ -30,7 +30,7 @@ from .write_plan import WritePlan, plan_write
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ExtraFiles = Callable[[Checkpoint, WritePlan], Callable[[Path], None]]
 """A hook for more files beside the weights (the optimizer state): called while planning (so it fails before

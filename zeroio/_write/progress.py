@@ -6,6 +6,7 @@ import sys
 import threading
 from typing import Any
 
+from .._text import redact
 from .._types import ProgressCallback
 
 __all__ = ["ByteProgress", "Progress", "check_progress"]
@@ -43,7 +44,7 @@ class ByteProgress:
             from tqdm import tqdm  # type: ignore[import-untyped]  # a huggingface_hub dependency
 
             # disable=None: no bar when stderr is not a terminal (logs, CI, captured output).
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=None, leave=False)
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=redact(desc), disable=None, leave=False)
 
     def update(self, nbytes: int) -> None:
         with self._lock:

@@ -8,11 +8,15 @@ files that say an output is complete (``*.index.json``; ``latest`` for a reshard
 looks complete until everything it names is there. On any failure the files zeroio uploaded (and only those) are
 removed. A destination prefix holding files is refused unless ``overwrite``, and then only zeroio's own output
 names may be there and are replaced (as a local ``overwrite`` does, ``_own_files.py``).
+
+A destination that is the source, inside it, or holding it is refused before anything is listed or written (an
+``overwrite`` would delete the objects being read). An object that did not exist at the listing is put with a
+conditional write (``If-None-Match: *`` on ``s3://``), so one created by someone else meanwhile is never replaced
+without ``overwrite``; other backends check existence again just before each put (docs/security.md).
 """
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,15 +24,75 @@ from typing import Any, TypeVar
 
 from .. import _constants as C
 from .._io.remote_file import call_with_retries
-from .._io.remote_path import as_path, filesystem
+from .._io.remote_path import as_path, filesystem, is_url, url_identity
+from .._text import get_logger, redact_exception
 from ..errors import CheckpointNotFoundError, OutputError
 from .own_files import LATEST_UNIVERSAL, foreign_names
 
 __all__ = ["write_file_to_url", "write_to_url"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
+
+
+def refuse_overlap(source: object, url: str) -> None:
+    """Refuse a URL destination that is the URL source, inside it, or holds it (scheme aliases and slashes aside).
+
+    Raises:
+        OutputError: naming both URLs and the fix.
+    """
+    if not is_url(str(source)):
+        return
+    src, dst = url_identity(str(source)), url_identity(url)
+    if src[0] != dst[0]:
+        return
+    if src == dst:
+        why = "it is the source"
+    elif dst[1].startswith(src[1] + "/"):
+        why = "it is inside the source"
+    elif src[1].startswith(dst[1] + "/") or not dst[1]:
+        why = "the source is inside it"
+    else:
+        return
+    raise OutputError(
+        f"Refusing to write '{url}': {why} '{source}', whose objects would be replaced or deleted while they are "
+        "read. Write to another prefix.",
+        path=url,
+    )
+
+
+def _put(fs: Any, local: Path, key: str, *, exclusive: bool) -> None:
+    """Upload ``local`` to ``key``; ``exclusive``: never replace an object created since the listing.
+
+    s3fs sends ``If-None-Match: *`` (``mode="create"``, S3 and its emulators refuse the put with 412 when the key
+    exists); other backends are checked just before the put (a window of one request remains there).
+    """
+    if exclusive and _protocol(fs) == "s3":
+        fs.put_file(str(local), key, mode="create")
+        return
+    if exclusive and fs.exists(key):
+        raise FileExistsError(key)
+    fs.put_file(str(local), key)
+
+
+def _protocol(fs: Any) -> str:
+    protocol = fs.protocol
+    return str(protocol if isinstance(protocol, str) else protocol[0])
+
+
+def _appeared(url: str, name: str | None, *, overwrite: bool) -> OutputError:
+    where = f"{url}/{name}" if name else url
+    fix = (
+        "Run again: overwrite=True replaces only objects found (and checked) at the listing."
+        if overwrite
+        else "Pass overwrite=True (--overwrite) to replace it, or choose another prefix."
+    )
+    return OutputError(
+        f"Refusing to replace '{where}': the object was created after zeroio listed the destination (another "
+        f"writer?); nothing of it was changed. {fix}",
+        path=url,
+    )
 
 
 def _existing(fs: Any, key: str, url: str, fix_auth: str) -> list[str]:
@@ -54,17 +118,24 @@ def _upload_order(staging: Path) -> list[Path]:
 
 
 def write_to_url(
-    url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, write: Callable[[Path], T]
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    *,
+    overwrite: bool,
+    write: Callable[[Path], T],
+    source: object = None,
 ) -> tuple[T, dict[Path, Path]]:
     """Run ``write(local_folder)``, then upload the folder to ``url``; returns its result and, for each local file
     it wrote (resolved path, as the result names it), the uploaded object's path.
 
     Raises:
-        OutputError: the destination holds files (without ``overwrite``), files zeroio does not write (with it),
-            or an upload failed (what was uploaded is removed).
+        OutputError: the destination is, holds or is inside ``source``, holds files (without ``overwrite``), files
+            zeroio does not write (with it), an object appeared there meanwhile, or an upload failed (what was
+            uploaded is removed).
     """
     fs, key, fix_auth = filesystem(url, storage_options)
     url = url.rstrip("/")
+    refuse_overlap(source, url)
     existing = _existing(fs, key, url, fix_auth)
     if existing and not overwrite:
         raise OutputError(
@@ -93,10 +164,17 @@ def write_to_url(
             for path, name in zip(files, names, strict=True):
                 logger.debug("uploading %s to %s/%s", path, url, name)
                 uploaded.append(name)
-                fs.put_file(str(path), f"{key}/{name}")
+                try:
+                    _put(fs, path, f"{key}/{name}", exclusive=name not in existing)
+                except FileExistsError:
+                    uploaded.pop()  # not zeroio's: never removed
+                    raise _appeared(url, name, overwrite=overwrite) from None
         except BaseException as exc:
             _remove(fs, key, uploaded)
+            if isinstance(exc, OutputError):
+                raise
             if isinstance(exc, Exception):
+                redact_exception(exc)
                 raise OutputError(
                     f"Cannot write '{url}': uploading '{uploaded[-1] if uploaded else url}' failed ({exc}); the "
                     "files uploaded so far were removed. Check the credentials and the destination, then retry.",
@@ -107,7 +185,12 @@ def write_to_url(
 
 
 def write_file_to_url(
-    url: str, storage_options: Mapping[str, Any] | None, *, overwrite: bool, write: Callable[[Path], T]
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    *,
+    overwrite: bool,
+    write: Callable[[Path], T],
+    source: object = None,
 ) -> tuple[T, Path]:
     """Run ``write(local_file)``, then upload that one file as the object ``url`` (``fmt="lightning"``'s ``.ckpt``).
 
@@ -115,10 +198,12 @@ def write_file_to_url(
     refused without ``overwrite``; a prefix holding objects (a folder) is refused either way, as a local folder is.
 
     Raises:
-        OutputError: the destination exists (without ``overwrite``), is a folder, or the upload failed.
+        OutputError: the destination is, holds or is inside ``source``, exists (without ``overwrite``), appeared
+            meanwhile, is a folder, or the upload failed.
     """
     fs, key, fix_auth = filesystem(url, storage_options)
     url = url.rstrip("/")
+    refuse_overlap(source, url)
     inside = _existing(fs, key, url, fix_auth)
     if inside:
         raise OutputError(
@@ -137,8 +222,11 @@ def write_file_to_url(
         result = write(local)  # before anything at the destination changes
         try:
             logger.debug("uploading %s to %s", local, url)
-            fs.put_file(str(local), key)  # replaces an existing object in one step
+            _put(fs, local, key, exclusive=not exists)  # replaces an existing object in one step
+        except FileExistsError:
+            raise _appeared(url, None, overwrite=overwrite) from None
         except Exception as exc:
+            redact_exception(exc)
             raise OutputError(
                 f"Cannot write '{url}': the upload failed ({exc}). Check the credentials and the destination, "
                 "then retry.",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .._text import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CONFIG_DTYPE_KEYS", "SIDE_FILES", "config_with_dtype", "copy_side_files", "find_side_files"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SIDE_FILES = (
     "config.json",

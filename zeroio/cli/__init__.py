@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
-from ._errors import EXIT_FAILURE, format_error
+from ..errors import redact_exception
+from ._errors import EXIT_FAILURE, RedactingStream, format_error
 
 __all__ = ["main"]
 
@@ -21,6 +23,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate = getattr(args, "validate", None)
     if validate is not None:
         validate(parser, args)  # cross-flag checks: usage errors exit 2 like argparse's own
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(stdout), RedactingStream(stderr)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -31,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         line, code = format_error(exc)
         if code < 0 or os.environ.get("ZEROIO_DEBUG") == "1":
+            redact_exception(exc)
             raise
         print(line, file=sys.stderr)
         print("(set ZEROIO_DEBUG=1 for the full traceback)", file=sys.stderr)

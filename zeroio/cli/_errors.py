@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import Any, TextIO
 
 from .. import errors
+from ..errors import redact
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -69,5 +71,20 @@ def format_error(exc: BaseException) -> tuple[str, int]:
     """The one line printed for ``exc`` and the exit code, or ``("", -1)`` when zeroio does not own it."""
     for exc_type, prefix, code in ERROR_TABLE:
         if isinstance(exc, exc_type):
-            return f"{prefix}: {cli_spelling(str(exc))}", code
+            return f"{prefix}: {cli_spelling(redact(str(exc)))}", code
     return "", -1
+
+
+class RedactingStream:
+    """The CLI's stdout/stderr while a command runs: URL credentials in anything written are hidden (the last line
+    of defence: zeroio's own messages are redacted where they are made)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
