@@ -16,6 +16,7 @@ from .._pickles import require_regular_file
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
+from .dcp import is_dcp, open_dcp
 from .pipeline import open_pipeline
 from .pipeline_files import is_pipeline
 from .tensor_parallel import is_tensor_parallel, open_tensor_parallel
@@ -57,6 +58,7 @@ def _anything(path: Path) -> bool:
 
 
 FORMATS: list[Format] = [
+    Format("dcp", is_dcp, open_dcp),
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
     # Pipeline folders hold several mp_rank files too: named layer files tell them apart, so they go first.
