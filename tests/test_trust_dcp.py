@@ -1,0 +1,173 @@
+"""Hostile DCP folders: each gives a typed zeroio error at open, runs nothing and allocates nothing it names.
+
+Each case copies a genuine fixture (fixtures/dcp/dcp_fsdp2_ws2_fp32) and rewrites its ``.metadata`` with torch's own
+classes (or raw pickle opcodes), as an attacker would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import shutil
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+
+import zeroio
+from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError, UnsupportedCheckpointError
+
+SOURCE = Path(__file__).resolve().parent.parent / "fixtures" / "dcp" / "dcp_fsdp2_ws2_fp32"
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    out = tmp_path / "ckpt"
+    shutil.copytree(SOURCE, out, ignore=shutil.ignore_patterns("expected", "manifest.json"))
+    return out
+
+
+def _metadata(folder: Path) -> Metadata:
+    with open(folder / ".metadata", "rb") as fh:
+        return pickle.load(fh)  # our own genuine fixture, read to be rewritten
+
+
+def _save(folder: Path, meta: Metadata) -> None:
+    with open(folder / ".metadata", "wb") as fh:
+        pickle.dump(meta, fh)
+
+
+def _storage(meta: Metadata, fqn: str, index: int = 0):
+    keys = [k for k in meta.storage_data if k.fqn == fqn]
+    return keys[index]
+
+
+def _refused(folder: Path, error: type[Exception], match: str) -> None:
+    start = time.monotonic()
+    tracemalloc.start()
+    try:
+        with pytest.raises(error, match=match):
+            zeroio.open(folder)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - start < 5 and peak < 64 << 20, (time.monotonic() - start, peak)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"cos\nsystem\n(S'touch PWNED'\ntR.",
+        b'cbuiltins\neval\n(S\'open("PWNED", "w")\'\ntR.',
+        b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81cposix\nsystem\n(S'touch PWNED'\ntRb.",
+    ],
+    ids=["os.system", "builtins.eval", "inside-Metadata"],
+)
+def test_metadata_naming_disallowed_globals_runs_nothing(folder, payload, monkeypatch):
+    monkeypatch.chdir(folder)
+    (folder / ".metadata").write_bytes(payload)
+    _refused(folder, UnsafePickleError, r"Refusing to unpickle global '(os|posix)\.system'|'builtins\.eval'")
+    assert not (folder / "PWNED").exists()
+
+
+def test_offset_past_the_end_of_a_file(folder):
+    meta = _metadata(folder)
+    key = _storage(meta, "model.emb.weight")
+    size = (folder / meta.storage_data[key].relative_path).stat().st_size
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], offset=size - 10)
+    _save(folder, meta)
+    _refused(
+        folder, CheckpointFormatError, r"'model.emb.weight' lies at bytes \[\d+, \d+\) of '__\d_0.distcp', which holds"
+    )
+
+
+def test_overlapping_chunks(folder):
+    meta = _metadata(folder)
+    entry = meta.state_dict_metadata["model.emb.weight"]
+    old = entry.chunks[1]
+    entry.chunks[1] = ChunkStorageMetadata(torch.Size([6, 0]), torch.Size([7, 7]))
+    key = _storage(meta, "model.emb.weight", 1)
+    meta.storage_data[dataclasses.replace(key, offset=torch.Size([6, 0]))] = meta.storage_data.pop(key)
+    assert old.offsets == torch.Size([7, 0])
+    _save(folder, meta)
+    _refused(folder, CheckpointFormatError, r"chunks of 'model.emb.weight' at \(0, 0\) and \(6, 0\) overlap")
+
+
+def test_chunks_that_do_not_cover_the_tensor(folder):
+    meta = _metadata(folder)
+    del meta.state_dict_metadata["model.emb.weight"].chunks[1]
+    _save(folder, meta)
+    _refused(
+        folder, CheckpointFormatError, r"the chunks of 'model.emb.weight' hold 49 elements, its shape \(13, 7\) has 91"
+    )
+
+
+@pytest.mark.parametrize("path", ["../x.distcp", "/etc/passwd", "sub/../../x", ".metadata"])
+def test_relative_path_leaving_the_folder(folder, path):
+    meta = _metadata(folder)
+    key = _storage(meta, "model.emb.weight")
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path=path)
+    _save(folder, meta)
+    _refused(folder, CheckpointFormatError, "which is not a file name inside the folder")
+
+
+def test_missing_data_file_is_not_found(folder):
+    (folder / "__1_0.distcp").unlink()
+    _refused(folder, CheckpointNotFoundError, "__1_0.distcp' does not exist, yet")
+
+
+def test_absurd_sizes(folder):
+    """A tensor of 2**80 elements whose chunk claims them all: refused from the stored length, nothing allocated."""
+    meta = _metadata(folder)
+    entry = meta.state_dict_metadata["model.scale"]
+    huge = torch.Size([2**40, 2**40])
+    meta.state_dict_metadata["model.scale"] = dataclasses.replace(
+        entry, size=huge, chunks=[ChunkStorageMetadata(torch.Size([0, 0]), huge)]
+    )
+    key = _storage(meta, "model.scale")
+    meta.storage_data[dataclasses.replace(key, offset=torch.Size([0, 0]))] = meta.storage_data.pop(key)
+    _save(folder, meta)
+    _refused(folder, CheckpointFormatError, r"a chunk of 'model.scale' of \d+ float32 elements is stored in 1577 bytes")
+
+
+def test_absurd_length(folder):
+    meta = _metadata(folder)
+    key = _storage(meta, "optim.param_groups.0.lr")
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], length=2**62)
+    _save(folder, meta)
+    _refused(folder, CheckpointFormatError, r"'optim.param_groups.0.lr' lies at bytes")
+
+
+def test_stream_transforms_are_refused_by_name(folder):
+    meta = _metadata(folder)
+    key = _storage(meta, "model.emb.weight")
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], transform_descriptors=["zstd/1.0"])
+    _save(folder, meta)
+    _refused(folder, UnsupportedCheckpointError, "stream transforms")
+
+
+def test_chunk_archive_with_disallowed_global_runs_nothing(folder, monkeypatch):
+    """A tensor chunk whose own archive's pickle names os.system fails on read, typed, without running it."""
+    import io
+    import zipfile
+
+    monkeypatch.chdir(folder)
+    meta = _metadata(folder)
+    key = _storage(meta, "model.emb.weight")
+    info = meta.storage_data[key]
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:  # a well-formed torch.save layout
+        zf.writestr("archive/data.pkl", b"\x80\x02cos\nsystem\nX\x0b\x00\x00\x00touch PWNED\x85R.")
+        zf.writestr("archive/data/0", bytes(196))
+    target = folder / info.relative_path
+    offset = target.stat().st_size
+    with open(target, "ab") as fh:
+        fh.write(archive.getvalue())
+    meta.storage_data[key] = dataclasses.replace(info, offset=offset, length=len(archive.getvalue()))
+    _save(folder, meta)
+    with zeroio.open(folder) as ckpt, pytest.raises(UnsafePickleError, match="Refusing to unpickle global 'os.system'"):
+        ckpt["emb.weight"]
+    assert not (folder / "PWNED").exists()
