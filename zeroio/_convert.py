@@ -38,7 +38,7 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 """IO threads: reads of one tensor overlap writes of another (reads and writes release the GIL)."""
 
-Format = Literal["safetensors", "torch", "lightning", "universal"]
+Format = Literal["safetensors", "torch", "lightning", "universal", "dcp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +186,7 @@ def convert(
     trusted_globals: Iterable[str] = (),
     tp_rules: TPRules | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    dcp_layout: str = "torchtitan",
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -284,8 +285,8 @@ def convert(
         ['model.safetensors']
     """
     # 1. Arguments, without IO.
-    if fmt not in ("safetensors", "torch", "lightning", "universal"):
-        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning' or 'universal', got {fmt!r}.")
+    if fmt not in ("safetensors", "torch", "lightning", "universal", "dcp"):
+        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning', 'universal' or 'dcp', got {fmt!r}.")
     target = parse_dtype_spec(dtype)  # a torch-free DType: converting without a cast never imports torch
     if isinstance(trusted_globals, str):
         raise TypeError(f"trusted_globals must be an iterable of names, not a string: [{trusted_globals!r}].")
@@ -309,6 +310,7 @@ def convert(
                 exclude_frozen=exclude_frozen, workers=workers, progress=progress, chunk_bytes=chunk_bytes,
                 include_optimizer=include_optimizer, verify_crc=verify_crc, trusted_globals=trusted,
                 tp_rules=tp_rules, storage_options=storage_options if is_url(str(src)) else None,
+                dcp_layout=dcp_layout,
             )  # fmt: skip
 
         from ._write.remote_output import write_file_to_url, write_to_url
@@ -327,6 +329,13 @@ def convert(
         )  # fmt: skip
     src = with_storage_options(src, storage_options)
     dst_path = Path(dst)
+    if fmt == "dcp":
+        if distributed:
+            raise ValueError("fmt='dcp' is written by one process: drop distributed=True.")
+        return _convert_dcp(
+            src, dst_path, layout=dcp_layout, include_optimizer=include_optimizer, target=target, tag=tag,
+            overwrite=overwrite, chunk_bytes=chunk_bytes, verify_crc=verify_crc, trusted_globals=trusted,
+        )  # fmt: skip
     if include_optimizer and (fmt != "safetensors" or distributed):
         raise ValueError(
             "include_optimizer=True writes optimizer.safetensors beside model.safetensors: use fmt='safetensors' "
@@ -370,6 +379,14 @@ def convert(
         tp_rules=tp_rules,
     )  # fmt: skip
     return _result(outcome)
+
+
+def _convert_dcp(src: StrPath, dst: Path, *, layout: str, target: DType | None, **options: Any) -> ConvertResult:
+    """``fmt="dcp"``: a PyTorch Distributed Checkpoint FSDP2 resumes from (zeroio/_dcp_write.py)."""
+    from ._dcp_write import write_dcp
+
+    files, total, count, tied = write_dcp(src, dst, layout=layout, target=target, **options)
+    return ConvertResult(files=tuple(files), index_path=None, total_size=total, num_tensors=count, tied=tied)
 
 
 def _optimizer_files(limit: int, chunk_bytes: int) -> ExtraFiles:

@@ -285,17 +285,18 @@ def load_embedded(pread: PRead, path: Path, offset: int, length: int, trusted: f
     for s in reversed(tree.shape):
         strides.append(expected)
         expected *= s
-    if tree.storage_offset != 0 or (numel > 1 and tuple(reversed(strides)) != tuple(tree.stride)):
+    if numel > 1 and tuple(reversed(strides)) != tuple(tree.stride):
         raise UnsupportedCheckpointError(
-            f"The chunk at byte {offset} of '{path}' holds a non-contiguous tensor view (stride {tree.stride}, "
-            f"offset {tree.storage_offset}); DCP writes chunks contiguous. Re-save it with dcp.save.",
+            f"The chunk at byte {offset} of '{path}' holds a non-contiguous tensor view (stride {tree.stride}); DCP "
+            "writes chunks contiguous. Re-save it with dcp.save.",
             path=path,
         )
     start, size, crc = archive.record_data(pread, tree.storage.key)
-    if numel * tree.storage.dtype.itemsize > size:
+    each = tree.storage.dtype.itemsize
+    if (tree.storage_offset + numel) * each > size:
         raise CheckpointFormatError(
-            f"The chunk at byte {offset} of '{path}' claims {numel} elements in a record of {size} bytes. The file is "
-            "truncated or hostile.",
+            f"The chunk at byte {offset} of '{path}' claims elements [{tree.storage_offset}, "
+            f"{tree.storage_offset + numel}) of a record of {size} bytes. The file is truncated or hostile.",
             path=path,
         )
-    return EmbeddedTensor(tree.storage.dtype, tuple(tree.shape), start, (start, size, crc))
+    return EmbeddedTensor(tree.storage.dtype, tuple(tree.shape), start + tree.storage_offset * each, (start, size, crc))
