@@ -1,6 +1,6 @@
 """One rank of an FSDP2 job resuming from zeroio's DCP output (tests/test_dcp_write.py).
 
-``torchrun --nproc_per_node 2 tests/dcp_resume_worker.py LAYOUT=DIR ... OUT``: for each ``LAYOUT=DIR``
+``tests/dcp_resume_worker.py LAYOUT=DIR ... OUT`` on 2 ranks (torchrun, or its environment variables): for each ``LAYOUT=DIR``
 (torchtitan or accelerate) it builds the fixtures' TinyLM, shards it with ``fully_shard`` on a CPU mesh, loads the
 checkpoint with ``torch.distributed.checkpoint.load`` plus ``set_model_state_dict``/``set_optimizer_state_dict``,
 records the full model and optimizer state (rank 0 saves them to ``OUT/<layout>.pt``), then takes one more

@@ -156,7 +156,10 @@ def test_from_an_s3_url_equals_local(tmp_path, monkeypatch):
         for key, value in server.env().items():
             monkeypatch.setenv(key, value)
         url = server.upload_tree(DCP / "dcp_accelerate_ws2", "dcp", "accelerate")
+        before = server.accounting.gets
         with zeroio.open(DCP / "dcp_accelerate_ws2") as local, zeroio.open(url) as remote:
+            # open: each folder's .metadata, then its pickled values, neighbours in one request per data file
+            assert server.accounting.gets - before <= 6, server.accounting.gets - before
             assert list(remote) == list(local) and remote.metadata.layout == "accelerate"
             for key in local:
                 assert _same(remote[key], local[key]), key

@@ -44,6 +44,11 @@ _OPTIM_ROOTS = ("optim.", "optimizer.")
 _NOT_MODEL = ("optim.", "optimizer.", "train_state.", "lr_scheduler.", "dataloader.", "lr_schedulers.")
 MAX_VALUE_BYTES = 16 << 20
 """Largest pickled value read at open (16 MiB); larger ones are listed, not read."""
+ARCHIVE_ENDS = 16 << 10
+"""Bytes fetched at each end of a chunk's archive from a remote file: its pickle and record headers lead, its zip
+directory trails (a chunk's archive has a handful of records)."""
+VALUE_SPAN = 4 << 20
+"""Neighbouring pickled values of a file are fetched in one read while the span stays under this (4 MiB)."""
 
 
 def _is_dcp_dir(path: Path) -> bool:
@@ -93,6 +98,12 @@ class _Part:
         chunk = entry.chunks[i]
         file = self.file(chunk.file)
         where = self.folder / chunk.file
+        prefetch = getattr(file.source, "prefetch", None)
+        if prefetch is not None:  # a remote file: the archive's head (pickle) and tail (zip directory), 2 requests
+            head = min(chunk.length, ARCHIVE_ENDS)
+            prefetch(chunk.offset, chunk.offset + head)
+            if chunk.length > head:
+                prefetch(chunk.offset + chunk.length - head, chunk.offset + chunk.length)
         tensor = load_embedded(file.read_bytes, where, chunk.offset, chunk.length)
         if not isinstance(tensor, EmbeddedTensor) or tensor.dtype != entry.dtype or tensor.numel != chunk.numel:
             what = (
@@ -233,14 +244,38 @@ def _read_part(folder: Path, trusted: frozenset[str]) -> tuple[_Part, dict[str, 
 
     part = _Part(folder, parse_dcp_metadata(meta_path, tree, file_size), sizes)
     values: dict[str, Any] = {}
+    spans = _value_spans(part)
     for fqn, entry in part.meta.values.items():
         if entry.length > MAX_VALUE_BYTES:
             values[fqn] = f"<{entry.length} bytes, not read>"
             continue
-        blob = part.file(entry.file).read_bytes(entry.offset, entry.length)
+        start, data = spans[fqn]
+        blob = data[entry.offset - start : entry.offset - start + entry.length]
         value = load_embedded(_slicer(blob), folder / entry.file, 0, len(blob), trusted)
         values[fqn] = _plain(value)
     return part, values
+
+
+def _value_spans(part: _Part) -> dict[str, tuple[int, bytes]]:
+    """The bytes around each pickled value, neighbours read together (torch writes them back to back): one read
+    per run of values instead of one each, which is what a remote file pays for."""
+    found: dict[str, tuple[int, bytes]] = {}
+    by_file: dict[str, list[Any]] = {}
+    for entry in part.meta.values.values():
+        if entry.length <= MAX_VALUE_BYTES:
+            by_file.setdefault(entry.file, []).append(entry)
+    for name, entries in by_file.items():
+        entries.sort(key=lambda e: e.offset)
+        run: list[Any] = []
+        for entry in [*entries, None]:
+            if run and (entry is None or entry.offset + entry.length - run[0].offset > VALUE_SPAN):
+                start = run[0].offset
+                data = part.file(name).read_bytes(start, max(e.offset + e.length for e in run) - start)
+                found.update((e.fqn, (start, data)) for e in run)
+                run = []
+            if entry is not None:
+                run.append(entry)
+    return found
 
 
 def _slicer(blob: bytes) -> Callable[[int, int], bytes]:
