@@ -169,5 +169,15 @@ def test_from_an_s3_url_equals_local(tmp_path, monkeypatch):
         zeroio.convert(DCP / "dcp_accelerate_ws2", tmp_path / "local", progress=False)
         zeroio.convert(url, tmp_path / "remote", progress=False)
         assert _hashes(tmp_path / "remote") == _hashes(tmp_path / "local")
+        # DCP to DCP (accelerate -> torchtitan), URL to URL: staged locally, uploaded when complete.
+        (tmp_path / "empty").mkdir()
+        server.upload_tree(tmp_path / "empty", "out", "")
+        zeroio.convert(url, "s3://out/step-2", fmt="dcp", include_optimizer=True, progress=False)
+        with zeroio.open(DCP / "dcp_accelerate_ws2") as local, zeroio.open("s3://out/step-2") as out:
+            assert out.metadata.layout == "torchtitan" and list(out) == list(local)
+            for key in local:
+                assert _same(out[key], local[key]), key
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert _same(out.optimizer_state("norm.bias")[key], local.optimizer_state("norm.bias")[key])
     finally:
         server.stop()

@@ -217,6 +217,12 @@ def convert(
     by parameter in chunks of ``chunk_bytes`` (``docs/format.md``, "Writing universal checkpoints"). ``dtype``,
     ``exclude_frozen``, ``distributed``, ``include_optimizer``, ``max_shard_size`` and ``workers`` do not apply.
 
+    ``fmt="dcp"`` writes a PyTorch Distributed Checkpoint that FSDP2 resumes from with ``dcp.load`` plus
+    ``set_model_state_dict``/``set_optimizer_state_dict`` (``dcp_layout``: ``"torchtitan"``, ``dst`` being the
+    ``step-N`` folder, or ``"accelerate"``: ``dst/pytorch_model_fsdp_0`` and ``dst/optimizer_0``); tensors are
+    streamed as row blocks of ``chunk_bytes``, and ``include_optimizer`` adds the Adam state (``docs/dcp.md``).
+    ``max_shard_size``, ``exclude_frozen``, ``distributed`` and ``workers`` do not apply.
+
     ``config.json``, ``generation_config.json`` and tokenizer files found beside the source (the HF Trainer's
     ``checkpoint-N/``, or the parent of a tag folder or file) are copied into a ``safetensors``/``torch``
     output folder, so ``transformers`` loads it as it is; a plain DeepSpeed checkpoint has none.
@@ -250,8 +256,9 @@ def convert(
             same result. See ``docs/distributed.md``.
         include_optimizer: also write the consolidated optimizer state of a DeepSpeed ZeRO-1/2/3 checkpoint:
             ``optimizer.safetensors`` (keys ``<param>.exp_avg``, ``<param>.exp_avg_sq``; sharded like the
-            weights) and ``optimizer.json`` (param groups, steps). ``fmt="safetensors"`` only; a source without
-            optimizer state fails before anything is written. See ``docs/resharding.md``.
+            weights) and ``optimizer.json`` (param groups, steps), or, with ``fmt="dcp"``, the ``optimizer`` state
+            dict FSDP2 loads. ``fmt="safetensors"``/``"dcp"`` only; a source without optimizer state fails before
+            anything is written. See ``docs/resharding.md``.
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
         trusted_globals: extra pickle globals to accept when reading the source, as for :func:`zeroio.open`
@@ -262,6 +269,7 @@ def convert(
             ``gs://``, ``hf://``, ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's
             environment credentials. A URL ``dst`` (``s3://bucket/model``) is written locally, then uploaded,
             the index last; a failed upload removes what it uploaded.
+        dcp_layout: with ``fmt="dcp"``, ``"torchtitan"`` (default) or ``"accelerate"``.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the

@@ -91,9 +91,11 @@ def open(
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
     Args:
-        path: a DeepSpeed checkpoint root (with ``latest``), a tag folder, a rank file, or a consolidated
-            checkpoint (``model.safetensors``, a sharded safetensors folder, a torch ``.bin``/``.pt`` state dict).
-        tag: the tag folder to read (default: the one named in ``latest``).
+        path: a DeepSpeed checkpoint root (with ``latest``), a tag folder, a rank file, a consolidated
+            checkpoint (``model.safetensors``, a sharded safetensors folder, a torch ``.bin``/``.pt`` state dict),
+            or a PyTorch Distributed Checkpoint folder (FSDP2/FSDP1 ``.metadata`` + ``.distcp``, torchtitan's
+            ``step-N/`` or the folder holding them, accelerate's folder holding ``pytorch_model_fsdp_0/``).
+        tag: the tag folder to read (default: the one named in ``latest``; for torchtitan the newest ``step-N``).
         trusted_globals: extra pickle globals to accept, rebuilt as inert data (never called).
         verify_crc: check every zip record read (torch ``.pt``/``.bin`` files) against its stored CRC-32 and raise
             CheckpointFormatError on a mismatch (see :attr:`Checkpoint.verify_crc`). False reads corrupted bytes
