@@ -15,10 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 import zeroio
-from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError, UnsupportedCheckpointError
+from zeroio.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+    ZeroIOError,
+)
 
 SOURCE = Path(__file__).resolve().parent.parent / "fixtures" / "dcp" / "dcp_fsdp2_ws2_fp32"
 
@@ -71,6 +79,14 @@ def test_metadata_naming_disallowed_globals_runs_nothing(folder, payload, monkey
     (folder / ".metadata").write_bytes(payload)
     _refused(folder, UnsafePickleError, r"Refusing to unpickle global '(os|posix)\.system'|'builtins\.eval'")
     assert not (folder / "PWNED").exists()
+
+
+def test_unparsable_metadata_is_one_line(folder):
+    """A pickle error whose text holds control characters (here a FLOAT of 'a\\x1cb') is reported on one line."""
+    (folder / ".metadata").write_bytes(b"Fa\x1cb\n.")
+    with pytest.raises(CheckpointFormatError, match="Cannot parse the DCP metadata") as info:
+        zeroio.open(folder)
+    assert len(str(info.value).splitlines()) == 1
 
 
 def test_offset_past_the_end_of_a_file(folder):
@@ -171,3 +187,33 @@ def test_chunk_archive_with_disallowed_global_runs_nothing(folder, monkeypatch):
     with zeroio.open(folder) as ckpt, pytest.raises(UnsafePickleError, match="Refusing to unpickle global 'os.system'"):
         ckpt["emb.weight"]
     assert not (folder / "PWNED").exists()
+
+
+@settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    target=st.sampled_from([".metadata", "__0_0.distcp", "__1_0.distcp"]),
+    where=st.floats(0, 1, exclude_max=True),
+    flips=st.binary(min_size=1, max_size=4),
+    truncate=st.booleans(),
+)
+def test_damaged_files_give_results_or_typed_errors(tmp_path_factory, target, where, flips, truncate):
+    """Bytes flipped anywhere in .metadata or a data file, or the file cut there: reading every tensor, optimizer
+    state and value either works or raises a ZeroIOError with a one-line message, never a raw Python error."""
+    folder = tmp_path_factory.mktemp("fuzz") / "ckpt"
+    shutil.copytree(SOURCE, folder, ignore=shutil.ignore_patterns("expected", "manifest.json"))
+    path = folder / target
+    data = bytearray(path.read_bytes())
+    at = int(where * len(data))
+    if truncate:
+        del data[at:]
+    else:
+        data[at : at + len(flips)] = bytes(b ^ 0xFF for b in flips)[: len(data) - at]
+    path.write_bytes(bytes(data))
+    try:
+        with zeroio.open(folder) as ckpt:
+            for key in ckpt:
+                ckpt[key]
+            ckpt.optimizer_state("emb.weight")
+            ckpt.finish_crc_checks()
+    except ZeroIOError as exc:
+        assert "\n" not in str(exc), str(exc)

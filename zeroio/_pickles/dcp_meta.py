@@ -94,9 +94,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         if qualified in self._trusted:
             return inert_class(qualified)
         raise UnsafePickleError(
-            f"Refusing to unpickle global '{qualified}' from '{self._path}': a DCP .metadata file names only "
+            f"Refusing to unpickle global {qualified!r} from '{self._path}': a DCP .metadata file names only "
             "torch.distributed.checkpoint's metadata classes. If you trust this file, pass "
-            f"trusted_globals=['{qualified}'] (it is rebuilt as inert data, never called).",
+            f"trusted_globals=[{qualified!r}] (it is rebuilt as inert data, never called).",
             path=self._path,
             name=qualified,
         )
@@ -119,7 +119,7 @@ def load_dcp_metadata(path: Path, data: bytes, trusted: frozenset[str] = frozens
         raise type(exc)(f"Refusing '{path}': {exc}", path=path, name=exc.name) from None
     except Exception as exc:  # any malformed pickle: never a raw pickle traceback
         raise CheckpointFormatError(
-            f"Cannot parse the DCP metadata '{path}' ({type(exc).__name__}: {str(exc)[:200]}). The file is "
+            f"Cannot parse the DCP metadata '{path}' ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}). The file is "
             "corrupted or was not written by torch.distributed.checkpoint; copy it again.",
             path=path,
         ) from exc

@@ -143,7 +143,7 @@ def read_embedded_archive(pread: PRead, path: Path, offset: int, length: int) ->
     except Exception as exc:  # zipfile raises many types on damaged archives
         raise CheckpointFormatError(
             f"The chunk at bytes [{offset}, {offset + length}) of '{path}' is not a readable torch.save archive "
-            f"({type(exc).__name__}: {str(exc)[:200]}). The file is truncated or corrupted; copy it again.",
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}). The file is truncated or corrupted; copy it again.",
             path=path,
         ) from exc
     return EmbeddedArchive(path, offset, length, data, records)
