@@ -31,6 +31,7 @@ LAYOUTS = {
     "dcp_fsdp2_ws2_bf16": "dcp",
     "dcp_fsdp2_ws4_uneven": "dcp",
     "dcp_fsdp1_ws2": "dcp",
+    "dcp_tp_ws2": "dcp",
 }
 
 
@@ -80,6 +81,12 @@ def test_chunks_are_read_lazily_and_in_pieces():
         pieces = torch.cat(list(ckpt.iter_chunks("emb.weight", chunk_bytes=4 * 9)))
         assert torch.equal(pieces, whole)
         assert ckpt.byte_ranges("emb.weight") is not None  # row shards: plain byte runs, copied without torch
+    with zeroio.open(DCP / "dcp_tp_ws2") as ckpt:  # column shards: each chunk is one run per row
+        whole = ckpt["mlp_in.weight"].reshape(-1)
+        for size in (4, 12, 20):  # reads starting and ending inside a chunk's runs
+            pieces = torch.cat(list(ckpt.iter_chunks("mlp_in.weight", chunk_bytes=size)))
+            assert torch.equal(pieces, whole), size
+        assert ckpt.byte_ranges("mlp_in.weight") is None
 
 
 def test_torchtitan_metadata_and_steps(tmp_path):
@@ -94,7 +101,7 @@ def test_torchtitan_metadata_and_steps(tmp_path):
         zeroio.open(DCP / "dcp_titan_ws2", tag="step-9")
 
 
-@pytest.mark.parametrize("name", ["dcp_fsdp2_ws2_fp32", "dcp_fsdp2_ws2_bf16", "dcp_fsdp2_ws4_uneven"])
+@pytest.mark.parametrize("name", ["dcp_fsdp2_ws2_fp32", "dcp_fsdp2_ws2_bf16", "dcp_fsdp2_ws4_uneven", "dcp_tp_ws2"])
 def test_convert_and_verify(name, tmp_path):
     """convert writes safetensors bit-identical to the live run's tensors; verify agrees; --include-optimizer
     writes each moment as optimizer_state gives it."""
