@@ -188,3 +188,15 @@ def test_from_an_s3_url_equals_local(tmp_path, monkeypatch):
                 assert _same(out.optimizer_state("norm.bias")[key], local.optimizer_state("norm.bias")[key])
     finally:
         server.stop()
+
+
+def test_a_state_dict_saved_without_prefix_or_process_group(tmp_path):
+    """dcp.save of a bare state dict from one process (no process group): keys as saved, layout 'dcp'."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a.weight": torch.arange(6.0).view(2, 3), "b": torch.tensor([7], dtype=torch.int32), "note": "x"}
+    dcp.save(state, checkpoint_id=str(tmp_path / "bare"))
+    with zeroio.open(tmp_path / "bare") as ckpt:
+        assert ckpt.metadata.layout == "dcp" and list(ckpt) == ["a.weight", "b"]
+        assert _same(ckpt["a.weight"], state["a.weight"]) and _same(ckpt["b"], state["b"])
+        assert ckpt.metadata.extra["values"] == {"note": "x"}

@@ -369,7 +369,8 @@ def open_dcp(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> Dc
         values.update(part_values)
     tensors = [(fqn, part, entry) for part in parts for fqn, entry in part.meta.tensors.items()]
     prefixed = any(fqn.startswith("model.") for fqn, _, _ in tensors)
-    layout = layout or ("dcp" if prefixed else "torchtitan")
+    titan = not prefixed and any(k.startswith("train_state.") for k in values)
+    layout = layout or ("torchtitan" if titan else "dcp")
     entries: dict[str, tuple[_Part, TensorEntry]] = {}
     optim: dict[str, dict[str, tuple[_Part, TensorEntry]]] = {}
     skipped: list[str] = []
