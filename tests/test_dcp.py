@@ -190,6 +190,7 @@ def test_from_an_s3_url_equals_local(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the case under test
 def test_a_state_dict_saved_without_prefix_or_process_group(tmp_path):
     """dcp.save of a bare state dict from one process (no process group): keys as saved, layout 'dcp'."""
     import torch.distributed.checkpoint as dcp
