@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,12 +84,15 @@ class _Part:
     sizes: dict[str, int]
     files: dict[str, CheckedFile] = field(default_factory=dict)
     located: dict[tuple[str, int], EmbeddedTensor] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """The converter's IO threads read concurrently: one CheckedFile per data file, each chunk parsed once."""
 
     def file(self, name: str) -> CheckedFile:
-        found = self.files.get(name)
-        if found is None:
-            found = self.files[name] = CheckedFile(open_source(self.folder / name, self.sizes[name]))
-        return found
+        with self.lock:
+            found = self.files.get(name)
+            if found is None:
+                found = self.files[name] = CheckedFile(open_source(self.folder / name, self.sizes[name]))
+            return found
 
     def locate(self, entry: TensorEntry, i: int) -> EmbeddedTensor:
         """Chunk ``i`` of ``entry``: its archive parsed (once), checked against the metadata, its CRC registered."""
@@ -118,8 +122,8 @@ class _Part:
                 name=entry.fqn,
             )
         file.expect(f"{entry.fqn}[{i}]", *tensor.record)
-        self.located[(entry.fqn, i)] = tensor
-        return tensor
+        with self.lock:
+            return self.located.setdefault((entry.fqn, i), tensor)
 
     def read_into(self, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
         def read(i: int, first: int, dest: torch.Tensor) -> None:
