@@ -149,6 +149,40 @@ def test_absurd_sizes(folder):
     _refused(folder, CheckpointFormatError, r"a chunk of 'model.scale' of \d+ float32 elements is stored in 1577 bytes")
 
 
+def test_many_chunks_are_checked_in_linear_time(folder):
+    """10,000 one-element chunks side by side along dim 1 (each naming the same stored bytes): the overlap and
+    coverage check is linear, where comparing chunk pairs would take 5 * 10**7 steps (a minute)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = _metadata(folder)
+    info = meta.storage_data[_storage(meta, "model.scale")]
+    n = 10_000
+    entry = meta.state_dict_metadata["model.scale"]
+    chunks = [ChunkStorageMetadata(torch.Size([0, j]), torch.Size([1, 1])) for j in range(n)]
+    meta.state_dict_metadata["model.scale"] = TensorStorageMetadata(entry.properties, torch.Size([1, n]), chunks)
+    for key in [k for k in meta.storage_data if k.fqn == "model.scale"]:
+        del meta.storage_data[key]
+    template = _storage(meta, "model.emb.weight")
+    for j in range(n):
+        meta.storage_data[dataclasses.replace(template, fqn="model.scale", offset=torch.Size([0, j]))] = info
+    _save(folder, meta)
+    start = time.monotonic()
+    with zeroio.open(folder) as ckpt:
+        assert ckpt.info("scale").shape == (1, n)
+    assert time.monotonic() - start < 10
+
+
+def test_overlap_found_among_many_chunks(folder):
+    """The same layout with one chunk duplicated is refused as overlapping."""
+    meta = _metadata(folder)
+    entry = meta.state_dict_metadata["model.emb.weight"]
+    entry.chunks.append(ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([1, 7])))
+    key = _storage(meta, "model.emb.weight")
+    meta.storage_data[dataclasses.replace(key, offset=torch.Size([3, 0]))] = meta.storage_data[key]
+    _save(folder, meta)
+    _refused(folder, CheckpointFormatError, r"chunks of 'model.emb.weight' at \(0, 0\) and \(3, 0\) overlap")
+
+
 def test_absurd_length(folder):
     meta = _metadata(folder)
     key = _storage(meta, "optim.param_groups.0.lr")
