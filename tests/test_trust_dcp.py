@@ -183,6 +183,31 @@ def test_overlap_found_among_many_chunks(folder):
     _refused(folder, CheckpointFormatError, r"chunks of 'model.emb.weight' at \(0, 0\) and \(3, 0\) overlap")
 
 
+def test_a_value_sharing_its_lists_is_walked_once_per_list(folder):
+    """A pickled value of 30 nested lists, each holding the one below ten times (10**30 paths, a few hundred
+    bytes): summarised in the metadata within seconds, never walked path by path."""
+    import io
+
+    meta = _metadata(folder)
+    value: list = []
+    for _ in range(30):
+        value = [value] * 10
+    blob = io.BytesIO()
+    torch.save(value, blob)
+    key = _storage(meta, "optim.param_groups.0.lr")
+    target = folder / meta.storage_data[key].relative_path
+    offset = target.stat().st_size
+    with open(target, "ab") as fh:
+        fh.write(blob.getvalue())
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], offset=offset, length=len(blob.getvalue()))
+    _save(folder, meta)
+    start = time.monotonic()
+    with zeroio.open(folder) as ckpt:
+        shown = ckpt.metadata.extra["values"]["optim.param_groups.0.lr"]
+    assert time.monotonic() - start < 10
+    assert shown == f"<list of {sum(10**k for k in range(31))} nodes, not shown>"
+
+
 def test_absurd_length(folder):
     meta = _metadata(folder)
     key = _storage(meta, "optim.param_groups.0.lr")

@@ -287,18 +287,42 @@ def _slicer(blob: bytes) -> Callable[[int, int], bytes]:
     return lambda offset, nbytes: blob[offset : offset + nbytes]
 
 
-def _plain(value: Any, depth: int = 0) -> Any:
-    """A JSON-friendly copy of a pickled value (dtypes by name, other objects by their global's name)."""
-    if depth > 20:
-        return "<nested too deep>"
+MAX_VALUE_NODES = 10_000
+"""Largest pickled value shown as metadata, in nodes as written out (shared lists counted at every place)."""
+
+
+def _nodes(value: Any, memo: dict[int, int], depth: int = 0) -> int:
+    """How many nodes ``value`` has written out in full (as JSON would): computed once per shared container, so a
+    pickle of 30 lists each holding the one below 10 times costs 30 steps, not 10**30."""
+    if not isinstance(value, (list, tuple, dict)):
+        return 1
+    if depth > 50:
+        return MAX_VALUE_NODES + 1
+    known = memo.get(id(value))
+    if known is None:
+        items = value.values() if isinstance(value, dict) else value
+        known = memo[id(value)] = 1 + sum(_nodes(v, memo, depth + 1) for v in items)
+    return known
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly copy of a pickled value (dtypes by name, other objects by their global's name); values
+    over :data:`MAX_VALUE_NODES` nodes are summarised, not copied."""
+    size = _nodes(value, {})
+    if size > MAX_VALUE_NODES:
+        return f"<{type(value).__name__} of {size} nodes, not shown>"
+    return _copy(value)
+
+
+def _copy(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [_plain(v, depth + 1) for v in value]
+        return [_copy(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_plain(v, depth + 1) for v in value)
+        return tuple(_copy(v) for v in value)
     if isinstance(value, dict):
-        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+        return {str(k): _copy(v) for k, v in value.items()}
     if isinstance(value, DType):
         return value.name
     return f"<{global_name(value) or type(value).__name__}>"
