@@ -208,6 +208,31 @@ def test_a_value_sharing_its_lists_is_walked_once_per_list(folder):
     assert shown == f"<list of {sum(10**k for k in range(31))} nodes, not shown>"
 
 
+def test_a_value_naming_a_disallowed_global_is_not_run_and_weights_stay_readable(folder, monkeypatch):
+    """A pickled value (train_state, a scheduler) calling os.system: never run, shown as not read; tensors read."""
+    import io
+    import zipfile
+
+    monkeypatch.chdir(folder)
+    meta = _metadata(folder)
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", b"\x80\x02cos\nsystem\nX\x0b\x00\x00\x00touch PWNED\x85R.")
+    key = _storage(meta, "optim.param_groups.0.lr")
+    target = folder / meta.storage_data[key].relative_path
+    offset = target.stat().st_size
+    with open(target, "ab") as fh:
+        fh.write(archive.getvalue())
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], offset=offset, length=len(archive.getvalue()))
+    _save(folder, meta)
+    with zeroio.open(folder) as ckpt:
+        assert ckpt.metadata.extra["values"]["optim.param_groups.0.lr"] == (
+            "<not read: it names os.system, which is not on zeroio's allowlist>"
+        )
+        assert ckpt["emb.weight"].shape == (13, 7)
+    assert not (folder / "PWNED").exists()
+
+
 def test_absurd_length(folder):
     meta = _metadata(folder)
     key = _storage(meta, "optim.param_groups.0.lr")
