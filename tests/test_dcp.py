@@ -201,3 +201,17 @@ def test_a_state_dict_saved_without_prefix_or_process_group(tmp_path):
         assert ckpt.metadata.layout == "dcp" and list(ckpt) == ["a.weight", "b"]
         assert _same(ckpt["a.weight"], state["a.weight"]) and _same(ckpt["b"], state["b"])
         assert ckpt.metadata.extra["values"] == {"note": "x"}
+
+
+def test_hf_trainer_checkpoint_folder_gives_its_step(tmp_path):
+    """The HF Trainer under FSDP writes accelerate's folders into checkpoint-N/ with trainer_state.json."""
+    import shutil
+
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(DCP / "dcp_accelerate_ws2", folder, ignore=shutil.ignore_patterns("expected"))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 2, "epoch": 1.0}))
+    with zeroio.open(folder) as ckpt:
+        assert ckpt.metadata.layout == "accelerate" and ckpt.metadata.global_step == 2
+    (folder / "trainer_state.json").write_text("[not an object")
+    with zeroio.open(folder) as ckpt:
+        assert ckpt.metadata.global_step is None

@@ -357,6 +357,19 @@ def _roots(path: Path, tag: str | None) -> tuple[list[Path], str | None, str]:
     return [last], last.name, "torchtitan"
 
 
+def _trainer_step(root: Path) -> Any:
+    """``global_step`` of the HF Trainer's ``trainer_state.json`` beside accelerate's folders (``checkpoint-N/``)."""
+    import json
+
+    state = root / "trainer_state.json"
+    try:
+        if not state.is_file() or state.stat().st_size > MAX_VALUE_BYTES:
+            return None
+        return json.loads(state.read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):  # unreadable or not a JSON object: no step, as without the file
+        return None
+
+
 def _split_optimizer(
     fqn: str, entry: TensorEntry, part: _Part, optim: dict[str, dict[str, tuple[_Part, TensorEntry]]]
 ) -> bool:
@@ -435,6 +448,8 @@ def open_dcp(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> Dc
     floats = {e.dtype for _, e in entries.values() if e.dtype.is_floating_point}
     train = floats.pop() if len(floats) == 1 else None
     step = values.get("train_state.step")
+    if step is None and layout == "accelerate":
+        step = _trainer_step(root)
     moments = {k for states in optim.values() for k in states}
     metadata = CheckpointMetadata(
         format="dcp",
