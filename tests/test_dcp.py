@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import zeroio
 from zeroio.cli import main
-from zeroio.errors import CheckpointNotFoundError, TensorNotFoundError
+from zeroio.errors import CheckpointNotFoundError, TensorNotFoundError, UnsupportedCheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
 DCP = ROOT / "fixtures" / "dcp"
@@ -215,3 +215,15 @@ def test_hf_trainer_checkpoint_folder_gives_its_step(tmp_path):
     (folder / "trainer_state.json").write_text("[not an object")
     with zeroio.open(folder) as ckpt:
         assert ckpt.metadata.global_step is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_safetensors_serialization_is_refused_by_name(tmp_path):
+    """DCP's SerializationFormat.SAFETENSORS (torch >= 2.8) writes safetensors data files: refused by name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    writer = FileSystemWriter(str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save({"model": {"w": torch.arange(6.0).view(2, 3)}}, storage_writer=writer)
+    with zeroio.open(tmp_path / "st") as ckpt, pytest.raises(UnsupportedCheckpointError, match="SAFETENSORS"):
+        ckpt["w"]

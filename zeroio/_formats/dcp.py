@@ -26,7 +26,13 @@ from .._io.sources import ByteRange, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import EmbeddedTensor, global_name, load_dcp_metadata, load_embedded, require_regular_file
 from .._pickles.dcp_meta import MAX_METADATA_BYTES
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, TensorNotFoundError, UnsafePickleError
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    TensorNotFoundError,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+)
 from .dcp_metadata import DcpMetadata, TensorEntry, parse_dcp_metadata
 from .dcp_plans import read_entry_into, whole_chunk_order
 
@@ -84,6 +90,7 @@ class _Part:
     sizes: dict[str, int]
     files: dict[str, CheckedFile] = field(default_factory=dict)
     located: dict[tuple[str, int], EmbeddedTensor] = field(default_factory=dict)
+    checked: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     """The converter's IO threads read concurrently: one CheckedFile per data file, each chunk parsed once."""
 
@@ -102,6 +109,7 @@ class _Part:
         chunk = entry.chunks[i]
         file = self.file(chunk.file)
         where = self.folder / chunk.file
+        self._refuse_safetensors(chunk.file, file)
         prefetch = getattr(file.source, "prefetch", None)
         if prefetch is not None:  # a remote file: the archive's head (pickle) and tail (zip directory), 2 requests
             head = min(chunk.length, ARCHIVE_ENDS)
@@ -124,6 +132,21 @@ class _Part:
         file.expect(f"{entry.fqn}[{i}]", *tensor.record)
         with self.lock:
             return self.located.setdefault((entry.fqn, i), tensor)
+
+    def _refuse_safetensors(self, name: str, file: CheckedFile) -> None:
+        """torch >= 2.8's ``SerializationFormat.SAFETENSORS`` writes each data file as one safetensors file, its
+        ``.metadata`` offsets not pointing at archives: refused by name (checked once per file)."""
+        if name in self.checked:
+            return
+        head = file.read_bytes(0, 9)
+        if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < file.size:
+            raise UnsupportedCheckpointError(
+                f"'{self.folder / name}' is a safetensors file: the checkpoint was saved with DCP's "
+                "SerializationFormat.SAFETENSORS, which zeroio does not read yet. Save it with the default "
+                "serialization (torch_save), or read the files with safetensors.",
+                path=self.folder / name,
+            )
+        self.checked.add(name)
 
     def read_into(self, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
         def read(i: int, first: int, dest: torch.Tensor) -> None:
