@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
@@ -273,6 +273,7 @@ def test_chunk_archive_with_disallowed_global_runs_nothing(folder, monkeypatch):
     assert not (folder / "PWNED").exists()
 
 
+@example(target="__0_0.distcp", where=0.40464542385668417, flips=b"\x00", truncate=False)  # a record header at -1
 @settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     target=st.sampled_from([".metadata", "__0_0.distcp", "__1_0.distcp"]),

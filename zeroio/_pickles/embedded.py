@@ -96,6 +96,12 @@ class EmbeddedArchive:
                 "truncated or corrupted. Copy it again.",
                 path=self.path,
             )
+        if not 0 <= info.header_offset <= self.length - _LOCAL_HEADER.size:
+            raise CheckpointFormatError(
+                f"The zip directory of the archive at byte {self.offset} of '{self.path}' places storage '{key}' at "
+                f"{info.header_offset}, outside the archive's {self.length} bytes. The file is corrupted or hostile.",
+                path=self.path,
+            )
         header = pread(self.offset + info.header_offset, _LOCAL_HEADER.size)
         if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
             raise CheckpointFormatError(
