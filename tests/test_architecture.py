@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
         "_lightning",
         "_reshard",
         "_universal_write",
+        "_dcp_write",
         "_hub",
         "_model_card",
     ),

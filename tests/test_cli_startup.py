@@ -23,6 +23,7 @@ ZERO3 = ROOT / "fixtures" / "z3_ws2_bf16"
 PIPELINE = ROOT / "fixtures" / "layouts" / "pipe_z1_ws2_pp2_bf16"
 TENSOR_PARALLEL = ROOT / "fixtures" / "layouts" / "autotp_z1_ws2_tp2_bf16"
 PIPELINE_TP = ROOT / "fixtures" / "layouts" / "pipe_tp_z1_ws4_pp2tp2_fp32"
+DCP = ROOT / "fixtures" / "dcp" / "dcp_titan_ws2"
 
 HEAVY = ("torch", "safetensors", "huggingface_hub", "tqdm")
 
@@ -198,6 +199,8 @@ def metadata_commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tup
         "inspect tensor parallel": ["inspect", str(TENSOR_PARALLEL)],
         "inspect pipeline+tp": ["inspect", str(PIPELINE_TP), "--tp-rules", "megatron"],
         "inspect safetensors": ["inspect", str(single)],
+        "inspect dcp": ["inspect", str(DCP)],
+        "inspect dcp --json": ["inspect", str(DCP), "--json"],
         "inspect safetensors --json": ["inspect", str(single), "--json"],
         "verify metadata": ["verify", str(ZERO3), str(other), "--max-report", "20"],
     }
@@ -213,6 +216,8 @@ METADATA_IDS = [
     "inspect pipeline+tp",
     "inspect safetensors",
     "inspect safetensors --json",
+    "inspect dcp",
+    "inspect dcp --json",
     "verify metadata",
 ]
 

@@ -19,7 +19,7 @@ from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.comm import Job, LocalComm
 from ._write.engine import ExtraFiles, WriteOutcome, write_checkpoint
-from ._write.options import DEFAULT_CHUNK_BYTES, OutputFormat, WriteOptions, write_options
+from ._write.options import DEFAULT_CHUNK_BYTES, DcpLayout, OutputFormat, WriteOptions, write_options
 from ._write.progress import Progress
 from ._write.write_plan import WritePlan
 from .errors import OutputError
@@ -139,6 +139,7 @@ def convert(
     trusted_globals: Iterable[str] = (),
     tp_rules: TPRules | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    dcp_layout: DcpLayout = "torchtitan",
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -168,6 +169,12 @@ def convert(
     resumes at another world size with ``"checkpoint": {"load_universal": true}``; tensors are streamed parameter
     by parameter in chunks of ``chunk_bytes`` (``docs/format.md``, "Writing universal checkpoints"). ``dtype``,
     ``exclude_frozen``, ``distributed``, ``include_optimizer``, ``max_shard_size`` and ``workers`` do not apply.
+
+    ``fmt="dcp"`` writes a PyTorch Distributed Checkpoint that FSDP2 resumes from with ``dcp.load`` plus
+    ``set_model_state_dict``/``set_optimizer_state_dict`` (``dcp_layout``: ``"torchtitan"``, ``dst`` being the
+    ``step-N`` folder, or ``"accelerate"``: ``dst/pytorch_model_fsdp_0`` and ``dst/optimizer_0``); tensors are
+    streamed as row blocks of ``chunk_bytes``, and ``include_optimizer`` adds the Adam state (``docs/dcp.md``).
+    ``max_shard_size``, ``exclude_frozen``, ``distributed`` and ``workers`` do not apply.
 
     ``config.json``, ``generation_config.json`` and tokenizer files found beside the source (the HF Trainer's
     ``checkpoint-N/``, or the parent of a tag folder or file) are copied into a ``safetensors``/``torch``
@@ -202,8 +209,9 @@ def convert(
             same result. See ``docs/distributed.md``.
         include_optimizer: also write the consolidated optimizer state of a DeepSpeed ZeRO-1/2/3 checkpoint:
             ``optimizer.safetensors`` (keys ``<param>.exp_avg``, ``<param>.exp_avg_sq``; sharded like the
-            weights) and ``optimizer.json`` (param groups, steps). ``fmt="safetensors"`` only; a source without
-            optimizer state fails before anything is written. See ``docs/resharding.md``.
+            weights) and ``optimizer.json`` (param groups, steps), or, with ``fmt="dcp"``, the ``optimizer`` state
+            dict FSDP2 loads. ``fmt="safetensors"``/``"dcp"`` only; a source without optimizer state fails before
+            anything is written. See ``docs/resharding.md``.
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
         trusted_globals: extra pickle globals to accept when reading the source, as for :func:`zeroio.open`
@@ -214,6 +222,7 @@ def convert(
             ``gs://``, ``hf://``, ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's
             environment credentials. A URL ``dst`` (``s3://bucket/model``) is written locally, then uploaded,
             the index last; a failed upload removes what it uploaded.
+        dcp_layout: with ``fmt="dcp"``, ``"torchtitan"`` (default) or ``"accelerate"``.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -240,7 +249,7 @@ def convert(
     write = write_options(
         fmt=fmt, dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen, overwrite=overwrite,
         workers=workers, progress=progress, chunk_bytes=chunk_bytes, distributed=distributed,
-        include_optimizer=include_optimizer,
+        include_optimizer=include_optimizer, dcp_layout=dcp_layout,
     )  # fmt: skip
     read = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
@@ -285,6 +294,8 @@ def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOpti
     # The source's one path: a URL's listing, made once, serves the reader and the side files alike.
     source = as_path(src, read.storage_options)
     dst_path = Path(dst)
+    if write.fmt == "dcp":
+        return _convert_dcp(source, dst_path, read, write)
     if write.fmt == "universal":
         return _convert_universal(source, dst_path, read, write)
     if write.distributed:
@@ -299,6 +310,14 @@ def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOpti
     extra_files = _optimizer_files(write) if write.include_optimizer else None
     job = Job(LocalComm(), AtomicDir(dst_path, overwrite=write.overwrite))
     return _result(write_checkpoint(job, source, read, write, extra_files=extra_files))
+
+
+def _convert_dcp(source: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
+    """``fmt="dcp"``: a PyTorch Distributed Checkpoint FSDP2 resumes from (zeroio/_dcp_write.py)."""
+    from ._dcp_write import write_dcp
+
+    files, total, count, tied = write_dcp(source, dst, read, write)
+    return ConvertResult(files=tuple(files), index_path=None, total_size=total, num_tensors=count, tied=tied)
 
 
 def _optimizer_files(write: WriteOptions) -> ExtraFiles:

@@ -18,6 +18,7 @@ from .._options import ReadOptions, read_options
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
 from .consolidated import is_consolidated, open_consolidated
+from .dcp import is_dcp, open_dcp
 from .optim_views import ComposedOptimizerState
 from .optimizer import (
     OptimizerLayout,
@@ -94,6 +95,7 @@ def _anything(path: Path) -> bool:
 
 
 FORMATS: list[Format] = [
+    Format("dcp", is_dcp, open_dcp),
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
     # Pipeline folders hold several mp_rank files too: named layer files tell them apart, so they go first.
@@ -118,9 +120,11 @@ def open(
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
     Args:
-        path: a DeepSpeed checkpoint root (with ``latest``), a tag folder, a rank file, or a consolidated
-            checkpoint (``model.safetensors``, a sharded safetensors folder, a torch ``.bin``/``.pt`` state dict).
-        tag: the tag folder to read (default: the one named in ``latest``).
+        path: a DeepSpeed checkpoint root (with ``latest``), a tag folder, a rank file, a consolidated
+            checkpoint (``model.safetensors``, a sharded safetensors folder, a torch ``.bin``/``.pt`` state dict),
+            or a PyTorch Distributed Checkpoint folder (FSDP2/FSDP1 ``.metadata`` + ``.distcp``, torchtitan's
+            ``step-N/`` or the folder holding them, accelerate's folder holding ``pytorch_model_fsdp_0/``).
+        tag: the tag folder to read (default: the one named in ``latest``; for torchtitan the newest ``step-N``).
         trusted_globals: extra pickle globals to accept, rebuilt as inert data (never called).
         verify_crc: check every zip record read (torch ``.pt``/``.bin`` files) against its stored CRC-32 and raise
             CheckpointFormatError on a mismatch (see :attr:`Checkpoint.verify_crc`). False reads corrupted bytes

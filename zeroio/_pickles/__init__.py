@@ -10,9 +10,11 @@ written chunk by chunk).
 from __future__ import annotations
 
 from .archive import RankFile, TensorRef
+from .dcp_meta import load_dcp_metadata
+from .embedded import EmbeddedTensor
 from .limits import MAX_DEPTH, MAX_DIMS, MAX_PICKLE_BYTES
 from .plain import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
-from .read import load_pickle
+from .read import load_embedded, load_pickle
 from .standins import (
     ZERO_STAGE_ENUM,
     Inert,
@@ -31,6 +33,7 @@ __all__ = [
     "MAX_PICKLE_BYTES",
     "ZERO_STAGE_ENUM",
     "Chunks",
+    "EmbeddedTensor",
     "Index",
     "Inert",
     "InertDict",
@@ -48,6 +51,8 @@ __all__ = [
     "inert_parts",
     "is_inert",
     "keep_standin",
+    "load_dcp_metadata",
+    "load_embedded",
     "load_pickle",
     "read_tensor",
     "to_plain",

@@ -19,11 +19,12 @@ from .._io.sources import Fenced, LocalFile, open_source
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, read_archive
+from .embedded import EmbeddedTensor, PRead, read_embedded_archive
 from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH
 from .standins import Device, Inert, Size, inert_class
 
-__all__ = ["load_pickle"]
+__all__ = ["load_embedded", "load_pickle"]
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -264,3 +265,38 @@ def load_pickle(
                 path=path,
             )
     return _bind(tree, file), file
+
+
+def load_embedded(pread: PRead, path: Path, offset: int, length: int, trusted: frozenset[str] = frozenset()) -> Any:
+    """Parse the ``torch.save`` archive at ``[offset, offset + length)`` of ``path`` (a DCP chunk), reading no
+    tensor bytes: a tensor at the top of its tree comes back as an :class:`EmbeddedTensor` (contiguous, filling its
+    storage from element 0, as DCP writes chunks); any other tree comes back as parsed."""
+    archive = read_embedded_archive(pread, path, offset, length)
+    unpickler = _RestrictedUnpickler(archive.pickle, path, trusted)
+    tree = _unpickle(unpickler, path)
+    _check_unchanged(unpickler, path)
+    if not isinstance(tree, PendingTensor):
+        return tree
+    _check_view(tree, path)
+    numel = 1
+    for s in tree.shape:
+        numel *= s
+    strides, expected = [], 1
+    for s in reversed(tree.shape):
+        strides.append(expected)
+        expected *= s
+    if numel > 1 and tuple(reversed(strides)) != tuple(tree.stride):
+        raise UnsupportedCheckpointError(
+            f"The chunk at byte {offset} of '{path}' holds a non-contiguous tensor view (stride {tree.stride}); DCP "
+            "writes chunks contiguous. Re-save it with dcp.save.",
+            path=path,
+        )
+    start, size, crc = archive.record_data(pread, tree.storage.key)
+    each = tree.storage.dtype.itemsize
+    if (tree.storage_offset + numel) * each > size:
+        raise CheckpointFormatError(
+            f"The chunk at byte {offset} of '{path}' claims elements [{tree.storage_offset}, "
+            f"{tree.storage_offset + numel}) of a record of {size} bytes. The file is truncated or hostile.",
+            path=path,
+        )
+    return EmbeddedTensor(tree.storage.dtype, tuple(tree.shape), start + tree.storage_offset * each, (start, size, crc))

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DCP_LAYOUTS",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_WORKERS",
     "OUTPUT_FORMATS",
+    "DcpLayout",
     "OutputFormat",
     "WriteOptions",
     "write_options",
@@ -29,10 +31,15 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 """IO threads: reads of one tensor overlap writes of another (reads and writes release the GIL)."""
 
-OutputFormat = Literal["safetensors", "torch", "lightning", "universal"]
+OutputFormat = Literal["safetensors", "torch", "lightning", "universal", "dcp"]
 """What ``convert(fmt=...)`` writes (the formats zeroio *reads* are ``zeroio._formats.FORMATS``)."""
 
-OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("safetensors", "torch", "lightning", "universal")
+OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("safetensors", "torch", "lightning", "universal", "dcp")
+
+DcpLayout = Literal["torchtitan", "accelerate"]
+"""Where ``fmt="dcp"`` puts the model and optimizer state (docs/dcp.md)."""
+
+DCP_LAYOUTS: tuple[DcpLayout, ...] = ("torchtitan", "accelerate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +66,10 @@ class WriteOptions:
     distributed: bool = False
     """Run as one process of a ``torch.distributed`` job."""
     include_optimizer: bool = False
-    """Also write the consolidated optimizer state (``optimizer.safetensors`` + ``optimizer.json``)."""
+    """Also write the consolidated optimizer state (``optimizer.safetensors`` + ``optimizer.json``; DCP: the
+    ``optimizer`` state dict)."""
+    dcp_layout: DcpLayout = "torchtitan"
+    """With ``fmt="dcp"``: torchtitan's ``step-N`` folder or accelerate's ``pytorch_model_fsdp_0``/``optimizer_0``."""
 
 
 def _positive_int(name: str, value: object, what: str) -> int:
@@ -82,6 +92,7 @@ def write_options(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     distributed: bool = False,
     include_optimizer: bool = False,
+    dcp_layout: DcpLayout = "torchtitan",
 ) -> WriteOptions:
     """Validate the writing keywords a public verb was given, once, without IO, into a :class:`WriteOptions`.
 
@@ -91,17 +102,21 @@ def write_options(
         TypeError: an argument of the wrong type.
     """
     if fmt not in OUTPUT_FORMATS:
-        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning' or 'universal', got {fmt!r}.")
+        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning', 'universal' or 'dcp', got {fmt!r}.")
+    if dcp_layout not in DCP_LAYOUTS:
+        raise ValueError(f"dcp_layout must be one of {', '.join(DCP_LAYOUTS)}, got {dcp_layout!r}.")
     target = parse_dtype_spec(dtype)  # a torch-free DType: converting without a cast never imports torch
     size = parse_size(max_shard_size)
     n_workers = DEFAULT_WORKERS if workers is None else _positive_int("workers", workers, " (IO threads)")
     _positive_int("chunk_bytes", chunk_bytes, "")
     check_progress(progress)
-    if include_optimizer and (fmt != "safetensors" or distributed):
+    if include_optimizer and (fmt not in ("safetensors", "dcp") or distributed):
         raise ValueError(
-            "include_optimizer=True writes optimizer.safetensors beside model.safetensors: use fmt='safetensors' "
-            "without distributed=True."
+            "include_optimizer=True writes optimizer.safetensors beside model.safetensors (or the DCP optimizer "
+            "state): use fmt='safetensors' or 'dcp', without distributed=True."
         )
+    if fmt == "dcp" and distributed:
+        raise ValueError("fmt='dcp' is written by one process: drop distributed=True.")
     if fmt == "universal" and (target is not None or exclude_frozen or distributed):
         raise ValueError(
             "fmt='universal' writes the fp32 masters and optimizer state DeepSpeed resumes from, as stored: "
@@ -125,4 +140,5 @@ def write_options(
         chunk_bytes=chunk_bytes,
         distributed=distributed,
         include_optimizer=include_optimizer,
+        dcp_layout=dcp_layout,
     )

@@ -105,6 +105,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             include_optimizer=args.include_optimizer,
             verify_crc=not args.no_verify_crc,
             tp_rules=args.tp_rules,
+            dcp_layout=args.dcp_layout,
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -135,9 +136,9 @@ def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace)
     problem = _args.folder_destination_problem(args.dst, args.format)
     if problem is not None:
         parser.error(problem)
-    if args.format == "universal" and (args.distributed or getattr(args, "push_to_hub", None)):
+    if args.format in ("universal", "dcp") and (args.distributed or getattr(args, "push_to_hub", None)):
         parser.error(
-            "--format universal writes a DeepSpeed checkpoint to resume from: drop --distributed/--push-to-hub"
+            f"--format {args.format} writes a checkpoint to resume training from: drop --distributed/--push-to-hub"
         )
     if not args.distributed:
         return
@@ -253,10 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         default="safetensors",
-        choices=["safetensors", "torch", "lightning", "universal"],
+        choices=["safetensors", "torch", "lightning", "universal", "dcp"],
         help="output format: safetensors (default), torch (pytorch_model.bin), lightning (one .ckpt file for "
-        "LightningModule.load_from_checkpoint), or universal (a DeepSpeed universal checkpoint to resume at another "
-        "world size or ZeRO stage)",
+        "LightningModule.load_from_checkpoint), universal (a DeepSpeed universal checkpoint to resume at another "
+        "world size or ZeRO stage), or dcp (a PyTorch Distributed Checkpoint that FSDP2 resumes from)",
+    )
+    p.add_argument(
+        "--dcp-layout",
+        default="torchtitan",
+        choices=["torchtitan", "accelerate"],
+        help="with --format dcp: torchtitan (DST is the step-N folder; default) or accelerate "
+        "(DST/pytorch_model_fsdp_0 + DST/optimizer_0)",
     )
     p.add_argument("--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors")
     p.add_argument(

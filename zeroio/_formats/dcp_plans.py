@@ -1,0 +1,102 @@
+"""Where a DCP tensor's flattened elements lie in its chunks: each chunk, a box of the full tensor, is a series of
+contiguous runs of the flattened tensor, read by byte range and reassembled by offset."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .dcp_metadata import Chunk, TensorEntry
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ChunkRuns", "chunk_runs", "read_entry_into", "whole_chunk_order"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRuns:
+    """A chunk as ``count`` runs of ``length`` elements; run ``r`` holds the chunk's elements ``[r * length, ...)``."""
+
+    first: int
+    """Flat index in the full tensor of the chunk's first element."""
+    length: int
+    count: int
+    outer_sizes: tuple[int, ...]
+    """The chunk's sizes in the dimensions that split it into runs (row-major)."""
+    outer_strides: tuple[int, ...]
+    """The full tensor's strides in those dimensions."""
+
+    def start(self, r: int) -> int:
+        """Flat index in the full tensor of run ``r``'s first element."""
+        flat = self.first
+        for size, stride in zip(reversed(self.outer_sizes), reversed(self.outer_strides)):
+            r, i = divmod(r, size)
+            flat += i * stride
+        return flat
+
+
+def chunk_runs(chunk: Chunk, shape: tuple[int, ...]) -> ChunkRuns:
+    """The runs of ``chunk`` in a tensor of ``shape``: the trailing dimensions it spans whole, and one more, are
+    contiguous in the full tensor."""
+    if not shape:
+        return ChunkRuns(0, 1, 1, (), ())
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    k = len(shape) - 1
+    while k > 0 and chunk.sizes[k] == shape[k]:
+        k -= 1
+    first = sum(o * s for o, s in zip(chunk.offsets, strides))
+    count = 1
+    for s in chunk.sizes[:k]:
+        count *= s
+    return ChunkRuns(first, chunk.sizes[k] * strides[k], count, tuple(chunk.sizes[:k]), tuple(strides[:k]))
+
+
+ReadChunk = Callable[[int, int, "torch.Tensor"], None]
+"""``read(chunk index, first chunk element, out)``: fill ``out`` with that chunk's elements."""
+
+
+def read_entry_into(entry: TensorEntry, start: int, out: torch.Tensor, read: ReadChunk) -> None:
+    """Fill ``out`` with the tensor's flattened elements ``[start, start + out.numel())`` from the chunks holding
+    them; only runs that meet the range are read (found by bisection: run starts grow with the run index)."""
+    end = start + out.numel()
+    for i, chunk in enumerate(entry.chunks):
+        if not chunk.numel:
+            continue
+        runs = chunk_runs(chunk, entry.shape)
+        lo, hi = 0, runs.count
+        while lo < hi:  # first run ending after `start`
+            mid = (lo + hi) // 2
+            if runs.start(mid) + runs.length <= start:
+                lo = mid + 1
+            else:
+                hi = mid
+        for r in range(lo, runs.count):
+            flat = runs.start(r)
+            if flat >= end:
+                break
+            a, b = max(start, flat), min(end, flat + runs.length)
+            if a < b:
+                read(i, r * runs.length + (a - flat), out[a - start : b - start])
+
+
+def whole_chunk_order(entry: TensorEntry) -> list[int] | None:
+    """Chunk indices in flat order when each non-empty chunk is one run and together they run back to back (row
+    sharding, what FSDP writes): the tensor's bytes are then the chunks' bytes concatenated. None otherwise."""
+    order = []
+    for i, chunk in enumerate(entry.chunks):
+        if chunk.numel:
+            runs = chunk_runs(chunk, entry.shape)
+            if runs.count != 1:
+                return None
+            order.append((runs.first, i))
+    order.sort()
+    expected = 0
+    for first, i in order:
+        if first != expected:
+            return None
+        expected += entry.chunks[i].numel
+    return [i for _, i in order]
