@@ -79,6 +79,7 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
     "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
     "zeroio._formats.bits": "fp32 -> fp16/bf16 rounding on raw bytes, checked against torch's casts",
+    "zeroio._load.shard_slices": "which global elements a DTensor placement gives a rank, checked against torch's",
     "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
 }
 

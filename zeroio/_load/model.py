@@ -17,7 +17,8 @@ from .._metadata import CheckpointMetadata, parse_dtype
 from .._text import SHOWN, listing
 from .._types import DTypeLike, InitHook, StrPath
 from .._write.progress import ByteProgress, Progress, check_progress
-from ..errors import InitHookError, StateDictMismatchError
+from ..errors import InitHookError, StateDictMismatchError, ZeroIOError
+from . import sharded
 from .device_copy import DeviceFiller
 from .key_map import KeyMap, apply_key_map, normalise_prefixes
 
@@ -322,8 +323,9 @@ def load(
 
         ckpt = open_checkpoint(path, tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
     try:
-        report = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
-        ckpt.finish_crc_checks()  # records read in part (flat-group padding)
+        report, partial = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
+        if not partial:  # a sharded load reads only this rank's slice: checking whole records would read them all
+            ckpt.finish_crc_checks()  # records read in part (flat-group padding)
         return report
     finally:
         if owned:
@@ -339,7 +341,8 @@ def _load(
     target_device: torch.device | None,
     key_map: KeyMap | None,
     progress: Progress,
-) -> LoadReport:
+) -> tuple[LoadReport, bool]:
+    """Steps 2-5 of :func:`load`; also says whether the model was sharded (each rank read only its slice)."""
     where = str(ckpt.metadata.path)
 
     # 2. The init hook builds lazily created layers; it runs exactly once, before keys are matched.
@@ -347,6 +350,8 @@ def _load(
 
     # 3. Match checkpoint keys to the model's parameters and persistent buffers (names and shapes only).
     by_key, all_slots = _slots(model)
+    sharded.check_supported(model, where)
+    is_sharded = any(sharded.is_sharded(slot.tensor) for slot in all_slots)
     infos = ckpt.infos
     mapped, dropped = apply_key_map(list(infos), key_map)
     mapped = normalise_prefixes(mapped, by_key)
@@ -370,7 +375,7 @@ def _load(
             )
         claimed[name] = key
         ckpt_shape = tuple(infos[key].shape)
-        model_shape = tuple(slot.tensor.shape)
+        model_shape = sharded.global_shape(slot.tensor)
         if ckpt_shape != model_shape:
             mismatched.append((name, ckpt_shape, model_shape))
             continue
@@ -380,14 +385,27 @@ def _load(
     # A tied model tensor is satisfied by any of its names; a size-mismatched one is reported once, as such.
     accounted = set(plan) | {id(by_key[name]) for name, _, _ in mismatched}
     missing = [k for k, slot in by_key.items() if id(slot) not in accounted]
+    failure: ZeroIOError | None = None
     if strict and (missing or unexpected or mismatched):
-        raise StateDictMismatchError(
+        failure = StateDictMismatchError(
             _mismatch_message(model, missing, unexpected, mismatched, where, len(plan)),
             missing_keys=missing,
             unexpected_keys=unexpected,
             mismatched_shapes=mismatched,
             path=where,
         )
+    # A sharded model: each rank plans its slices, and all ranks agree on any failure before anyone writes.
+    shard_plans: dict[int, sharded.ShardPlan] = {}
+    if is_sharded:
+        try:
+            for slot, key in plan.values() if failure is None else ():
+                if sharded.is_sharded(slot.tensor):
+                    shard_plans[id(slot)] = sharded.plan_shard(slot.tensor, slot.names[0], where)
+        except ZeroIOError as exc:
+            failure = exc
+        sharded.agree(failure, where)
+    elif failure is not None:
+        raise failure
 
     # 4. Stream: one tensor at a time, in the checkpoint's storage order, each read in bounded chunks.
     #    In place (copy_) when dtype and device already fit, so Parameter objects, ties and optimizer references
@@ -399,6 +417,12 @@ def _load(
     with closing(meter), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
+            if id(slot) in shard_plans:
+                new = sharded.fill_sharded(ckpt, key, old, shard_plans[id(slot)], target_dtype, target_device)
+                if new is not None:
+                    _install(slot, new)
+                meter.update(infos[key].nbytes)
+                continue
             want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
             want_device = target_device or (torch.device("cpu") if old.is_meta else old.device)
             if not old.is_meta and old.dtype == want_dtype and old.device == want_device:
@@ -454,4 +478,4 @@ def _load(
         len(unexpected),
         len(mismatched),
     )
-    return report
+    return report, is_sharded

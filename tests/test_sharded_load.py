@@ -1,0 +1,184 @@
+"""zeroio.load into models sharded across ranks (FSDP2, tensor parallel, 2-D meshes): every rank fills its own local
+shards, bit for bit equal to torch's own sharding of the engine's tensors, reading only its slice.
+
+Each job (2 ranks, then 4) starts its processes once and runs every case in them (tests/sharded_worker.py); the
+tests below assert on the records it printed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fixture_data import FIXTURES
+from test_distributed import finish, free_port, worker_env
+
+import zeroio
+
+WORKER = Path(__file__).with_name("sharded_worker.py")
+Z3 = FIXTURES / "z3_ws2_fp32"
+Z3_ENGINE = Z3 / "expected" / "engine.pt"
+BF16 = FIXTURES / "z2_ws2_bf16"
+UNIVERSAL = FIXTURES / "universal" / "universal_z3_ws2_fp32"
+BIG = {"vocab": 515, "dim": 96, "hidden": 67}  # uneven on 2 and 4 ranks; ~250 KB of fp32
+
+
+def case(id: str, src: Path | str, engine: Path | str = Z3_ENGINE, **kw: Any) -> dict[str, Any]:
+    return {"id": id, "src": str(src), "engine": str(engine), **kw}
+
+
+def run(tmp_path: Path, world: int, cases: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Run every case on ``world`` local gloo ranks; ``{case id: [record of rank 0, rank 1, ...]}``."""
+    spec = tmp_path / f"spec{world}.json"
+    spec.write_text(json.dumps({"cases": cases, "timeout": 60}))
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(spec)],
+            env=worker_env(rank, world, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = finish(procs, timeout=240)
+    by_case: dict[str, list[dict[str, Any]]] = {c["id"]: [] for c in cases}
+    for rank, (code, records, err) in enumerate(outputs):
+        assert code == 0, f"rank {rank} exited {code}:\n{err[-3000:]}"
+        for record in records:
+            by_case[record["id"]].append(record)
+    return by_case
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Sources beyond the fixtures: a safetensors conversion, and a larger safetensors model for byte counts."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("sharded_sources")
+    zeroio.convert(Z3, root / "st")
+    from layout_checks import tiny_model  # the fixtures' TinyLM builder
+
+    torch.manual_seed(0)
+    big = type(tiny_model())(**BIG)
+    state = {k: v.detach().clone() for k, v in big.state_dict().items() if k != "head.weight"}  # head is tied
+    save_file(state, str(root / "big.safetensors"))
+    torch.save(big.state_dict(), root / "big_engine.pt")
+    return {"st": root / "st", "big": root / "big.safetensors", "big_engine": root / "big_engine.pt"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) -> dict[str, list[dict]]:
+    big = {"dims": BIG}
+    cases = [
+        case("fsdp2", Z3, shard="fsdp2"),
+        case("fsdp2-meta", Z3, shard="fsdp2", build="meta", forward=True),
+        case("fsdp2-to_empty", Z3, shard="fsdp2", build="to_empty", forward=True),
+        case("fsdp2-bf16-mp", BF16, BF16 / "expected" / "engine.pt", shard="fsdp2", mp=True, dtype="bf16",
+             build="meta", forward=True),
+        case("fsdp2-dtype-arg", Z3, shard="fsdp2", build="meta", kwargs={"dtype": "bf16"}, dtype_ref="bf16"),
+        case("fsdp2-universal", UNIVERSAL, UNIVERSAL / "expected" / "engine.pt", shard="fsdp2", build="meta"),
+        case("fsdp2-safetensors", sources["st"], shard="fsdp2", build="meta"),
+        case("tp", Z3, shard="tp"),
+        case("tp-rowwise-embedding", Z3, shard="tp_rowemb", build="meta"),
+        case("tp-bf16", BF16, BF16 / "expected" / "engine.pt", shard="tp", dtype="bf16"),
+        case("big-fsdp2", sources["big"], sources["big_engine"], shard="fsdp2", build="meta", **big),
+        case("big-tp", sources["big"], sources["big_engine"], shard="tp", build="meta", **big),
+        case("mismatch-on-rank-1", Z3, shard="fsdp2", mismatch_rank=1),
+        case("mismatch-everywhere", Z3, shard="tp", build="meta", mismatch_rank="all"),
+        case("after-errors", Z3, shard="fsdp2"),
+    ]  # fmt: skip
+    return run(tmp_path_factory.mktemp("two_ranks"), 2, cases)
+
+
+LOADS = [
+    "fsdp2",
+    "fsdp2-meta",
+    "fsdp2-to_empty",
+    "fsdp2-bf16-mp",
+    "fsdp2-dtype-arg",
+    "fsdp2-universal",
+    "fsdp2-safetensors",
+    "tp",
+    "tp-rowwise-embedding",
+    "tp-bf16",
+    "big-fsdp2",
+    "big-tp",
+    "after-errors",
+]
+
+
+@pytest.mark.parametrize("name", LOADS)
+def test_each_rank_holds_torchs_own_shards(two_ranks: dict[str, list[dict]], name: str) -> None:
+    """Every local shard equals torch's sharding of the engine's tensors, bit for bit; layout and ties unchanged."""
+    records = two_ranks[name]
+    assert [r["rank"] for r in records] == [0, 1]
+    for record in records:
+        assert record["ok"], record
+        assert record["differ"] == [], record
+        assert record["same_layout"], record
+        assert record["tied"], record
+        assert record["missing"] == []
+    if name.startswith("tp"):  # the placements asked for: Colwise and Rowwise weights, replicated biases
+        assert {"['S(0)']", "['S(1)']", "['R']"} <= set(records[0]["placements"]), records[0]["placements"]
+        if "forward_equal" in record:
+            assert record["forward_equal"], record
+
+
+@pytest.mark.parametrize("name", ["big-fsdp2", "big-tp"])
+def test_each_rank_reads_only_its_slice(two_ranks: dict[str, list[dict]], name: str) -> None:
+    """Bytes a rank reads while loading (after open read the header) are <= 1.1x its local shards' bytes."""
+    for record in two_ranks[name]:
+        assert record["load_bytes"] <= 1.1 * record["local_bytes"], record
+        assert record["load_bytes"] >= record["local_bytes"], record  # the counter sees the reads at all
+
+
+def test_zero3_reads_its_slice(two_ranks: dict[str, list[dict]]) -> None:
+    """From ZeRO-3 rank files too: beyond the local shards only record headers are read (the first load of a
+    process also reads the rank files' metadata, so a later case of the job is measured)."""
+    for record in two_ranks["after-errors"]:
+        assert record["local_bytes"] <= record["load_bytes"] <= record["local_bytes"] + 1024, record
+
+
+def test_strict_mismatch_on_one_rank_raises_on_every_rank(two_ranks: dict[str, list[dict]]) -> None:
+    """A mismatch on rank 1 only: rank 1 raises StateDictMismatchError, rank 0 a ShardedModelError naming rank 1,
+    and nobody hangs (the job went on to the next case)."""
+    first, second = two_ranks["mismatch-on-rank-1"]
+    assert second["type"] == "StateDictMismatchError" and "size mismatch for mlp_in.weight" in second["message"]
+    assert first["type"] == "ShardedModelError" and first["error_rank"] == 1
+    assert (
+        first["message"].startswith("Rank 1 could not load '") and "size mismatch for mlp_in.weight" in first["message"]
+    )
+
+
+def test_strict_mismatch_everywhere(two_ranks: dict[str, list[dict]]) -> None:
+    """Global shapes are checked: a model whose global shape differs fails on every rank before anything is read."""
+    for record in two_ranks["mismatch-everywhere"]:
+        assert record["type"] == "StateDictMismatchError", record
+        assert (
+            "torch.Size([5, 7]) from checkpoint, the shape in current model is torch.Size([6, 7])" in record["message"]
+        )
+
+
+def test_two_dimensional_mesh(tmp_path: Path) -> None:
+    """4 ranks, FSDP2 over tensor parallel on a 2x2 mesh (strided-shard placements, uneven rows)."""
+    cases = [
+        case("2d", Z3, shard="2d"),
+        case("2d-meta", Z3, shard="2d", build="meta"),
+        case("2d-z3-ws4", FIXTURES / "z3_ws4_fp32", FIXTURES / "z3_ws4_fp32" / "expected" / "engine.pt", shard="2d"),
+    ]
+    records = run(tmp_path, 4, cases)
+    for name, by_rank in records.items():
+        assert len(by_rank) == 4, name
+        for record in by_rank:
+            assert record["ok"], record
+            assert record["differ"] == [] and record["same_layout"] and record["tied"], record
+            # FSDP2 over TP: a row-sharded (Colwise) weight becomes _StridedShard on dp, Shard(0) on tp.
+            assert "['_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
+            assert "['S(0)', 'S(1)']" in record["placements"], record["placements"]
