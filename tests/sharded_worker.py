@@ -63,7 +63,7 @@ def build(case: dict) -> nn.Module:
     return model
 
 
-def shard(model: nn.Module, case: dict, world: int) -> None:
+def shard(model: nn.Module, case: dict, world: int) -> nn.Module:
     """The user's sharding hook for each case kind."""
     kind = case["shard"]
     if kind == "fsdp2":
@@ -81,8 +81,13 @@ def shard(model: nn.Module, case: dict, world: int) -> None:
         for block in (model.mlp_in, model.mlp_out):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
     else:
         raise ValueError(kind)
+    return model
 
 
 def _tp(model: nn.Module, mesh: Any, kind: str) -> None:
@@ -106,13 +111,12 @@ def make_model(case: dict, world: int) -> nn.Module:
     if build_on == "meta" or build_on == "to_empty":
         with torch.device("meta"):
             model = build(case)
-        shard(model, case, world)
+        model = shard(model, case, world)
         if build_on == "to_empty":
             model.to_empty(device="cpu")
         return model
     model = build(case)
-    shard(model, case, world)
-    return model
+    return shard(model, case, world)
 
 
 def reference_model(case: dict, world: int, engine: dict[str, torch.Tensor]) -> nn.Module:
@@ -122,8 +126,7 @@ def reference_model(case: dict, world: int, engine: dict[str, torch.Tensor]) -> 
     ref.load_state_dict(engine)
     if case.get("dtype_ref", case.get("dtype")) == "bf16":
         ref = ref.to(torch.bfloat16)
-    shard(ref, case, world)
-    return ref
+    return shard(ref, case, world)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -142,7 +145,48 @@ def describe(model: nn.Module, dtypes: bool = True) -> dict[str, Any]:
     return out
 
 
+def run_zero_init(case: dict, rank: int, world: int) -> dict[str, Any]:
+    """A model built under deepspeed.zero.Init: zeroio fills each rank's ds_tensor; GatheredParameters then
+    yields the engine's tensors (cast to the model's dtype)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group already initialised
+    dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
+    config = {"train_batch_size": world, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype):
+        model = build(case)
+    params = dict(model.named_parameters())
+    before = {n: (tuple(p.shape), tuple(p.ds_tensor.shape), str(p.ds_tensor.dtype)) for n, p in params.items()}
+    read0 = rchar()
+    with zeroio.open(case["src"]) as ckpt:
+        opened = rchar()
+        report = zeroio.load(ckpt, model)
+        loaded = rchar()
+    after = {n: (tuple(p.shape), tuple(p.ds_tensor.shape), str(p.ds_tensor.dtype)) for n, p in params.items()}
+    engine = torch.load(case["engine"], weights_only=True)
+    differ = []
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        for name, p in model.state_dict(keep_vars=True).items():
+            want = engine[name].to(p.dtype) if engine[name].is_floating_point() else engine[name]
+            if p.dtype != want.dtype or p.shape != want.shape or not torch.equal(p.detach(), want):
+                differ.append(name)
+    local_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params.values())
+    return {
+        "ok": True,
+        "differ": differ,
+        "same_layout": before == after,
+        "tied": model.head.weight is model.emb.weight,
+        "missing": list(report.missing_keys),
+        "placements": [],
+        "open_bytes": opened - read0,
+        "load_bytes": loaded - opened,
+        "local_bytes": local_bytes,
+    }
+
+
 def run_case(case: dict, rank: int, world: int) -> dict[str, Any]:
+    if case["shard"] == "zero_init":
+        return run_zero_init(case, rank, world)
     src = case["src"]
     engine = torch.load(case["engine"], weights_only=True)
     model = make_model(case, world)

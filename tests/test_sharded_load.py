@@ -92,7 +92,11 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]
         case("big-tp", sources["big"], sources["big_engine"], shard="tp", build="meta", **big),
         case("mismatch-on-rank-1", Z3, shard="fsdp2", mismatch_rank=1),
         case("mismatch-everywhere", Z3, shard="tp", build="meta", mismatch_rank="all"),
+        case("fsdp1", Z3, shard="fsdp1"),
         case("after-errors", Z3, shard="fsdp2"),
+        # Last: importing DeepSpeed takes seconds.
+        case("zero-init", Z3, shard="zero_init"),
+        case("zero-init-bf16", BF16, BF16 / "expected" / "engine.pt", shard="zero_init", dtype="bf16"),
     ]  # fmt: skip
     return run(tmp_path_factory.mktemp("two_ranks"), 2, cases)
 
@@ -146,6 +150,18 @@ def test_zero3_reads_its_slice(two_ranks: dict[str, list[dict]]) -> None:
         assert record["local_bytes"] <= record["load_bytes"] <= record["local_bytes"] + 1024, record
 
 
+@pytest.mark.parametrize("name", ["zero-init", "zero-init-bf16"])
+def test_zero_init_partitions(two_ranks: dict[str, list[dict]], name: str) -> None:
+    """A deepspeed.zero.Init model: each rank fills its own ds_tensor (DeepSpeed's flat padded partition), so
+    GatheredParameters yields the engine's tensors; partitions keep their shapes, reads stay near them."""
+    for record in two_ranks[name]:
+        assert record["ok"], record
+        assert record["differ"] == [] and record["same_layout"] and record["tied"] and record["missing"] == []
+    # The second case of the job is past the first read of the rank files' metadata.
+    for record in two_ranks["zero-init-bf16"]:
+        assert record["load_bytes"] <= 2 * record["local_bytes"] + 1024, record  # fp32 masters into bf16
+
+
 def test_strict_mismatch_on_one_rank_raises_on_every_rank(two_ranks: dict[str, list[dict]]) -> None:
     """A mismatch on rank 1 only: rank 1 raises StateDictMismatchError, rank 0 a ShardedModelError naming rank 1,
     and nobody hangs (the job went on to the next case)."""
@@ -163,6 +179,18 @@ def test_strict_mismatch_everywhere(two_ranks: dict[str, list[dict]]) -> None:
         assert record["type"] == "StateDictMismatchError", record
         assert (
             "torch.Size([5, 7]) from checkpoint, the shape in current model is torch.Size([6, 7])" in record["message"]
+        )
+
+
+def test_fsdp1_is_refused_with_the_route_that_works(two_ranks: dict[str, list[dict]]) -> None:
+    """FSDP1's flat parameters are not filled: a typed error on every rank names loading before wrapping, or FSDP2."""
+    for record in two_ranks["fsdp1"]:
+        assert record["type"] == "ShardedModelError", record
+        assert record["message"] == (
+            f"Cannot load '{Z3 / 'global_step2'}' into FullyShardedDataParallel: the model is wrapped by FSDP1 "
+            "(FullyShardedDataParallel), whose flat parameters zeroio does not fill. Call zeroio.load on the model "
+            "before wrapping it, or shard it with FSDP2 (torch.distributed.fsdp.fully_shard), whose DTensor "
+            "parameters zeroio fills rank by rank."
         )
 
 

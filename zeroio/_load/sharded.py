@@ -68,11 +68,12 @@ def check_supported(model: nn.Module, where: str) -> None:
     for name, module in model.named_modules():
         cls = type(module)
         if cls.__name__ == "FullyShardedDataParallel" and cls.__module__.startswith("torch.distributed.fsdp"):
-            shown = name or type(model).__name__
+            shown = f"module '{name}'" if name else "the model"
             raise ShardedModelError(
-                f"Cannot load '{where}' into {shown}: it is wrapped by FSDP1 (FullyShardedDataParallel), whose flat "
-                "parameters zeroio does not fill. Call zeroio.load on the model before wrapping it, or shard it with "
-                "FSDP2 (torch.distributed.fsdp.fully_shard), whose DTensor parameters zeroio fills rank by rank.",
+                f"Cannot load '{where}' into {type(model).__name__}: {shown} is wrapped by FSDP1 "
+                "(FullyShardedDataParallel), whose flat parameters zeroio does not fill. Call zeroio.load on the model "
+                "before wrapping it, or shard it with FSDP2 (torch.distributed.fsdp.fully_shard), whose DTensor "
+                "parameters zeroio fills rank by rank.",
                 path=where,
                 name=name,
             )
