@@ -81,6 +81,8 @@ def shard(model: nn.Module, case: dict, world: int) -> nn.Module:
         for block in (model.mlp_in, model.mlp_out):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif kind == "none":
+        pass
     elif kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 

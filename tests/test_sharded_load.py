@@ -26,6 +26,7 @@ Z3_ENGINE = Z3 / "expected" / "engine.pt"
 BF16 = FIXTURES / "z2_ws2_bf16"
 UNIVERSAL = FIXTURES / "universal" / "universal_z3_ws2_fp32"
 BIG = {"vocab": 515, "dim": 96, "hidden": 67}  # uneven on 2 and 4 ranks; ~250 KB of fp32
+BIG_BYTES = 4 * (515 * 96 + 96 * 96 + 96 + 67 * 96 + 67 + 96 * 67 + 2 * 96 + 96)  # its tensors, in fp32
 
 
 def case(id: str, src: Path | str, engine: Path | str = Z3_ENGINE, **kw: Any) -> dict[str, Any]:
@@ -76,6 +77,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) -> dict[str, list[dict]]:
     big = {"dims": BIG}
+    rank0 = {"broadcast_from_rank0": True}
     cases = [
         case("fsdp2", Z3, shard="fsdp2"),
         case("fsdp2-meta", Z3, shard="fsdp2", build="meta", forward=True),
@@ -93,6 +95,10 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]
         case("mismatch-on-rank-1", Z3, shard="fsdp2", mismatch_rank=1),
         case("mismatch-everywhere", Z3, shard="tp", build="meta", mismatch_rank="all"),
         case("fsdp1", Z3, shard="fsdp1"),
+        case("broadcast-fsdp2", Z3, shard="fsdp2", build="meta", kwargs=rank0, forward=True),
+        case("broadcast-tp", BF16, BF16 / "expected" / "engine.pt", shard="tp", kwargs=rank0),
+        case("broadcast-unsharded", Z3, shard="none", build="meta", kwargs=rank0, forward=True),
+        case("broadcast-big-tp", sources["big"], sources["big_engine"], shard="tp", kwargs=rank0, **big),
         case("after-errors", Z3, shard="fsdp2"),
         # Last: importing DeepSpeed takes seconds.
         case("zero-init", Z3, shard="zero_init"),
@@ -115,6 +121,10 @@ LOADS = [
     "big-fsdp2",
     "big-tp",
     "after-errors",
+    "broadcast-fsdp2",
+    "broadcast-tp",
+    "broadcast-unsharded",
+    "broadcast-big-tp",
 ]
 
 
@@ -141,6 +151,13 @@ def test_each_rank_reads_only_its_slice(two_ranks: dict[str, list[dict]], name: 
     for record in two_ranks[name]:
         assert record["load_bytes"] <= 1.1 * record["local_bytes"], record
         assert record["load_bytes"] >= record["local_bytes"], record  # the counter sees the reads at all
+
+
+def test_broadcast_from_rank0_reads_on_rank_0_only(two_ranks: dict[str, list[dict]]) -> None:
+    """broadcast_from_rank0=True: rank 0 reads the tensors (all of them), rank 1 reads no tensor data at all."""
+    first, second = two_ranks["broadcast-big-tp"]
+    assert first["load_bytes"] >= BIG_BYTES, first
+    assert second["load_bytes"] < 1024, second
 
 
 def test_zero3_reads_its_slice(two_ranks: dict[str, list[dict]]) -> None:
@@ -210,3 +227,14 @@ def test_two_dimensional_mesh(tmp_path: Path) -> None:
             # FSDP2 over TP: a row-sharded (Colwise) weight becomes _StridedShard on dp, Shard(0) on tp.
             assert "['_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
             assert "['S(0)', 'S(1)']" in record["placements"], record["placements"]
+
+
+def test_broadcast_from_rank0_needs_a_process_group() -> None:
+    """Without torch.distributed initialised, broadcast_from_rank0=True is refused before anything is read."""
+    from layout_checks import tiny_model
+
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(zeroio.errors.ShardedModelError, match=r"^broadcast_from_rank0=True needs an initialised"):
+        zeroio.load(Z3, model, broadcast_from_rank0=True)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

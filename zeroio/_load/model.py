@@ -251,6 +251,7 @@ def load(
     verify_crc: bool = True,
     tp_rules: TPRules | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    broadcast_from_rank0: bool = False,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -286,6 +287,8 @@ def load(
             :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
         storage_options: options of the URL's fsspec filesystem (``s3://``, ``gs://``, ``hf://``,
             ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's environment credentials.
+        broadcast_from_rank0: every rank calls ``load``; rank 0 alone reads tensor data and broadcasts it chunk by
+            chunk, each rank keeping its slice (docs/loading.md "Sharded models": for storage slow under many readers).
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -323,7 +326,8 @@ def load(
 
         ckpt = open_checkpoint(path, tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
     try:
-        report, partial = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
+        fill = sharded.broadcast_segments if broadcast_from_rank0 else sharded.read_segments
+        report, partial = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill)
         if not partial:  # a sharded load reads only this rank's slice: checking whole records would read them all
             ckpt.finish_crc_checks()  # records read in part (flat-group padding)
         return report
@@ -341,6 +345,7 @@ def _load(
     target_device: torch.device | None,
     key_map: KeyMap | None,
     progress: Progress,
+    fill: sharded.Fill,
 ) -> tuple[LoadReport, bool]:
     """Steps 2-5 of :func:`load`; also says whether the model was sharded (each rank read only its slice)."""
     where = str(ckpt.metadata.path)
@@ -351,7 +356,8 @@ def _load(
     # 3. Match checkpoint keys to the model's parameters and persistent buffers (names and shapes only).
     by_key, all_slots = _slots(model)
     sharded.check_supported(model, where)
-    is_sharded = any(sharded.is_sharded(slot.tensor) for slot in all_slots)
+    broadcast = fill is sharded.broadcast_segments
+    is_sharded = broadcast or any(sharded.is_sharded(slot.tensor) for slot in all_slots)
     infos = ckpt.infos
     mapped, dropped = apply_key_map(list(infos), key_map)
     mapped = normalise_prefixes(mapped, by_key)
@@ -403,7 +409,7 @@ def _load(
                     shard_plans[id(slot)] = sharded.plan_shard(slot.tensor, slot.names[0], where)
         except ZeroIOError as exc:
             failure = exc
-        sharded.agree(failure, where)
+        sharded.agree(failure, where, broadcast=broadcast)
     elif failure is not None:
         raise failure
 
@@ -418,7 +424,7 @@ def _load(
         for slot, key in plan.values():
             old = slot.tensor
             if id(slot) in shard_plans:
-                new = sharded.fill_sharded(ckpt, key, old, shard_plans[id(slot)], target_dtype, target_device)
+                new = sharded.fill_sharded(ckpt, key, old, shard_plans[id(slot)], target_dtype, target_device, fill)
                 if new is not None:
                     _install(slot, new)
                 meter.update(infos[key].nbytes)
@@ -429,10 +435,13 @@ def _load(
                 dest = old
             else:
                 dest = torch.empty(old.shape, dtype=want_dtype, device=want_device)
-            if DeviceFiller.handles(dest):
+            if broadcast:
+                sharded.fill_whole(ckpt, key, dest, fill)
+            elif DeviceFiller.handles(dest):
                 on_device.setdefault(dest.device, []).append((slot, key, dest))
                 continue
-            _fill(ckpt, key, dest)
+            else:
+                _fill(ckpt, key, dest)
             if dest is not old:
                 _install(slot, dest)
             meter.update(infos[key].nbytes)

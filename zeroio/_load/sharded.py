@@ -9,7 +9,7 @@ process group).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +23,13 @@ if TYPE_CHECKING:
     from .._checkpoint import TensorReader
 
 __all__ = [
+    "Fill",
     "ShardPlan",
     "agree",
+    "broadcast_segments",
     "check_supported",
     "fill_sharded",
+    "fill_whole",
     "global_shape",
     "is_sharded",
     "plan_shard",
@@ -149,17 +152,24 @@ def plan_shard(tensor: torch.Tensor, name: str, where: str) -> ShardPlan:
     return ShardPlan(list(segments(shape, held)), local_shape)
 
 
-def agree(error: ZeroIOError | None, where: str) -> None:
+def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False) -> None:
     """Raise on every rank if any rank failed to plan its load, before any rank writes (one small all_gather).
 
     A rank whose own check passed raises :class:`ShardedModelError` naming the failing rank, so none is left
-    waiting in a later collective. Without an initialised process group, ``error`` is simply raised.
+    waiting in a later collective. Without an initialised process group, ``error`` is simply raised (and
+    ``broadcast``, which needs one, is refused).
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         if error is not None:
             raise error
+        if broadcast:
+            raise ShardedModelError(
+                f"broadcast_from_rank0=True needs an initialised torch.distributed process group to load '{where}'. "
+                "Call torch.distributed.init_process_group first (torchrun sets its variables), or drop the option.",
+                path=where,
+            )
         return
     mine = None if error is None else (type(error).__name__, str(error))
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -213,6 +223,63 @@ def read_segments(
         flat[out : out + filled].copy_(staging[:filled])
 
 
+def broadcast_segments(
+    ckpt: TensorReader, name: str, parts: Iterable[Segment], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+) -> None:
+    """:func:`read_segments` for ``broadcast_from_rank0``: rank 0 alone reads the whole tensor, chunk by chunk, and
+    broadcasts each chunk; every rank keeps the elements of its ``parts``. All ranks call it for the same tensors
+    in the same order (the plan is built from checkpoint keys, in checkpoint order, after the ranks agreed)."""
+    import torch.distributed as dist
+
+    info = ckpt.info(name)
+    source = ckpt.source_name(name)
+    stored = ckpt.stored_dtype(name)
+    # NCCL broadcasts device memory only; gloo host memory.
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    step = max(1, chunk_bytes // stored.itemsize)
+    buffer = torch.empty(min(step, max(1, info.numel)), dtype=stored, device=on)
+    host = buffer if on.type == "cpu" else torch.empty(buffer.numel(), dtype=stored)
+    flat = dest.view(-1)
+    placed: list[tuple[int, int, int]] = []  # (global start, length, local start), in global order
+    local = 0
+    for start, length in parts:
+        placed.append((start, length, local))
+        local += length
+    placed.sort()
+    first = 0  # the first placed range that may still overlap the next chunk
+    rank = dist.get_rank()
+    for lo in range(0, info.numel, step):
+        n = min(step, info.numel - lo)
+        if rank == 0:
+            ckpt.read_into(source, lo, host[:n])
+            if host is not buffer:
+                buffer[:n].copy_(host[:n])
+        dist.broadcast(buffer[:n], src=0)
+        hi = lo + n
+        while first < len(placed) and placed[first][0] + placed[first][1] <= lo:
+            first += 1
+        for start, length, at in placed[first:]:
+            if start >= hi:
+                break
+            a, b = max(start, lo), min(start + length, hi)
+            flat[at + a - start : at + b - start].copy_(buffer[a - lo : b - lo])
+
+
+Fill = Callable[["TensorReader", str, Sequence[Segment], torch.Tensor], None]
+"""How a local part is filled: :func:`read_segments` (each rank reads) or :func:`broadcast_segments`."""
+
+
+def fill_whole(ckpt: TensorReader, name: str, dest: torch.Tensor, fill: Fill) -> None:
+    """Fill an unsharded ``dest`` with all of checkpoint tensor ``name`` (``broadcast_from_rank0`` loads)."""
+    whole = [(0, ckpt.info(name).numel)] if dest.numel() else []
+    if dest.is_contiguous():
+        fill(ckpt, name, whole, dest)
+    else:
+        staged = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+        fill(ckpt, name, whole, staged)
+        dest.copy_(staged)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     t: Any = tensor
     local: torch.Tensor = t.ds_tensor if _is_zero_init(tensor) else t.to_local()
@@ -226,6 +293,7 @@ def fill_sharded(
     plan: ShardPlan,
     dtype: torch.dtype | None,
     device: torch.device | None,
+    fill: Fill,
 ) -> torch.Tensor | None:
     """Fill this rank's part of ``tensor`` with its slice of checkpoint tensor ``name``.
 
@@ -239,13 +307,13 @@ def fill_sharded(
     want_device = device or (torch.device("cpu") if local.is_meta else local.device)
     if _is_zero_init(tensor) or (not local.is_meta and local.dtype == want_dtype and local.device == want_device):
         dest = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
-        read_segments(ckpt, name, plan.segments, dest)
+        fill(ckpt, name, plan.segments, dest)
         if dest is not local:
             local.copy_(dest)
         return None
     from torch.distributed.tensor import DTensor
 
     dest = torch.empty(plan.local_shape, dtype=want_dtype, device=want_device)
-    read_segments(ckpt, name, plan.segments, dest)
+    fill(ckpt, name, plan.segments, dest)
     t: Any = tensor
     return DTensor.from_local(dest, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
