@@ -8,6 +8,7 @@ tests below assert on the records it printed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +34,18 @@ def case(id: str, src: Path | str, engine: Path | str = Z3_ENGINE, **kw: Any) ->
     return {"id": id, "src": str(src), "engine": str(engine), **kw}
 
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "loading.md"
+DOC_BLOCKS = re.findall(r'```python title="(sharded[^"]*)"\n(.*?)```', DOCS.read_text(), flags=re.DOTALL)
+
+
 def run(tmp_path: Path, world: int, cases: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Run every case on ``world`` local gloo ranks; ``{case id: [record of rank 0, rank 1, ...]}``."""
+    """Run every case on ``world`` local gloo ranks; ``{case id: [record of rank 0, rank 1, ...]}``.
+
+    The docs' "Sharded models" examples for ``world`` ranks run first, in the same processes."""
     spec = tmp_path / f"spec{world}.json"
-    spec.write_text(json.dumps({"cases": cases, "timeout": 60}))
+    prefix = "sharded-4:" if world == 4 else "sharded:"
+    docs = [(title, block) for title, block in DOC_BLOCKS if title.startswith(prefix)]
+    spec.write_text(json.dumps({"cases": cases, "timeout": 60, "docs": docs}))
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -49,7 +58,7 @@ def run(tmp_path: Path, world: int, cases: list[dict[str, Any]]) -> dict[str, li
         for rank in range(world)
     ]
     outputs = finish(procs, timeout=240)
-    by_case: dict[str, list[dict[str, Any]]] = {c["id"]: [] for c in cases}
+    by_case: dict[str, list[dict[str, Any]]] = {c["id"]: [] for c in [*cases, {"id": "docs"}]}
     for rank, (code, records, err) in enumerate(outputs):
         assert code == 0, f"rank {rank} exited {code}:\n{err[-3000:]}"
         for record in records:
@@ -219,6 +228,7 @@ def test_two_dimensional_mesh(tmp_path: Path) -> None:
         case("2d-z3-ws4", FIXTURES / "z3_ws4_fp32", FIXTURES / "z3_ws4_fp32" / "expected" / "engine.pt", shard="2d"),
     ]
     records = run(tmp_path, 4, cases)
+    assert [r["ok"] for r in records.pop("docs")] == [True] * 4
     for name, by_rank in records.items():
         assert len(by_rank) == 4, name
         for record in by_rank:
@@ -227,6 +237,12 @@ def test_two_dimensional_mesh(tmp_path: Path) -> None:
             # FSDP2 over TP: a row-sharded (Colwise) weight becomes _StridedShard on dp, Shard(0) on tp.
             assert "['_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
             assert "['S(0)', 'S(1)']" in record["placements"], record["placements"]
+
+
+def test_docs_examples_run(two_ranks: dict[str, list[dict]]) -> None:
+    """docs/loading.md's "Sharded models" examples ran verbatim on both ranks (the 4-rank one in the 2-D test)."""
+    assert len(DOC_BLOCKS) == 6
+    assert [r["ok"] for r in two_ranks["docs"]] == [True, True]
 
 
 def test_broadcast_from_rank0_needs_a_process_group() -> None:
