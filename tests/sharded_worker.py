@@ -227,6 +227,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, Any]:
         "layout_after": after if before != after else None,
         "tied": tied,
         "placements": sorted({str(v["placements"]) for v in after.values()}),
+        "mlp_in_local_rows": after["mlp_in.weight"]["local_shape"][0],
         "missing": list(report.missing_keys),
         "meta": list(report.meta_keys),
         "open_bytes": opened - read0,

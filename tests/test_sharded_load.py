@@ -45,7 +45,7 @@ def run(tmp_path: Path, world: int, cases: list[dict[str, Any]]) -> dict[str, li
     spec = tmp_path / f"spec{world}.json"
     prefix = "sharded-4:" if world == 4 else "sharded:"
     docs = [(title, block) for title, block in DOC_BLOCKS if title.startswith(prefix)]
-    spec.write_text(json.dumps({"cases": cases, "timeout": 60, "docs": docs}))
+    spec.write_text(json.dumps({"cases": cases, "timeout": 180, "docs": docs}))
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -88,7 +88,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]
     big = {"dims": BIG}
     rank0 = {"broadcast_from_rank0": True}
     cases = [
-        case("fsdp2", Z3, shard="fsdp2"),
+        case("fsdp2", Z3, shard="fsdp2", forward=True),
         case("fsdp2-meta", Z3, shard="fsdp2", build="meta", forward=True),
         case("fsdp2-to_empty", Z3, shard="fsdp2", build="to_empty", forward=True),
         case("fsdp2-bf16-mp", BF16, BF16 / "expected" / "engine.pt", shard="fsdp2", mp=True, dtype="bf16",
@@ -221,10 +221,20 @@ def test_fsdp1_is_refused_with_the_route_that_works(two_ranks: dict[str, list[di
 
 
 def test_two_dimensional_mesh(tmp_path: Path) -> None:
-    """4 ranks, FSDP2 over tensor parallel on a 2x2 mesh (strided-shard placements, uneven rows)."""
+    """4 ranks: FSDP2 over tensor parallel on a 2x2 mesh (strided-shard placements, uneven rows), and FSDP2 with an
+    empty shard."""
     cases = [
         case("2d", Z3, shard="2d"),
         case("2d-meta", Z3, shard="2d", build="meta"),
+        # 5 rows on 4 ranks: torch.chunk gives 2, 2, 1 and an empty shard on rank 3.
+        case(
+            "fsdp2-4-ranks",
+            FIXTURES / "z3_ws4_fp32",
+            FIXTURES / "z3_ws4_fp32" / "expected" / "engine.pt",
+            shard="fsdp2",
+            build="meta",
+            forward=True,
+        ),
         case("2d-z3-ws4", FIXTURES / "z3_ws4_fp32", FIXTURES / "z3_ws4_fp32" / "expected" / "engine.pt", shard="2d"),
     ]
     records = run(tmp_path, 4, cases)
@@ -234,6 +244,11 @@ def test_two_dimensional_mesh(tmp_path: Path) -> None:
         for record in by_rank:
             assert record["ok"], record
             assert record["differ"] == [] and record["same_layout"] and record["tied"], record
+            if "forward_equal" in record:
+                assert record["forward_equal"], record
+            if name == "fsdp2-4-ranks":
+                assert record["rank"] != 3 or record["mlp_in_local_rows"] == 0, record
+                continue
             # FSDP2 over TP: a row-sharded (Colwise) weight becomes _StridedShard on dp, Shard(0) on tp.
             assert "['_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
             assert "['S(0)', 'S(1)']" in record["placements"], record["placements"]
