@@ -280,6 +280,15 @@ def fill_whole(ckpt: TensorReader, name: str, dest: torch.Tensor, fill: Fill) ->
         dest.copy_(staged)
 
 
+def _mesh_device(tensor: torch.Tensor) -> torch.device:
+    """Where a meta DTensor's shard belongs: its mesh's device type (this process's current CUDA device for
+    ``"cuda"``, as FSDP2 and DeviceMesh place it), not the CPU a meta tensor of a whole model defaults to."""
+    kind = getattr(tensor, "device_mesh").device_type  # noqa: B009 (an attribute torch does not type)
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     t: Any = tensor
     local: torch.Tensor = t.ds_tensor if _is_zero_init(tensor) else t.to_local()
@@ -304,7 +313,7 @@ def fill_sharded(
     """
     local = _local(tensor)
     want_dtype = dtype if (dtype is not None and local.is_floating_point()) else local.dtype
-    want_device = device or (torch.device("cpu") if local.is_meta else local.device)
+    want_device = device or (_mesh_device(tensor) if local.is_meta else local.device)
     if _is_zero_init(tensor) or (not local.is_meta and local.dtype == want_dtype and local.device == want_device):
         dest = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
         fill(ckpt, name, plan.segments, dest)
