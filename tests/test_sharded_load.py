@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ import pytest
 import torch
 from fixture_data import FIXTURES
 from test_distributed import finish, free_port, worker_env
+from test_remote_http import _Ranged as Ranged
+from test_remote_http import _serve as serve
 
 import zeroio
 
@@ -84,7 +87,14 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) -> dict[str, list[dict]]:
+def web(sources: dict[str, Path]) -> Iterator[str]:
+    """An http:// server answering Range requests (as object stores and CDNs do) over the sources' folder."""
+    pytest.importorskip("aiohttp")  # fsspec's HTTP filesystem
+    yield from serve(Ranged, sources["st"].parent)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path], web: str) -> dict[str, list[dict]]:
     big = {"dims": BIG}
     rank0 = {"broadcast_from_rank0": True}
     cases = [
@@ -96,6 +106,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]
         case("fsdp2-dtype-arg", Z3, shard="fsdp2", build="meta", kwargs={"dtype": "bf16"}, dtype_ref="bf16"),
         case("fsdp2-universal", UNIVERSAL, UNIVERSAL / "expected" / "engine.pt", shard="fsdp2", build="meta"),
         case("fsdp2-safetensors", sources["st"], shard="fsdp2", build="meta"),
+        case("tp-http", f"{web}/st/model.safetensors", shard="tp", build="meta"),
         case("tp", Z3, shard="tp"),
         case("tp-rowwise-embedding", Z3, shard="tp_rowemb", build="meta"),
         case("tp-bf16", BF16, BF16 / "expected" / "engine.pt", shard="tp", dtype="bf16"),
@@ -124,6 +135,7 @@ LOADS = [
     "fsdp2-dtype-arg",
     "fsdp2-universal",
     "fsdp2-safetensors",
+    "tp-http",
     "tp",
     "tp-rowwise-embedding",
     "tp-bf16",
