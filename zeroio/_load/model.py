@@ -401,16 +401,9 @@ def _load(
             path=where,
         )
     # A sharded model: each rank plans its slices, and all ranks agree on any failure before anyone writes.
-    shard_plans: dict[int, sharded.ShardPlan] = {}
-    if is_sharded:
-        try:
-            for slot, key in plan.values() if failure is None else ():
-                if sharded.is_sharded(slot.tensor):
-                    shard_plans[id(slot)] = sharded.plan_shard(slot.tensor, slot.names[0], where)
-        except ZeroIOError as exc:
-            failure = exc
-        sharded.agree(failure, where, broadcast=broadcast)
-    elif failure is not None:
+    targets = {id(slot): (slot.tensor, slot.names[0]) for slot, _ in plan.values()}
+    shard_plans = sharded.plan_agreed(targets, failure, where, broadcast) if is_sharded else {}
+    if failure is not None:
         raise failure
 
     # 4. Stream: one tensor at a time, in the checkpoint's storage order, each read in bounded chunks.

@@ -32,6 +32,7 @@ __all__ = [
     "fill_whole",
     "global_shape",
     "is_sharded",
+    "plan_agreed",
     "plan_shard",
     "read_segments",
 ]
@@ -184,6 +185,22 @@ def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False) -> 
                 path=where,
                 rank=rank,
             )
+
+
+def plan_agreed(
+    targets: dict[int, tuple[torch.Tensor, str]], failure: ZeroIOError | None, where: str, broadcast: bool
+) -> dict[int, ShardPlan]:
+    """Plan each sharded target (``{key: (tensor, name)}``) unless ``failure`` already stopped the load; then all
+    ranks agree (:func:`agree`), so an error on any rank is raised on every rank before anything is written."""
+    plans: dict[int, ShardPlan] = {}
+    try:
+        for key, (tensor, name) in targets.items() if failure is None else ():
+            if is_sharded(tensor):
+                plans[key] = plan_shard(tensor, name, where)
+    except ZeroIOError as exc:
+        failure = exc
+    agree(failure, where, broadcast=broadcast)
+    return plans
 
 
 # --------------------------------------------------------------------------- reading
