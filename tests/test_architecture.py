@@ -80,6 +80,7 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._pickles": "the restricted unpickler: its contract is the raw tree, which no public call returns",
     "zeroio._dtypes": "the torch-free dtype vocabulary, checked against torch's own dtypes",
     "zeroio._formats.bits": "fp32 master vs 16-bit copy on raw bytes (rounded by zeroio._io.casts), against torch",
+    "zeroio._load.shard_slices": "which global elements a DTensor placement gives a rank, checked against torch's",
     "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
     "zeroio._formats.patterns": "bounded regex matching: which patterns are refused, and match results equal re's",
 }
@@ -433,3 +434,19 @@ def test_architecture_doc_names_every_module():
         f"modules not named in {ARCHITECTURE_DOC.relative_to(ROOT)} (add each to the layer diagram, as its path "
         f"under zeroio/ in backticks): {', '.join(sorted(missing))}"
     )
+
+
+# --------------------------------------------------------------------------- (g) loggers that redact
+
+
+def test_every_logger_comes_from_get_logger():
+    """Modules log through ``zeroio._text.get_logger``, whose filter hides URL credentials (docs/security.md); a
+    plain ``logging.getLogger`` would print them."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for name, path in MODULES.items()
+        if name != "zeroio._text"
+        for node in ast.walk(_parse(path))
+        if isinstance(node, ast.Attribute) and node.attr == "getLogger"
+    ]
+    assert offenders == [], "use zeroio._text.get_logger(__name__):\n" + "\n".join(offenders)

@@ -15,6 +15,7 @@
     ├── HubError(ZeroIOError, RuntimeError)                       a push failed; the huggingface_hub error is __cause__
     ├── StateDictMismatchError(ZeroIOError, RuntimeError)         strict load: missing/unexpected/shape mismatch
     ├── InitHookError(ZeroIOError, RuntimeError)                  the model's sharded-init hook raised; __cause__ has it
+    ├── ShardedModelError(ZeroIOError, RuntimeError)              a sharded model zeroio cannot fill, or another rank failed
     └── CheckpointClosedError(ZeroIOError, RuntimeError)          use after close
 
 Each exception carries the facts of the failure as attributes (``path``, ``name``,
@@ -40,6 +41,7 @@ __all__ = [
     "OutputError",
     "PartitionMismatchError",
     "RemoteStorageError",
+    "ShardedModelError",
     "StateDictMismatchError",
     "TensorNotFoundError",
     "UnsafePickleError",
@@ -161,6 +163,10 @@ class StateDictMismatchError(ZeroIOError, RuntimeError):
 
 class InitHookError(ZeroIOError, RuntimeError):
     """The sharded-init hook (``configure_model`` or ``init_hook``) raised; nothing was loaded."""
+
+
+class ShardedModelError(ZeroIOError, RuntimeError):
+    """A sharded model zeroio cannot fill (FSDP1, Partial placements), or another rank failed: nothing was loaded."""
 
 
 class CheckpointClosedError(ZeroIOError, RuntimeError):

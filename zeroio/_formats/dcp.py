@@ -11,7 +11,6 @@ inside a ``.distcp`` file, are located on first read and read by byte range. Lay
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from .._io.sources import ByteRange, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import EmbeddedTensor, global_name, load_dcp_metadata, load_embedded
 from .._pickles.dcp_meta import MAX_METADATA_BYTES
+from .._text import get_logger
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DcpCheckpoint", "is_dcp", "open_dcp"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 METADATA = ".metadata"
 ACCELERATE_MODEL = "pytorch_model_fsdp_0"

@@ -17,7 +17,8 @@ from .._options import read_options
 from .._text import SHOWN, get_logger, listing
 from .._types import DTypeLike, InitHook, StrPath
 from .._write.progress import ByteProgress, Progress, check_progress
-from ..errors import InitHookError, StateDictMismatchError
+from ..errors import InitHookError, StateDictMismatchError, ZeroIOError
+from . import sharded
 from .device_copy import DeviceFiller
 from .key_map import KeyMap, apply_key_map, normalise_prefixes
 
@@ -250,6 +251,7 @@ def load(
     verify_crc: bool = True,
     tp_rules: TPRules | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    broadcast_from_rank0: bool = False,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -285,6 +287,8 @@ def load(
             :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
         storage_options: options of the URL's fsspec filesystem (``s3://``, ``gs://``, ``hf://``,
             ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's environment credentials.
+        broadcast_from_rank0: every rank calls ``load``; rank 0 alone reads tensor data and broadcasts it chunk by
+            chunk, each rank keeping its slice (docs/loading.md "Sharded models": for storage slow under many readers).
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -323,8 +327,10 @@ def load(
         read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
         ckpt = open_checkpoint(path, read)
     try:
-        report = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress)
-        ckpt.finish_crc_checks()  # records read in part (flat-group padding)
+        fill = sharded.broadcast_segments if broadcast_from_rank0 else sharded.read_segments
+        report, partial = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill)
+        if not partial:  # a sharded load reads only this rank's slice: checking whole records would read them all
+            ckpt.finish_crc_checks()  # records read in part (flat-group padding)
         return report
     finally:
         if owned:
@@ -340,7 +346,9 @@ def _load(
     target_device: torch.device | None,
     key_map: KeyMap | None,
     progress: Progress,
-) -> LoadReport:
+    fill: sharded.Fill,
+) -> tuple[LoadReport, bool]:
+    """Steps 2-5 of :func:`load`; also says whether the model was sharded (each rank read only its slice)."""
     where = str(ckpt.metadata.path)
 
     # 2. The init hook builds lazily created layers; it runs exactly once, before keys are matched.
@@ -348,6 +356,9 @@ def _load(
 
     # 3. Match checkpoint keys to the model's parameters and persistent buffers (names and shapes only).
     by_key, all_slots = _slots(model)
+    sharded.check_supported(model, where)
+    broadcast = fill is sharded.broadcast_segments
+    is_sharded = broadcast or any(sharded.is_sharded(slot.tensor) for slot in all_slots)
     infos = ckpt.infos
     mapped, dropped = apply_key_map(list(infos), key_map)
     mapped = normalise_prefixes(mapped, by_key)
@@ -371,7 +382,7 @@ def _load(
             )
         claimed[name] = key
         ckpt_shape = tuple(infos[key].shape)
-        model_shape = tuple(slot.tensor.shape)
+        model_shape = sharded.global_shape(slot.tensor)
         if ckpt_shape != model_shape:
             mismatched.append((name, ckpt_shape, model_shape))
             continue
@@ -381,14 +392,20 @@ def _load(
     # A tied model tensor is satisfied by any of its names; a size-mismatched one is reported once, as such.
     accounted = set(plan) | {id(by_key[name]) for name, _, _ in mismatched}
     missing = [k for k, slot in by_key.items() if id(slot) not in accounted]
+    failure: ZeroIOError | None = None
     if strict and (missing or unexpected or mismatched):
-        raise StateDictMismatchError(
+        failure = StateDictMismatchError(
             _mismatch_message(model, missing, unexpected, mismatched, where, len(plan)),
             missing_keys=missing,
             unexpected_keys=unexpected,
             mismatched_shapes=mismatched,
             path=where,
         )
+    # A sharded model: each rank plans its slices, and all ranks agree on any failure before anyone writes.
+    targets = {id(slot): (slot.tensor, slot.names[0]) for slot, _ in plan.values()}
+    shard_plans = sharded.plan_agreed(targets, failure, where, broadcast) if is_sharded else {}
+    if failure is not None:
+        raise failure
 
     # 4. Stream: one tensor at a time, in the checkpoint's storage order, each read in bounded chunks.
     #    In place (copy_) when dtype and device already fit, so Parameter objects, ties and optimizer references
@@ -400,16 +417,25 @@ def _load(
     with closing(meter), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
+            if id(slot) in shard_plans:
+                new = sharded.fill_sharded(ckpt, key, old, shard_plans[id(slot)], target_dtype, target_device, fill)
+                if new is not None:
+                    _install(slot, new)
+                meter.update(infos[key].nbytes)
+                continue
             want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
             want_device = target_device or (torch.device("cpu") if old.is_meta else old.device)
             if not old.is_meta and old.dtype == want_dtype and old.device == want_device:
                 dest = old
             else:
                 dest = torch.empty(old.shape, dtype=want_dtype, device=want_device)
-            if DeviceFiller.handles(dest):
+            if broadcast:
+                sharded.fill_whole(ckpt, key, dest, fill)
+            elif DeviceFiller.handles(dest):
                 on_device.setdefault(dest.device, []).append((slot, key, dest))
                 continue
-            _fill(ckpt, key, dest)
+            else:
+                _fill(ckpt, key, dest)
             if dest is not old:
                 _install(slot, dest)
             meter.update(infos[key].nbytes)
@@ -455,4 +481,4 @@ def _load(
         len(unexpected),
         len(mismatched),
     )
-    return report
+    return report, is_sharded

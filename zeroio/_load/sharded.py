@@ -1,0 +1,345 @@
+"""Loading into sharded parameters (FSDP2 / tensor-parallel DTensors, DeepSpeed ``zero.Init`` partitions): each rank
+reads only the elements its local shard holds, through the reader contract (``read_into``), with no collectives.
+
+torch.distributed is imported only when the model holds a DTensor; DeepSpeed is never imported (a ``zero.Init``
+parameter is recognised by its ``ds_tensor``/``ds_shape`` attributes, and its partition group is a plain torch
+process group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .._text import get_logger
+from ..errors import ShardedModelError, ZeroIOError
+from .shard_slices import Placement, Segment, local_indices, segments
+
+if TYPE_CHECKING:
+    from .._checkpoint import TensorReader
+
+__all__ = [
+    "Fill",
+    "ShardPlan",
+    "agree",
+    "broadcast_segments",
+    "check_supported",
+    "fill_sharded",
+    "fill_whole",
+    "global_shape",
+    "is_sharded",
+    "plan_agreed",
+    "plan_shard",
+    "read_segments",
+]
+
+logger = get_logger(__name__)
+
+CHUNK_BYTES = 16 * 1024 * 1024
+"""Largest staging buffer per read (when the local shard's dtype or device differs from the stored dtype)."""
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (also as an ``nn.Parameter``), recognised without importing it."""
+    return any(
+        cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed") for cls in type(tensor).__mro__
+    )
+
+
+def _is_zero_init(tensor: torch.Tensor) -> bool:
+    """A DeepSpeed ``zero.Init`` partitioned parameter: ``ds_tensor`` holds this rank's flat, padded partition."""
+    return getattr(tensor, "ds_tensor", None) is not None and hasattr(tensor, "ds_shape")
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds only a part of its values on this rank (a DTensor or a ``zero.Init`` parameter)."""
+    return _is_dtensor(tensor) or _is_zero_init(tensor)
+
+
+def global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape a checkpoint tensor must have to fill ``tensor`` (``ds_shape`` for a ``zero.Init`` parameter)."""
+    if _is_zero_init(tensor):
+        return tuple(int(n) for n in getattr(tensor, "ds_shape"))  # noqa: B009 (an attribute torch does not type)
+    return tuple(tensor.shape)
+
+
+def check_supported(model: nn.Module, where: str) -> None:
+    """Refuse FSDP1 wrappers: their flat parameters hide the model's own shapes and names from ``state_dict`` keys."""
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls.__name__ == "FullyShardedDataParallel" and cls.__module__.startswith("torch.distributed.fsdp"):
+            shown = f"module '{name}'" if name else "the model"
+            raise ShardedModelError(
+                f"Cannot load '{where}' into {type(model).__name__}: {shown} is wrapped by FSDP1 "
+                "(FullyShardedDataParallel), whose flat parameters zeroio does not fill. Call zeroio.load on the model "
+                "before wrapping it, or shard it with FSDP2 (torch.distributed.fsdp.fully_shard), whose DTensor "
+                "parameters zeroio fills rank by rank.",
+                path=where,
+                name=name,
+            )
+
+
+# --------------------------------------------------------------------------- planning (before anything is written)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """Which flattened elements of the checkpoint tensor this rank's part of one parameter holds."""
+
+    segments: list[Segment]
+    """Flat ranges of the global tensor, in the local shard's element order."""
+    local_shape: tuple[int, ...]
+    """Shape of the local part (the DTensor's local tensor, or the flat ``ds_tensor``)."""
+
+
+def _placement(p: Any, name: str, where: str) -> Placement:
+    """A DTensor placement as plain values (see shard_slices); Partial (pending reductions) cannot be loaded."""
+    if type(p).__name__ == "_StridedShard":
+        return ("strided", int(p.dim), int(p.split_factor))
+    if p.is_shard():
+        return ("shard", int(p.dim), 1)
+    if p.is_replicate():
+        return ("replicate", 0, 1)
+    raise ShardedModelError(
+        f"Cannot load '{name}' from '{where}': its DTensor placement {p} is neither Shard nor Replicate (a Partial "
+        "tensor holds pending sums, not values). Redistribute it to Shard or Replicate before loading.",
+        path=where,
+        name=name,
+    )
+
+
+def plan_shard(tensor: torch.Tensor, name: str, where: str) -> ShardPlan:
+    """This rank's slice of ``tensor`` (a DTensor or ``zero.Init`` parameter) as flat ranges of the global tensor.
+
+    Raises:
+        ShardedModelError: a placement zeroio cannot fill, or a local shape that disagrees with its placements.
+    """
+    t: Any = tensor  # a DTensor or a zero.Init parameter: attributes torch.Tensor does not declare
+    shape = global_shape(tensor)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if _is_zero_init(tensor):
+        import torch.distributed as dist
+
+        size = t.ds_tensor.numel()
+        # DeepSpeed 0.19.8 (partition_parameters._partition_param): rank r of param.ds_process_group holds
+        # flat elements [r * size, (r + 1) * size), the last partitions padded past ds_numel.
+        start = dist.get_rank(group=t.ds_process_group) * size
+        length = max(0, min(size, numel - start))
+        return ShardPlan([(start, length)] if length else [], (size,))
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    placements = [_placement(p, name, where) for p in t.placements]
+    if coordinate is None:  # this rank is not in the mesh: it holds nothing
+        return ShardPlan([], tuple(t.to_local().shape))
+    held = local_indices(shape, tuple(mesh.shape), coordinate, placements)
+    local_shape = tuple(len(h) for h in held)
+    found = tuple(t.to_local().shape)
+    if found != local_shape:
+        raise ShardedModelError(
+            f"Cannot load '{name}' from '{where}': its local shard has shape {found}, but placements "
+            f"{tuple(t.placements)} of shape {shape} on mesh {tuple(mesh.shape)} give {local_shape} at mesh "
+            f"coordinate {tuple(coordinate)}. Report this layout to zeroio; load before sharding as a workaround.",
+            path=where,
+            name=name,
+            expected=local_shape,
+            found=found,
+        )
+    return ShardPlan(list(segments(shape, held)), local_shape)
+
+
+def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False) -> None:
+    """Raise on every rank if any rank failed to plan its load, before any rank writes (one small all_gather).
+
+    A rank whose own check passed raises :class:`ShardedModelError` naming the failing rank, so none is left
+    waiting in a later collective. Without an initialised process group, ``error`` is simply raised (and
+    ``broadcast``, which needs one, is refused).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        if broadcast:
+            raise ShardedModelError(
+                f"broadcast_from_rank0=True needs an initialised torch.distributed process group to load '{where}'. "
+                "Call torch.distributed.init_process_group first (torchrun sets its variables), or drop the option.",
+                path=where,
+            )
+        return
+    mine = None if error is None else (type(error).__name__, str(error))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if error is not None:
+        raise error
+    for rank, failed in enumerate(gathered):
+        if failed is not None:
+            kind, message = failed
+            raise ShardedModelError(
+                f"Rank {rank} could not load '{where}' ({kind}), so no rank loaded anything: {message}",
+                path=where,
+                rank=rank,
+            )
+
+
+def plan_agreed(
+    targets: dict[int, tuple[torch.Tensor, str]], failure: ZeroIOError | None, where: str, broadcast: bool
+) -> dict[int, ShardPlan]:
+    """Plan each sharded target (``{key: (tensor, name)}``) unless ``failure`` already stopped the load; then all
+    ranks agree (:func:`agree`), so an error on any rank is raised on every rank before anything is written."""
+    plans: dict[int, ShardPlan] = {}
+    try:
+        for key, (tensor, name) in targets.items() if failure is None else ():
+            if is_sharded(tensor):
+                plans[key] = plan_shard(tensor, name, where)
+    except ZeroIOError as exc:
+        failure = exc
+    agree(failure, where, broadcast=broadcast)
+    return plans
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_segments(
+    ckpt: TensorReader, name: str, parts: Iterable[Segment], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+) -> None:
+    """Fill the contiguous ``dest`` (flattened) with the elements of checkpoint tensor ``name`` at ``parts``.
+
+    Reads straight into ``dest`` when it is a CPU tensor of the stored dtype; otherwise through one staging buffer
+    of at most ``chunk_bytes`` (cast and moved by ``copy_``, rounding as ``load_state_dict`` does).
+    """
+    source = ckpt.source_name(name)
+    stored = ckpt.stored_dtype(name)
+    flat = dest.view(-1)
+    step = max(1, chunk_bytes // stored.itemsize)
+    direct = flat.device.type == "cpu" and flat.dtype == stored
+    staging = None if direct else torch.empty(min(step, max(1, flat.numel())), dtype=stored)
+    out = filled = 0
+    for start, length in parts:
+        pos = 0
+        while pos < length:
+            if staging is None:
+                n = min(length - pos, step)
+                ckpt.read_into(source, start + pos, flat[out : out + n])
+                out += n
+            else:
+                n = min(length - pos, staging.numel() - filled)
+                ckpt.read_into(source, start + pos, staging[filled : filled + n])
+                filled += n
+                if filled == staging.numel():
+                    flat[out : out + filled].copy_(staging[:filled])
+                    out, filled = out + filled, 0
+            pos += n
+    if staging is not None and filled:
+        flat[out : out + filled].copy_(staging[:filled])
+
+
+def broadcast_segments(
+    ckpt: TensorReader, name: str, parts: Iterable[Segment], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+) -> None:
+    """:func:`read_segments` for ``broadcast_from_rank0``: rank 0 alone reads the whole tensor, chunk by chunk, and
+    broadcasts each chunk; every rank keeps the elements of its ``parts``. All ranks call it for the same tensors
+    in the same order (the plan is built from checkpoint keys, in checkpoint order, after the ranks agreed)."""
+    import torch.distributed as dist
+
+    info = ckpt.info(name)
+    source = ckpt.source_name(name)
+    stored = ckpt.stored_dtype(name)
+    # NCCL broadcasts device memory only; gloo host memory.
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    step = max(1, chunk_bytes // stored.itemsize)
+    buffer = torch.empty(min(step, max(1, info.numel)), dtype=stored, device=on)
+    host = buffer if on.type == "cpu" else torch.empty(buffer.numel(), dtype=stored)
+    flat = dest.view(-1)
+    placed: list[tuple[int, int, int]] = []  # (global start, length, local start), in global order
+    local = 0
+    for start, length in parts:
+        placed.append((start, length, local))
+        local += length
+    placed.sort()
+    first = 0  # the first placed range that may still overlap the next chunk
+    rank = dist.get_rank()
+    for lo in range(0, info.numel, step):
+        n = min(step, info.numel - lo)
+        if rank == 0:
+            ckpt.read_into(source, lo, host[:n])
+            if host is not buffer:
+                buffer[:n].copy_(host[:n])
+        dist.broadcast(buffer[:n], src=0)
+        hi = lo + n
+        while first < len(placed) and placed[first][0] + placed[first][1] <= lo:
+            first += 1
+        for start, length, at in placed[first:]:
+            if start >= hi:
+                break
+            a, b = max(start, lo), min(start + length, hi)
+            flat[at + a - start : at + b - start].copy_(buffer[a - lo : b - lo])
+
+
+Fill = Callable[["TensorReader", str, Sequence[Segment], torch.Tensor], None]
+"""How a local part is filled: :func:`read_segments` (each rank reads) or :func:`broadcast_segments`."""
+
+
+def fill_whole(ckpt: TensorReader, name: str, dest: torch.Tensor, fill: Fill) -> None:
+    """Fill an unsharded ``dest`` with all of checkpoint tensor ``name`` (``broadcast_from_rank0`` loads)."""
+    whole = [(0, ckpt.info(name).numel)] if dest.numel() else []
+    if dest.is_contiguous():
+        fill(ckpt, name, whole, dest)
+    else:
+        staged = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+        fill(ckpt, name, whole, staged)
+        dest.copy_(staged)
+
+
+def _mesh_device(tensor: torch.Tensor) -> torch.device:
+    """Where a meta DTensor's shard belongs: its mesh's device type (this process's current CUDA device for
+    ``"cuda"``, as FSDP2 and DeviceMesh place it), not the CPU a meta tensor of a whole model defaults to."""
+    kind = getattr(tensor, "device_mesh").device_type  # noqa: B009 (an attribute torch does not type)
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    t: Any = tensor
+    local: torch.Tensor = t.ds_tensor if _is_zero_init(tensor) else t.to_local()
+    return local
+
+
+def fill_sharded(
+    ckpt: TensorReader,
+    name: str,
+    tensor: torch.Tensor,
+    plan: ShardPlan,
+    dtype: torch.dtype | None,
+    device: torch.device | None,
+    fill: Fill,
+) -> torch.Tensor | None:
+    """Fill this rank's part of ``tensor`` with its slice of checkpoint tensor ``name``.
+
+    In place when the local part is materialised and already of the wanted dtype and device (FSDP2 and DeepSpeed
+    keep references to it). Otherwise (``meta``, or another dtype or device) a new DTensor with the same mesh,
+    placements and global shape is returned, its local shard allocated at its final size only, for the caller to
+    register in place of ``tensor``.
+    """
+    local = _local(tensor)
+    want_dtype = dtype if (dtype is not None and local.is_floating_point()) else local.dtype
+    want_device = device or (_mesh_device(tensor) if local.is_meta else local.device)
+    if _is_zero_init(tensor) or (not local.is_meta and local.dtype == want_dtype and local.device == want_device):
+        dest = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
+        fill(ckpt, name, plan.segments, dest)
+        if dest is not local:
+            local.copy_(dest)
+        return None
+    from torch.distributed.tensor import DTensor
+
+    dest = torch.empty(plan.local_shape, dtype=want_dtype, device=want_device)
+    fill(ckpt, name, plan.segments, dest)
+    t: Any = tensor
+    return DTensor.from_local(dest, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
