@@ -61,6 +61,10 @@ _FILESYSTEMS: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _FS_LOCK = threading.Lock()
 
 
+S3_CONFIG_DEFAULTS: dict[str, Any] = {"connect_timeout": 5, "retries": {"max_attempts": 1, "mode": "standard"}}
+"""botocore settings for ``s3://`` unless ``storage_options`` gives ``config_kwargs``: fail fast without network."""
+
+
 def is_url(path: object) -> bool:
     """True for ``scheme://...`` text (``file://`` included); a local path never matches."""
     return isinstance(path, str) and bool(_URL.match(path))
@@ -111,11 +115,21 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
             )
     import fsspec.core  # type: ignore[import-untyped]
 
+    if protocol not in fsspec.available_protocols():  # a typo such as s4://: no package to install would help
+        raise RemoteStorageError(
+            f"Unknown URL scheme '{protocol}://' in '{url}'. zeroio reads s3://, gs://, hf://, https:// and http:// "
+            "URLs (and any other scheme fsspec knows), or a local path.",
+            path=url,
+        )
     options = dict(storage_options or {})
     if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             options["endpoint_url"] = endpoint
+    if _ALIASES.get(protocol, protocol) == "s3":
+        # botocore waits 60 s per connection attempt and retries under s3fs's and zeroio's own retries: with no
+        # network a read took 63 s to fail. storage_options={'config_kwargs': ...} still overrides this.
+        options.setdefault("config_kwargs", S3_CONFIG_DEFAULTS)
     if protocol == "hf" and "endpoint" not in options and os.environ.get("HF_ENDPOINT"):
         options["endpoint"] = os.environ["HF_ENDPOINT"]  # huggingface_hub reads it once, at import
     # One filesystem per (URL scheme, options, credential variables): creating one (a botocore session) costs

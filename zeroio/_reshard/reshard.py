@@ -140,9 +140,14 @@ def reshard(
         meta = ckpt.metadata
         if not isinstance(ckpt, ZeroCheckpoint) or meta.zero_stage != 3:
             what = f"ZeRO stage {meta.zero_stage}" if meta.format == "zero" else f"a consolidated {meta.format} file"
+            fix = (
+                f"For ZeRO-1/2, write a universal checkpoint, which DeepSpeed resumes at any world size: `zeroio "
+                f'convert {src} {dst} --format universal`, then load it with "checkpoint": {{"load_universal": true}}.'
+                if meta.format == "zero" and meta.zero_stage in (1, 2)
+                else "Pass a ZeRO-3 checkpoint with optimizer state (the folder engine.save_checkpoint() wrote)."
+            )
             raise UnsupportedCheckpointError(
-                f"'{meta.path}' is {what}; zeroio reshards ZeRO-3 checkpoints only (yet). For ZeRO-1/2 use "
-                "DeepSpeed's universal checkpoint (ds_to_universal.py).",
+                f"'{meta.path}' is {what}; zeroio reshards ZeRO-3 checkpoints only (yet). {fix}",
                 path=meta.path,
                 found=meta.zero_stage,
             )

@@ -7,16 +7,27 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ._errors import EXIT_FAILURE, format_error
-
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``zeroio`` and ``python -m zeroio``; returns the exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while starting (imports, parsing): one line, not a traceback
+        print("Interrupted.", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from ._app import build_parser
+    from ._args import foreign_flag_problem
+    from ._errors import EXIT_FAILURE, format_error
 
     parser = build_parser()
+    problem = foreign_flag_problem(sys.argv[1:] if argv is None else argv)
+    if problem is not None:
+        parser.error(problem)  # zero_to_fp32.py / ds_to_universal.py flags: name zeroio's own
     args = parser.parse_args(argv)
     validate = getattr(args, "validate", None)
     if validate is not None:
