@@ -139,3 +139,14 @@ def test_ctrl_c_while_starting_is_one_line():
         [sys.executable, "-c", script, str(SRC)], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
     )
     assert (proc.returncode, proc.stderr, proc.stdout) == (130, "Interrupted.\n", "")
+
+
+@pytest.mark.parametrize("script", ["crc_cost.py", "crc_cpu.py"])
+def test_crc_benchmarks_take_their_paths_as_arguments(script):
+    """benchmarks/crc_*.py answer --help and name no machine's paths (they were hard-coded to /tmp/...)."""
+    path = ROOT / "benchmarks" / script
+    proc = subprocess.run(
+        [sys.executable, str(path), "--help"], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "--checkpoint CHECKPOINT" in proc.stdout
+    assert "/tmp/" not in path.read_text().split('"""', 2)[2]  # examples in the docstring may name a folder
