@@ -168,7 +168,7 @@ def test_remote_source_is_read_as_a_url(tmp_path, monkeypatch, capsys, argv):
     assert main(argv) == 1
     assert capsys.readouterr() == (
         "",
-        f"Error: Reading '{url}' needs the 'gcsfs' package, which is not installed: pip install 'zeroio[gcs]'\n{HINT}\n",
+        f"Error: Reading '{url}' needs the 'gcsfs' package, which is not installed: pip install gcsfs (zeroio's [gcs] extra)\n{HINT}\n",
     )
     assert list(tmp_path.iterdir()) == []
 

@@ -43,8 +43,8 @@ _GCS_FIX = (
 )
 _HF_FIX = "set HF_TOKEN (or run `hf auth login`) with read access to the repository; HF_ENDPOINT for another Hub."
 _BACKENDS: dict[str, tuple[str, str, str]] = {
-    "s3": ("s3fs", "pip install 'zeroio[s3]'", _S3_FIX),
-    "gs": ("gcsfs", "pip install 'zeroio[gcs]'", _GCS_FIX),
+    "s3": ("s3fs", "pip install s3fs (zeroio's [s3] extra)", _S3_FIX),
+    "gs": ("gcsfs", "pip install gcsfs (zeroio's [gcs] extra)", _GCS_FIX),
     "hf": ("huggingface_hub", "pip install huggingface_hub", _HF_FIX),
     "http": (
         "aiohttp",
