@@ -138,6 +138,9 @@ def _run_doc(doc: Path, folder: Path, servers: dict[str, str]) -> subprocess.Com
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
         "PYTHONWARNINGS": "ignore",
     }
+    # Each block starts interpreters; let them keep compiled bytecode as an installed package has (this machine
+    # sets PYTHONDONTWRITEBYTECODE=1, which made every start compile zeroio again).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return subprocess.run(
         [sys.executable, "-c", _DRIVER],
         input=json.dumps(blocks),
