@@ -4,8 +4,9 @@ Each document's blocks run in order, in one fresh interpreter per document, from
 ``fixtures`` is the repository's fixtures folder: what a reader gets after ``cd`` into a checkout. Python blocks
 run each in a fresh namespace (a reader pastes one at a time), with the working folder importable as it is in
 an interactive ``python``; bash blocks run under ``bash -euo pipefail``. Blocks that need a server get the local
-ones (tests/s3_server.py, tests/hub_server.py) through the variables a user would set (``AWS_ENDPOINT_URL``,
-``HF_ENDPOINT``, ``HF_TOKEN``); the text of a block is never changed.
+ones (tests/s3_server.py, tests/hub_server.py, gcp-storage-emulator) through the variables a user would set
+(``AWS_ENDPOINT_URL``, ``HF_ENDPOINT``, ``HF_TOKEN``, ``STORAGE_EMULATOR_HOST``); the text of a block is never
+changed.
 
 A block that cannot run here (GPUs, torchrun over nodes, a pip install, a long benchmark) says so in its info
 string, with the reason: ```` ```bash no-run: needs 8 GPUs ````.
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -93,9 +95,17 @@ for block in blocks:
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """The local S3 and Hub servers, set up as the docs' examples expect, and the variables that reach them."""
+    import gcsfs.core
+    from gcp_storage_emulator.server import create_server
     from hub_server import DEFAULT_TOKEN, DEFAULT_USER, HubServer
     from huggingface_hub import HfApi
     from s3_server import S3Server
@@ -103,6 +113,20 @@ def servers(tmp_path_factory):
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     s3 = S3Server()
     s3.upload_tree(FIXTURES / "z3_ws2_fp32", "my-bucket", "runs/llama/ckpt")
+    gcs_port = _free_port()
+    gcs = create_server("127.0.0.1", gcs_port, in_memory=True, default_bucket="bucket")
+    gcs.start()
+    gcs_env = {
+        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{gcs_port}",
+        # gcsfs >= 2026 first asks a gRPC API the emulator lacks (tests/test_remote_gcs.py says more)
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+    with pytest.MonkeyPatch.context() as mp:  # the uploading client, in this process, reaches the emulator too
+        for key, value in gcs_env.items():
+            mp.setenv(key, value)
+        gcsfs.core.GCSFileSystem(token="anon", skip_instance_cache=True).put(
+            str(FIXTURES / "z3_ws2_fp32"), "bucket/run/ckpt", recursive=True
+        )  # remote.md converts gs://bucket/run/ckpt
     hub = HubServer(orgs={DEFAULT_USER: ["my-org"]}).start()
     api = HfApi(endpoint=hub.endpoint, token=DEFAULT_TOKEN)
     api.create_repo("my-org/my-run")  # remote.md reads hf://my-org/my-run@main/global_step2
@@ -110,6 +134,7 @@ def servers(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf-home")
     env = {
         **s3.env(),
+        **gcs_env,
         "HF_ENDPOINT": hub.endpoint,
         "HF_TOKEN": DEFAULT_TOKEN,
         "HF_HOME": str(home),
@@ -119,6 +144,7 @@ def servers(tmp_path_factory):
     yield env
     hub.stop()
     s3.stop()
+    gcs.stop()
 
 
 # Documents whose examples reach s3:// or the Hub: they run with the local servers' variables set.
