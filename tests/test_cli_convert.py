@@ -24,7 +24,7 @@ def test_convert_prints_one_summary_line(tmp_path, capsys):
     """`zeroio convert SRC DST` writes model.safetensors and prints what it wrote; no bar off a terminal."""
     dst = tmp_path / "out"
     assert main(["convert", str(SRC), str(dst)]) == 0
-    assert capsys.readouterr() == (f"Wrote 10 tensors (980 B) in 1 file(s) to {dst}\n", "")
+    assert capsys.readouterr() == (f"Wrote 11 tensors (1 tied, 980 B) in 1 file(s) to {dst}\n", "")
     assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors"]
 
 
@@ -40,7 +40,7 @@ def test_convert_flags(tmp_path, capsys):
     argv = ["convert", str(SRC), str(dst), "--format", "torch", "--dtype", "bf16", "--max-shard-size", "0.3KB",
             "--tag", "global_step1", "--exclude-frozen", "--workers", "2"]  # fmt: skip
     assert main(argv) == 0
-    assert capsys.readouterr().out == f"Wrote 8 tensors (382 B) in 2 file(s) to {dst}\n"
+    assert capsys.readouterr().out == f"Wrote 9 tensors (1 tied, 382 B) in 2 file(s) to {dst}\n"
     assert sorted(p.name for p in dst.iterdir()) == [
         "pytorch_model-00001-of-00002.bin",
         "pytorch_model-00002-of-00002.bin",
@@ -55,7 +55,7 @@ def test_convert_sharded_safetensors(tmp_path, capsys):
     """A small --max-shard-size gives HF-named shards plus the index."""
     dst = tmp_path / "out"
     assert main(["convert", str(SRC), str(dst), "--max-shard-size", "300"]) == 0
-    assert capsys.readouterr().out == f"Wrote 10 tensors (980 B) in 4 file(s) to {dst}\n"
+    assert capsys.readouterr().out == f"Wrote 11 tensors (1 tied, 980 B) in 4 file(s) to {dst}\n"
     assert sorted(p.name for p in dst.iterdir()) == [
         "model-00001-of-00004.safetensors",
         "model-00002-of-00004.safetensors",

@@ -45,8 +45,8 @@ def test_closed_pipe_exits_quietly(extra):
     [
         pytest.param(
             ["--format", "lightning", "--include-optimizer"],
-            "--include-optimizer writes optimizer.safetensors beside model.safetensors: use --format safetensors "
-            "without --distributed.",
+            "--include-optimizer writes optimizer.safetensors beside model.safetensors (or the DCP optimizer state): "
+            "use --format safetensors or --format dcp, without --distributed.",
             id="include-optimizer",
         ),
         pytest.param(
@@ -168,7 +168,7 @@ def test_remote_source_is_read_as_a_url(tmp_path, monkeypatch, capsys, argv):
     assert main(argv) == 1
     assert capsys.readouterr() == (
         "",
-        f"Error: Reading '{url}' needs the 'gcsfs' package, which is not installed: pip install 'zeroio[gcs]'\n{HINT}\n",
+        f"Error: Reading '{url}' needs the 'gcsfs' package, which is not installed: pip install gcsfs (zeroio's [gcs] extra)\n{HINT}\n",
     )
     assert list(tmp_path.iterdir()) == []
 

@@ -257,7 +257,7 @@ def test_torchrun_cli_writes_the_single_process_bytes(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     # Only rank 0 reports.
-    assert done.stdout == f"Wrote 10 tensors (980 B) in 4 file(s) to {tmp_path / 'dist'}\n"
+    assert done.stdout == f"Wrote 11 tensors (1 tied, 980 B) in 4 file(s) to {tmp_path / 'dist'}\n"
     # Both processes share one machine (one disk): rank 0 says why that gains nothing (issue 17's measurements).
     assert done.stderr.count("All 2 processes run on this one machine: conversion is bound by its disk") == 1
     convert(FIXTURES / "z3_ws2_fp32", tmp_path / "single", max_shard_size=300, progress=False)

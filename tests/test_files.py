@@ -246,34 +246,39 @@ def test_metadata_value_that_is_not_a_tie(tmp_path):
         assert list(ckpt) == ["a"]
 
 
+TRUNCATED = "The copy or download was cut short: copy the file again from its source."
+RESAVE = "Re-save it with safetensors.torch.save_file."
+
+
 @pytest.mark.parametrize(
     ("mutate", "why"),
     [
-        (lambda raw: raw[:5], "it holds 5 bytes, fewer than the 8-byte header length"),
-        (lambda raw: struct.pack("<Q", 10**6) + raw[8:], "its header claims 1000000 bytes, the file holds {size}"),
+        (lambda raw: raw[:5], "is truncated: it holds 5 bytes, fewer than the 8-byte header length. " + TRUNCATED),
+        (
+            lambda raw: struct.pack("<Q", 10**6) + raw[8:],
+            "is truncated: its header claims 1000000 bytes, the file holds {size}. " + TRUNCATED,
+        ),
         (
             lambda raw: raw[:8] + b"x" + raw[9:],
-            "its header is not JSON (Expecting value: line 1 column 1 (char 0))",
+            "is not a valid safetensors file: its header is not JSON (Expecting value: line 1 column 1 (char 0)). "
+            + RESAVE,
         ),
         (
             lambda raw: raw[:-4],
-            "'a' (4,) F32 needs 16 bytes, its data_offsets are [0, 16] in a data section of 12 bytes",
+            "is truncated: 'a' ends at byte 16 of the data section, the file holds 12 bytes of data. " + TRUNCATED,
         ),
     ],
     ids=["short", "length", "json", "truncated"],
 )
 def test_corrupt_safetensors(tmp_path, mutate, why):
-    """Corrupted headers and truncated data are CheckpointFormatErrors that say what is wrong."""
+    """Corrupted headers are CheckpointFormatErrors that say what is wrong; a cut-short file is told to copy again."""
     path = tmp_path / "m.safetensors"
     save_file({"a": torch.ones(4)}, path)
     raw = mutate(path.read_bytes())
     path.write_bytes(raw)
     with pytest.raises(CheckpointFormatError) as exc:
         zeroio.open(path)
-    assert str(exc.value) == (
-        f"'{path}' is not a valid safetensors file: {why.format(size=len(raw))}. "
-        "Re-save it with safetensors.torch.save_file."
-    )
+    assert str(exc.value) == f"'{path}' {why.format(size=len(raw))}"
 
 
 def test_unknown_safetensors_dtype(tmp_path):

@@ -146,7 +146,7 @@ def test_cli_convert_format_lightning(tmp_path, capsys):
     dst = tmp_path / "model.ckpt"
     argv = ["convert", str(FRAMEWORKS / "lightning_z3_fp32" / "model.ckpt"), str(dst), "--format", "lightning"]
     assert main(argv) == 0
-    assert capsys.readouterr() == (f"Wrote 8 tensors (1.36 KB) in 1 file(s) to {dst}\n", "")
+    assert capsys.readouterr() == (f"Wrote 9 tensors (1 tied, 1.36 KB) in 1 file(s) to {dst}\n", "")
     assert _listing(tmp_path) == ["model.ckpt"]
     assert main([*argv, "--dtype", "bf16"]) == 1
     assert capsys.readouterr() == (

@@ -6,7 +6,6 @@ import functools
 import importlib.util
 import logging
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -904,19 +903,3 @@ def test_host_memory_is_one_chunk_not_the_model(tmp_path):
     )
     extra = int(out.stdout.strip())
     assert extra < 96 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's 256 MiB"
-
-
-_DOCS = FIXTURES.parent / "docs" / "loading.md"
-_DOC_BLOCKS = re.findall(r"```python\n(.*?)```", _DOCS.read_text(), flags=re.DOTALL)
-
-
-@pytest.mark.parametrize("index", range(len(_DOC_BLOCKS)))
-def test_loading_docs_examples_run(index, monkeypatch):
-    """Each ```python block of docs/loading.md runs from the repository root, MyModel being the fixtures' TinyLM."""
-    block = _DOC_BLOCKS[index]
-    for module in ("lightning", "transformers"):
-        if f"import {module}" in block or f"from {module}" in block:
-            pytest.importorskip(module)
-    monkeypatch.chdir(FIXTURES.parent)
-    monkeypatch.setattr(zeroio, "load", load, raising=False)  # until zeroio/__init__.py exports it
-    exec(compile(block, f"docs/loading.md[python block {index}]", "exec"), {"MyModel": type(build())})  # noqa: S102 - the docs' own example is what is tested

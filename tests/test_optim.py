@@ -260,7 +260,7 @@ def test_include_optimizer_needs_safetensors_and_a_zero_source(tmp_path: Path) -
         convert(FIXTURES / "z3_ws2_fp32", tmp_path / "t", fmt="torch", include_optimizer=True, progress=False)
     assert str(info.value) == (
         "include_optimizer=True writes optimizer.safetensors beside model.safetensors (or the DCP optimizer state): "
-        "use fmt='safetensors' or 'dcp', without distributed=True."
+        "use fmt='safetensors' or fmt='dcp', without distributed=True."
     )
     convert(FIXTURES / "z3_ws2_fp32", tmp_path / "plain", progress=False)
     with pytest.raises(errors.UnsupportedCheckpointError) as info2:

@@ -248,7 +248,9 @@ def test_zero2_source_is_unsupported(tmp_path: Path) -> None:
         reshard(FIXTURES / "z2_ws2_fp32", tmp_path / "out", world_size=3)
     assert str(info.value) == (
         f"'{FIXTURES / 'z2_ws2_fp32' / 'global_step2'}' is ZeRO stage 2; zeroio reshards ZeRO-3 checkpoints only "
-        "(yet). For ZeRO-1/2 use DeepSpeed's universal checkpoint (ds_to_universal.py)."
+        "(yet). For ZeRO-1/2, write a universal checkpoint, which DeepSpeed resumes at any world size: `zeroio "
+        f"convert {FIXTURES / 'z2_ws2_fp32'} {tmp_path / 'out'} --format universal`, then load it with "
+        '"checkpoint": {"load_universal": true}.'
     )
     assert not (tmp_path / "out").exists()
 

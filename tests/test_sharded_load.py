@@ -38,7 +38,7 @@ def case(id: str, src: Path | str, engine: Path | str = Z3_ENGINE, **kw: Any) ->
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "loading.md"
-DOC_BLOCKS = re.findall(r'```python title="(sharded[^"]*)"\n(.*?)```', DOCS.read_text(), flags=re.DOTALL)
+DOC_BLOCKS = re.findall(r'```python title="(sharded[^"]*)"[^\n]*\n(.*?)```', DOCS.read_text(), flags=re.DOTALL)
 
 
 def run(tmp_path: Path, world: int, cases: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

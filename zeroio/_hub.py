@@ -335,8 +335,16 @@ def _token_found() -> bool:
 def _to_hub_error(
     e: BaseException, *, repo_id: str, endpoint: str, src: Path, revision: str | None, had_token: bool
 ) -> HubError:
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 
+    if isinstance(e, HFValidationError):  # checked by the client before any request: retrying cannot help
+        return HubError(
+            f"'{repo_id}' is not a valid Hub repo id: use 'namespace/name' (or 'name' in your own namespace) of "
+            "letters, digits, '-', '_' and '.', not starting or ending with '-' or '.', without '--' or '..', "
+            "at most 96 characters.",
+            path=src,
+            name=repo_id,
+        )
     where = f"'{repo_id}' at {endpoint}"
     no_token = (
         "No Hugging Face token was found. Pass token='hf_...' (a token with write access), set HF_TOKEN, "

@@ -81,6 +81,14 @@ def _bad(path: Path, what: str) -> CheckpointFormatError:
     )
 
 
+def _truncated(path: Path, what: str) -> CheckpointFormatError:
+    """A file shorter than its own header says: a cut-short copy or download, which re-saving would not fix."""
+    return CheckpointFormatError(
+        f"'{path}' is truncated: {what}. The copy or download was cut short: copy the file again from its source.",
+        path=path,
+    )
+
+
 def _parse_safetensors(path: Path) -> _SafetensorsFile:
     """Read and validate a safetensors header (8-byte little-endian length + JSON); no tensor bytes."""
     try:
@@ -89,14 +97,14 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
         with path.open("rb") as fh:
             prefix = fh.read(8)
             if len(prefix) < 8:
-                raise _bad(path, f"it holds {size} bytes, fewer than the 8-byte header length")
+                raise _truncated(path, f"it holds {size} bytes, fewer than the 8-byte header length")
             (length,) = struct.unpack("<Q", prefix)
             if length > SAFETENSORS_MAX_HEADER_SIZE:
                 raise _bad(
                     path, f"its header claims {length} bytes, over the format's limit of {SAFETENSORS_MAX_HEADER_SIZE}"
                 )
             if length > size - 8:
-                raise _bad(path, f"its header claims {length} bytes, the file holds {size}")
+                raise _truncated(path, f"its header claims {length} bytes, the file holds {size}")
             raw = fh.read(length)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"'{path}' does not exist.", path=path) from exc
@@ -153,7 +161,11 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
         for s in shape:
             numel *= s
         needed = numel * dtype.itemsize
-        if begin < 0 or end - begin != needed or end > data_size:
+        if begin >= 0 and end - begin == needed and end > data_size:
+            raise _truncated(
+                path, f"'{name}' ends at byte {end} of the data section, the file holds {data_size} bytes of data"
+            )
+        if begin < 0 or end - begin != needed:
             raise _bad(
                 path,
                 f"'{name}' {tuple(shape)} {dtype_name} needs {needed} bytes, its data_offsets are [{begin}, {end}] "

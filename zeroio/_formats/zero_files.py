@@ -119,11 +119,31 @@ def find_tag_dir(path: Path, tag: str | None, *, latest_file: str = C.LATEST_FIL
             path=path,
             found=available,
         )
+    trainer = _trainer_checkpoints(path)
+    if trainer:  # an HF Trainer output_dir: the checkpoints are its checkpoint-N/ folders
+        raise CheckpointNotFoundError(
+            f"'{path}' is not a DeepSpeed checkpoint but a Hugging Face Trainer output_dir holding "
+            f"{_truncate(trainer)}. Pass one of those folders, e.g. '{path / trainer[-1]}'.",
+            path=path,
+            found=trainer,
+        )
     raise CheckpointNotFoundError(
         f"'{path}' is not a DeepSpeed checkpoint: it has no '*_model_states.pt' files, no 'latest' file and no "
         "tag folders. Point zeroio at the folder passed to engine.save_checkpoint().",
         path=path,
     )
+
+
+def _trainer_checkpoints(root: Path) -> list[str]:
+    """The ``checkpoint-N`` folders with a 'latest' file in ``root``, by step (the HF Trainer's ``output_dir``)."""
+    try:
+        found = [p.name for p in root.iterdir() if _TRAINER_CHECKPOINT.fullmatch(p.name) and (p / "latest").is_file()]
+    except OSError:
+        return []
+    return sorted(found, key=lambda name: int(name.rsplit("-", 1)[1]))
+
+
+_TRAINER_CHECKPOINT = re.compile(r"checkpoint-[0-9]{1,18}")
 
 
 @dataclass(frozen=True, slots=True)

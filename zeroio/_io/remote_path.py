@@ -46,8 +46,8 @@ _GCS_FIX = (
 )
 _HF_FIX = "set HF_TOKEN (or run `hf auth login`) with read access to the repository; HF_ENDPOINT for another Hub."
 _BACKENDS: dict[str, tuple[str, str, str]] = {
-    "s3": ("s3fs", "pip install 'zeroio[s3]'", _S3_FIX),
-    "gs": ("gcsfs", "pip install 'zeroio[gcs]'", _GCS_FIX),
+    "s3": ("s3fs", "pip install s3fs (zeroio's [s3] extra)", _S3_FIX),
+    "gs": ("gcsfs", "pip install gcsfs (zeroio's [gcs] extra)", _GCS_FIX),
     "hf": ("huggingface_hub", "pip install huggingface_hub", _HF_FIX),
     "http": (
         "aiohttp",
@@ -59,6 +59,11 @@ _ALIASES = {"s3a": "s3", "gcs": "gs", "https": "http"}
 _CREDENTIAL_VARIABLES = ("AWS_", "GOOGLE_", "GCE_", "HF_", "FSSPEC_", "STORAGE_EMULATOR_HOST", "GCSFS_")
 _FILESYSTEMS: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _FS_LOCK = threading.Lock()
+
+
+S3_CONFIG_DEFAULTS: dict[str, Any] = {"retries": {"max_attempts": 1, "mode": "standard"}}
+"""botocore settings for ``s3://`` unless ``storage_options`` gives ``config_kwargs``: fail fast without network
+(zeroio retries transient errors itself; the connect and read timeouts come from ``remote_fetch.Timeouts``)."""
 
 
 def is_url(path: object) -> bool:
@@ -121,8 +126,18 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
             )
     import fsspec.core  # type: ignore[import-untyped]
 
+    if protocol not in fsspec.available_protocols():  # a typo such as s4://: no package to install would help
+        raise RemoteStorageError(
+            f"Unknown URL scheme '{protocol}://' in '{url}'. zeroio reads s3://, gs://, hf://, https:// and http:// "
+            "URLs (and any other scheme fsspec knows), or a local path.",
+            path=url,
+        )
     options = dict(storage_options or {})
     url = _credentials_to_options(url, protocol, options)
+    if _ALIASES.get(protocol, protocol) == "s3":
+        # botocore retries under s3fs's and zeroio's own retries: with no network a read took 63 s to fail.
+        # storage_options={'config_kwargs': ...} still overrides this; the timeouts are added below.
+        options.setdefault("config_kwargs", S3_CONFIG_DEFAULTS)
     backend_timeouts(_ALIASES.get(protocol, protocol), options, Timeouts.pop(options))
     if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")

@@ -126,7 +126,7 @@ def reshard(
     if not hasattr(torch.serialization, "skip_data"):
         raise ImportError("zeroio.reshard needs torch >= 2.6 (torch.serialization.skip_data): pip install -U torch")
     read = read_options(tag=tag, verify_crc=verify_crc, storage_options=storage_options)
-    target = _Target(world_size, output_tag, sub_group_size, chunk_bytes, progress)
+    target = _Target(world_size, output_tag, sub_group_size, chunk_bytes, progress, str(dst))
     if is_url(str(dst)):
         return _reshard_to_url(src, str(dst), read, target, overwrite=overwrite)
     return _reshard_into(src, AtomicDir(Path(dst), overwrite=overwrite), read, target)
@@ -141,6 +141,8 @@ class _Target:
     sub_group_size: int | None
     chunk_bytes: int
     progress: Progress
+    dst: str
+    """The destination as the caller named it (a URL is staged in a local folder first), for messages."""
 
 
 def _reshard_into(src: StrPath, out: AtomicDir, read: ReadOptions, target: _Target) -> ReshardResult:
@@ -150,9 +152,14 @@ def _reshard_into(src: StrPath, out: AtomicDir, read: ReadOptions, target: _Targ
         meta = ckpt.metadata
         if not isinstance(ckpt, PartitionedCheckpoint) or meta.zero_stage != 3:
             what = f"ZeRO stage {meta.zero_stage}" if meta.format == "zero" else f"a consolidated {meta.format} file"
+            fix = (
+                f"For ZeRO-1/2, write a universal checkpoint, which DeepSpeed resumes at any world size: `zeroio "
+                f'convert {src} {target.dst} --format universal`, then load it with "checkpoint": {{"load_universal": true}}.'
+                if meta.format == "zero" and meta.zero_stage in (1, 2)
+                else "Pass a ZeRO-3 checkpoint with optimizer state (the folder engine.save_checkpoint() wrote)."
+            )
             raise UnsupportedCheckpointError(
-                f"'{meta.path}' is {what}; zeroio reshards ZeRO-3 checkpoints only (yet). For ZeRO-1/2 use "
-                "DeepSpeed's universal checkpoint (ds_to_universal.py).",
+                f"'{meta.path}' is {what}; zeroio reshards ZeRO-3 checkpoints only (yet). {fix}",
                 path=meta.path,
                 found=meta.zero_stage,
             )

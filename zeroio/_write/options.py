@@ -113,7 +113,7 @@ def write_options(
     if include_optimizer and (fmt not in ("safetensors", "dcp") or distributed):
         raise ValueError(
             "include_optimizer=True writes optimizer.safetensors beside model.safetensors (or the DCP optimizer "
-            "state): use fmt='safetensors' or 'dcp', without distributed=True."
+            "state): use fmt='safetensors' or fmt='dcp', without distributed=True."
         )
     if fmt == "dcp" and distributed:
         raise ValueError("fmt='dcp' is written by one process: drop distributed=True.")

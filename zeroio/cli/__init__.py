@@ -8,23 +8,33 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ..errors import redact_exception
-from ._errors import EXIT_FAILURE, RedactingStream, format_error
-
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``zeroio`` and ``python -m zeroio``; returns the exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while starting (imports, parsing): one line, not a traceback
+        print("Interrupted.", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from ._app import build_parser
+    from ._args import foreign_flag_problem
+    from ._errors import RedactingStream
 
     parser = build_parser()
+    problem = foreign_flag_problem(sys.argv[1:] if argv is None else argv)
+    if problem is not None:
+        parser.error(problem)  # zero_to_fp32.py / ds_to_universal.py flags: name zeroio's own
     args = parser.parse_args(argv)
     validate = getattr(args, "validate", None)
     if validate is not None:
         validate(parser, args)  # cross-flag checks: usage errors exit 2 like argparse's own
     stdout, stderr = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = RedactingStream(stdout), RedactingStream(stderr)
+    sys.stdout, sys.stderr = RedactingStream(stdout), RedactingStream(stderr)  # no URL credentials on screen
     try:
         return _run(args)
     finally:
@@ -32,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..errors import redact_exception
+    from ._errors import EXIT_FAILURE, format_error
+
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

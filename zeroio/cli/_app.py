@@ -122,8 +122,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
     elif not args.quiet:
         print(
-            f"Wrote {result.num_tensors} tensors ({_human_bytes(result.total_size)}) in {len(result.files)} file(s) "
-            f"to {args.dst}"
+            # Counted as inspect and verify count them: every name, tied aliases included (issue 23).
+            f"Wrote {result.num_tensors + len(result.tied)} tensors ({len(result.tied)} tied, "
+            f"{_human_bytes(result.total_size)}) in {len(result.files)} file(s) to {args.dst}"
         )
     if getattr(args, "push_to_hub", None):
         pushed = zeroio.push_to_hub(args.dst, args.push_to_hub, progress=not args.quiet)
@@ -234,19 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``zeroio`` argument parser (also the source of the CLI reference in docs/)."""
     parser = argparse.ArgumentParser(
         prog="zeroio",
+        allow_abbrev=False,  # `--exclude` must not silently mean --exclude-frozen
         description="Read, convert and publish DeepSpeed ZeRO checkpoints without DeepSpeed.",
     )
     parser.add_argument("--version", action="version", version=f"zeroio {zeroio.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("inspect", help="list tensors and metadata (reads no tensor bytes)")
+    p = sub.add_parser("inspect", allow_abbrev=False, help="list tensors and metadata (reads no tensor bytes)")
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     _add_tp_rules(p)
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("convert", help="write safetensors (or torch) files, streaming and atomic")
+    p = sub.add_parser("convert", allow_abbrev=False, help="write safetensors (or torch) files, streaming and atomic")
     p.add_argument("src", help="checkpoint to read")
     p.add_argument(
         "dst", help="output folder (created; must not exist unless --overwrite); the .ckpt file for --format lightning"
@@ -294,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp_rules(p)
     p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
-    p = sub.add_parser("verify", help="compare every tensor of two checkpoints (exit 1 on any difference)")
+    p = sub.add_parser(
+        "verify", allow_abbrev=False, help="compare every tensor of two checkpoints (exit 1 on any difference)"
+    )
     p.add_argument("a", help="first checkpoint")
     p.add_argument("b", help="second checkpoint")
     p.add_argument(
@@ -305,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("push", help="push to the Hugging Face Hub (converting first if needed)")
+    p = sub.add_parser("push", allow_abbrev=False, help="push to the Hugging Face Hub (converting first if needed)")
     p.add_argument("src", help="checkpoint or converted folder")
     p.add_argument("repo_id", help="e.g. my-org/my-model")
     p.add_argument("--token", help="Hub token; prefer HF_TOKEN or `hf auth login` (argv is visible in ps)")
@@ -330,7 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp_rules(p)
     p.set_defaults(func=cmd_push, validate=_validate_push)
 
-    p = sub.add_parser("reshard", help="rewrite a ZeRO-3 checkpoint for another number of GPUs (DeepSpeed resumes it)")
+    p = sub.add_parser(
+        "reshard",
+        allow_abbrev=False,
+        help="rewrite a ZeRO-3 checkpoint for another number of GPUs (DeepSpeed resumes it)",
+    )
     p.add_argument("src", help="DeepSpeed ZeRO-3 checkpoint (root or tag folder) with optimizer state")
     p.add_argument("dst", help="output checkpoint folder (created; pass it to engine.load_checkpoint)")
     p.add_argument("--world-size", type=int, required=True, metavar="M", help="data-parallel ranks that will load it")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Sequence
 
 # Decimal units are the Hugging Face ones (huggingface_hub's parse_size_to_int: KB/MB/GB/TB = 10**3..10**12, and
 # huggingface_hub.utils.parse_size's one-letter K/M/G/T); the IEC binary units (KiB = 1024, ...) and a plain "B" are
@@ -84,4 +85,33 @@ def folder_destination_problem(dst: str, fmt: str) -> str | None:
             f"'{dst}/model.safetensors'): pass a folder name such as '{os.path.join(os.path.dirname(dst), stem)}'"
             + (" (or --format lightning for one .ckpt file)" if name.lower().endswith(".ckpt") else "")
         )
+    return None
+
+
+# Flags of DeepSpeed 0.19.8's zero_to_fp32.py and ds_to_universal.py -> what zeroio takes instead (docs/migrating.md).
+FOREIGN_FLAGS = {
+    "--max_shard_size": "use --max-shard-size",
+    "--safe_serialization": "drop it: zeroio writes safetensors by default (--format torch for .bin files)",
+    "-t": "use --tag",
+    "--exclude_frozen_parameters": "use --exclude-frozen",
+    "-d": "set ZEROIO_DEBUG=1 for tracebacks instead",
+    "--debug": "set ZEROIO_DEBUG=1 for tracebacks instead",
+    "--input_folder": "pass the checkpoint as SRC: zeroio convert SRC DST --format universal",
+    "--output_folder": "pass the output folder as DST: zeroio convert SRC DST --format universal",
+    "--num_extract_workers": "use --workers (IO threads)",
+    "--num_merge_workers": "use --workers (IO threads)",
+    "--keep_temp_folder": "drop it: zeroio writes no temporary slice files",
+    "--no_strict": "drop it: zeroio always checks the checkpoint it reads",
+    "--inject_missing_state": "drop it: zeroio converts checkpoints without universal_checkpoint_info as they are",
+}
+
+
+def foreign_flag_problem(argv: Sequence[str]) -> str | None:
+    """The usage error for a zero_to_fp32.py / ds_to_universal.py flag in ``argv`` (None when there is none)."""
+    for arg in argv:
+        if arg == "--":
+            break
+        flag = arg.split("=", 1)[0]
+        if flag in FOREIGN_FLAGS:
+            return f"{flag} is a flag of DeepSpeed's zero_to_fp32.py/ds_to_universal.py: {FOREIGN_FLAGS[flag]} (docs/migrating.md)"
     return None
