@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
+                        help="torchrun: the same ranks and files, without DeepSpeed's launcher (~8 s sooner)")
     parser.add_argument("--dry-run", action="store_true", help="print the shape and parameter count only")
     # worker mode (used by DeepSpeed's launcher, which also passes --local_rank)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         n_ctx=args.n_ctx,
         world_size=args.world_size,
         overwrite=args.overwrite,
+        launcher=args.launcher,
     )
     print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
     return 0

@@ -63,20 +63,20 @@ def build(case: dict) -> nn.Module:
     return model
 
 
-def shard(model: nn.Module, case: dict, world: int) -> nn.Module:
-    """The user's sharding hook for each case kind."""
+def shard(model: nn.Module, case: dict, world: int, device: str = "cpu") -> nn.Module:
+    """The user's sharding hook for each case kind, on a mesh of ``device`` (tests/cuda_sharded_worker.py: cuda)."""
     kind = case["shard"]
     if kind == "fsdp2":
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case.get("mp") else MixedPrecisionPolicy()
         for block in (model.frozen, model.mlp_in, model.mlp_out):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif kind in ("tp", "tp_rowemb"):
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         _tp(model, mesh, kind)
     elif kind == "2d":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("dp", "tp"))
         _tp(model, mesh["tp"], "tp")
         for block in (model.mlp_in, model.mlp_out):
             fully_shard(block, mesh=mesh["dp"])

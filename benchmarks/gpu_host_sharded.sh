@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU-host run of issues 24 (goal 5 CUDA part, goal 6) and 25 (goal 6), in one command per lease.
+#
+#   bash benchmarks/gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]
+#
+# PHASE 1 (default): CUDA correctness tests (tests/test_cuda_sharded.py, while the checkpoint builds), the PARAMS
+# (default 1.3B) 8-rank ZeRO-3 checkpoint, its FSDP2 DCP copy, the cold-read limits, the sharded loads on 2 and 4
+# CPU ranks and 1 CUDA rank (benchmarks/sharded_load.py), then DCP -> safetensors (benchmarks/dcp_convert.py) if
+# time is left. PHASE 2: checkpoint + DCP again (a lease starts bare), DeepSpeed's load_checkpoint at world size 8,
+# DCP -> safetensors. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
+# Wheels carried in .whl/ (deepspeed and its missing dependencies, accelerate) are installed first.
+set -u
+OUT=${1:?usage: gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]}
+PHASE=${2:-1}
+PARAMS=${3:-1.3B}
+START=$(date +%s)
+DEADLINE=$((START + ${DEADLINE_S:-540}))
+W=/tmp/zb
+mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+{
+    date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g; df -h /tmp
+    python3 -c 'import torch, deepspeed, accelerate; print(torch.__version__, deepspeed.__version__, accelerate.__version__)'
+} >"$OUT/env.txt" 2>&1
+left() { echo $((DEADLINE - $(date +%s))); }
+
+python3 benchmarks/make_checkpoint.py --params "$PARAMS" --world-size 8 --launcher torchrun --out $W/ck \
+    >"$W/build.log" 2>&1 &
+BUILD=$!
+if [ "$PHASE" = 1 ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sharded.py >"$OUT/cuda_tests.txt" 2>&1
+    echo "cuda tests exit $?" >>"$OUT/cuda_tests.txt"
+fi
+wait $BUILD || { tail -50 "$W/build.log" >>"$OUT/env.txt"; exit 1; }
+echo "build done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
+
+if [ "$PHASE" = 1 ]; then
+    python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds 2 4 \
+        --methods zeroio zeroio_bcast rank0 dcp --cuda-methods zeroio rank0 dcp --limits --work $W/sl \
+        --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
+else
+    python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds \
+        --methods --ds-world 8 --work $W/sl --deadline "$DEADLINE" --json "$OUT/sharded_load_ds.json" \
+        >"$OUT/sharded_load_ds.log" 2>&1
+fi
+echo "sharded_load done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
+if [ "$(left)" -gt 100 ]; then
+    timeout "$(left)" python3 benchmarks/dcp_convert.py --dcp $W/dcp --work $W/dc --keep \
+        --json "$OUT/dcp_convert.json" >"$OUT/dcp_convert.log" 2>&1
+    echo "dcp_convert exit $? at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
+fi
+cp $W/ck/manifest.json "$OUT/manifest.json" 2>/dev/null
+grep -v WARNING "$OUT"/*.log | tail -40
