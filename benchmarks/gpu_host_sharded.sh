@@ -6,8 +6,8 @@
 # PHASE 1 (default): CUDA correctness tests (tests/test_cuda_sharded.py, while the checkpoint builds), the PARAMS
 # (default 1.3B) 8-rank ZeRO-3 checkpoint, its FSDP2 DCP copy, the cold-read limits, the sharded loads on 2 and 4
 # CPU ranks and 1 CUDA rank (benchmarks/sharded_load.py), then DCP -> safetensors (benchmarks/dcp_convert.py) if
-# time is left. PHASE 2: checkpoint + DCP again (a lease starts bare), DeepSpeed's load_checkpoint at world size 8,
-# DCP -> safetensors. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
+# time is left. PHASE 2: the CUDA tests again, checkpoint + DCP again (a lease starts bare), DCP -> safetensors, then
+# DeepSpeed's load_checkpoint at world size 8. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
 # Wheels carried in .whl/ (deepspeed and its missing dependencies, accelerate) are installed first.
 set -u
 OUT=${1:?usage: gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]}
@@ -32,7 +32,7 @@ left() { echo $((DEADLINE - $(date +%s))); }
 python3 benchmarks/make_checkpoint.py --params "$PARAMS" --world-size 8 --launcher torchrun --out $W/ck \
     >"$W/build.log" 2>&1 &
 BUILD=$!
-if [ "$PHASE" = 1 ]; then
+if [ "$PHASE" = 1 ] || [ "$PHASE" = 2 ]; then
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sharded.py >"$OUT/cuda_tests.txt" 2>&1
     echo "cuda tests exit $?" >>"$OUT/cuda_tests.txt"
 fi
@@ -45,14 +45,19 @@ if [ "$PHASE" = 1 ]; then
         --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
 else
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds \
-        --methods --ds-world 8 --work $W/sl --deadline "$DEADLINE" --json "$OUT/sharded_load_ds.json" \
-        >"$OUT/sharded_load_ds.log" 2>&1
+        --methods --work $W/sl --deadline "$DEADLINE" --json "$OUT/sharded_load_dcp.json" >"$OUT/sharded_load.log" 2>&1
 fi
 echo "sharded_load done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
 if [ "$(left)" -gt 100 ]; then
     timeout "$(left)" python3 benchmarks/dcp_convert.py --dcp $W/dcp --work $W/dc --keep \
         --json "$OUT/dcp_convert.json" >"$OUT/dcp_convert.log" 2>&1
     echo "dcp_convert exit $? at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
+    rm -rf $W/dc
+fi
+if [ "$PHASE" != 1 ] && [ "$(left)" -gt 60 ]; then
+    python3 benchmarks/sharded_load.py --checkpoint $W/ck --worlds --methods --ds-world 8 --work $W/sl \
+        --deadline "$DEADLINE" --json "$OUT/sharded_load_ds.json" >>"$OUT/sharded_load.log" 2>&1
+    echo "deepspeed load done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
 fi
 cp $W/ck/manifest.json "$OUT/manifest.json" 2>/dev/null
 grep -v WARNING "$OUT"/*.log | tail -40

@@ -10,6 +10,7 @@ device (with several GPUs the same code runs one rank per GPU).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,10 @@ WORKER = Path(__file__).with_name("cuda_sharded_worker.py")
 Z3 = FIXTURES / "z3_ws2_fp32"
 Z3_ENGINE = Z3 / "expected" / "engine.pt"
 BF16 = FIXTURES / "z2_ws2_bf16"
+# The workers see what this process sees (the GPU host's DeepSpeed is installed with --target beside the image).
+PYTHONPATH = os.pathsep.join(
+    p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p
+)
 
 
 def case(id: str, shard: str, build: str = "meta", src: Path = Z3, **kw: Any) -> dict[str, Any]:
@@ -52,7 +57,7 @@ def run(tmp_path: Path, world: int, backend: str, cases: list[dict[str, Any]]) -
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(spec)],
-            env={**worker_env(rank, world, port), "LOCAL_RANK": "0"},
+            env={**worker_env(rank, world, port), "LOCAL_RANK": "0", "PYTHONPATH": PYTHONPATH},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
