@@ -29,10 +29,14 @@ export PYTHONPATH=/tmp/site:$PWD
 } >"$OUT/env.txt" 2>&1
 left() { echo $((DEADLINE - $(date +%s))); }
 
-python3 benchmarks/make_checkpoint.py --params "$PARAMS" --world-size 8 --launcher torchrun --out $W/ck \
-    >"$W/build.log" 2>&1 &
+if [ -f $W/ck/manifest.json ]; then  # a warm lease still holds the last call's checkpoint
+    true &
+else
+    python3 benchmarks/make_checkpoint.py --params "$PARAMS" --world-size 8 --launcher torchrun --out $W/ck \
+        >"$W/build.log" 2>&1 &
+fi
 BUILD=$!
-if [ "$PHASE" = 1 ] || [ "$PHASE" = 2 ]; then
+if [ "$PHASE" = 1 ] || [ "$PHASE" = 2 ] && [ -z "${NO_CUDA_TESTS:-}" ]; then
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sharded.py >"$OUT/cuda_tests.txt" 2>&1
     echo "cuda tests exit $?" >>"$OUT/cuda_tests.txt"
 fi
