@@ -6,6 +6,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -213,6 +214,12 @@ def _target_device(device: str | torch.device | None) -> torch.device | None:
     return target
 
 
+def _filled(slot: _Slot, meter: ByteProgress, nbytes: int, new: torch.Tensor | None) -> None:
+    if new is not None:
+        _install(slot, new)
+    meter.update(nbytes)
+
+
 def _fill(ckpt: Checkpoint, name: str, dest: torch.Tensor) -> None:
     """Copy checkpoint tensor ``name`` into ``dest`` chunk by chunk (casting and moving as ``copy_`` does)."""
     if dest.is_contiguous():
@@ -414,14 +421,13 @@ def _load(
     meter = ByteProgress(progress, total, "Loading")
     # A caller's default-device context must not redirect our reads.
     on_device: dict[torch.device, list[tuple[_Slot, str, torch.Tensor]]] = {}  # filled through pinned staging
-    with closing(meter), torch.no_grad(), torch.device("cpu"):
+    fills = sharded.ShardFills(sharded.READERS if fill is sharded.read_segments else 1)
+    with closing(meter), closing(fills), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
             if id(slot) in shard_plans:
-                new = sharded.fill_sharded(ckpt, key, old, shard_plans[id(slot)], target_dtype, target_device, fill)
-                if new is not None:
-                    _install(slot, new)
-                meter.update(infos[key].nbytes)
+                job = partial(sharded.fill_sharded, ckpt, key, old, shard_plans[id(slot)], target_dtype, target_device)
+                fills.run(partial(job, fill), partial(_filled, slot, meter, infos[key].nbytes))
                 continue
             want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
             want_device = target_device or (torch.device("cpu") if old.is_meta else old.device)
@@ -439,6 +445,7 @@ def _load(
             if dest is not old:
                 _install(slot, dest)
             meter.update(infos[key].nbytes)
+        fills.finish()
         for device, jobs in on_device.items():
             DeviceFiller(device).fill(
                 ckpt, [(key, dest) for _, key, dest in jobs], lambda k: meter.update(infos[k].nbytes)

@@ -8,7 +8,9 @@ process group).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,9 @@ if TYPE_CHECKING:
     from .._checkpoint import TensorReader
 
 __all__ = [
+    "READERS",
     "Fill",
+    "ShardFills",
     "ShardPlan",
     "agree",
     "broadcast_segments",
@@ -343,3 +347,56 @@ def fill_sharded(
     fill(ckpt, name, plan.segments, dest)
     t: Any = tensor
     return DTensor.from_local(dest, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+# --------------------------------------------------------------------------- several tensors at once
+
+READERS = 4
+"""Tensors one rank fills at once when each rank reads its own slices. Reads and casts release the GIL; one tensor
+at a time kept one request in flight per rank (0.68 of the disk's cold-read limit on 2 ranks, docs/benchmarks.md)."""
+
+Done = Callable[[torch.Tensor | None], None]
+
+
+class ShardFills:
+    """Runs :func:`fill_sharded` jobs on ``workers`` threads (1: in the calling thread, as ``broadcast_from_rank0``
+    needs: every rank must reach the same collectives in the same order). Each job's ``done`` (installing the new
+    tensor, progress) runs in the calling thread, in submission order. :meth:`close` waits for every running job,
+    so no thread writes into the model after ``load`` returns or raises."""
+
+    def __init__(self, workers: int) -> None:
+        self._workers = workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="zeroio-shard") if workers > 1 else None
+        self._pending: deque[tuple[Future[torch.Tensor | None], Done]] = deque()
+        # Worker threads start on CUDA device 0 whatever this rank chose with torch.cuda.set_device.
+        self._cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+
+    def run(self, job: Callable[[], torch.Tensor | None], done: Done) -> None:
+        if self._pool is None:
+            done(job())
+            return
+        self._pending.append((self._pool.submit(self._call, job), done))
+        while len(self._pending) > 2 * self._workers:  # bounded: a few tensors ahead, not the whole model
+            self._finish_one()
+
+    def _call(self, job: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        if self._cuda is not None:
+            torch.cuda.set_device(self._cuda)
+        with torch.no_grad():  # grad mode is per thread: in-place fills of parameters need it off here too
+            return job()
+
+    def _finish_one(self) -> None:
+        future, done = self._pending.popleft()
+        done(future.result())
+
+    def finish(self) -> None:
+        """Wait for every job, running each ``done``; the first failure is raised."""
+        while self._pending:
+            self._finish_one()
+
+    def close(self) -> None:
+        for future, _ in self._pending:
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
