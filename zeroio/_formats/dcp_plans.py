@@ -117,6 +117,35 @@ class EntryMap:
         found.sort(key=lambda f: f[0])
         return [r for _, r in found]
 
+    def locate_rows(self, start: int, length: int, stride: int, count: int) -> list[ByteRange] | None:
+        """:meth:`locate` of ``count`` rows of a 2-D tensor (``length`` columns each, from flat ``start``, ``stride``
+        = its row length), found by box arithmetic: each chunk's rows of the block are one range when the block's
+        columns are the chunk's own columns. None when the tensor is not 2-D."""
+        shape = self._entry.shape
+        if len(shape) != 2 or stride != shape[1] or start % stride + length > stride:
+            return None
+        each = self._entry.dtype.itemsize
+        row0, col0 = divmod(start, stride)
+        col1 = col0 + length
+        per_chunk = []  # (first column, chunk index, first row, rows, first col, cols) of each chunk that overlaps
+        for i, chunk in enumerate(self._entry.chunks):
+            (r0, c0), (nr, nc) = chunk.offsets, chunk.sizes
+            lo, hi = max(row0, r0), min(row0 + count, r0 + nr)
+            a, b = max(col0, c0), min(col1, c0 + nc)
+            if lo < hi and a < b:
+                per_chunk.append((lo, a, i, hi, b))
+        found: list[tuple[int, int, ByteRange]] = []  # (row, column, range): sorted, the block's element order
+        for lo, a, i, hi, b in per_chunk:
+            (r0, c0), (_, nc) = self._entry.chunks[i].offsets, self._entry.chunks[i].sizes
+            source, offset = self._place(i)
+            first = offset + ((lo - r0) * nc + (a - c0)) * each
+            if a == col0 and b == col1 and b - a == nc:  # whole chunk rows, back to back in its archive
+                found.append((lo, a, (source, first, (hi - lo) * nc * each)))
+            else:
+                found.extend((r, a, (source, first + (r - lo) * nc * each, (b - a) * each)) for r in range(lo, hi))
+        found.sort(key=lambda f: (f[0], f[1]))
+        return [r for _, _, r in found]
+
 
 def whole_chunk_order(entry: TensorEntry) -> list[int] | None:
     """Chunk indices in flat order when each non-empty chunk is one run and together they run back to back (row

@@ -92,4 +92,8 @@ def read_strided(
             base, row, nbytes = offset + start * where.itemsize, stride * where.itemsize, length * where.itemsize
             read_many([(base + k * row, view[k * nbytes : (k + 1) * nbytes]) for k in range(count)], what)
             return
-    read_ranges((r for k in range(count) for r in where.locate(start + k * stride, length)), view, what)
+    rows = getattr(where, "locate_rows", None)  # a map that finds a block of rows at once (DCP chunk boxes)
+    found = rows(start, length, stride, count) if rows is not None else None
+    if found is None:
+        found = (r for k in range(count) for r in where.locate(start + k * stride, length))
+    read_ranges(found, view, what)
