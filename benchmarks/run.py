@@ -29,7 +29,7 @@ Methods (``--methods``):
 Cold runs drop the page cache first (``sync; echo 3 > /proc/sys/vm/drop_caches``, root only).
 
     python benchmarks/run.py --make 125M 350M 470M --untied 350M --repeats 3 \\
-        --json benchmarks/results/results.json --plot docs/benchmarks.png --markdown benchmarks/results/table.md
+        --json benchmarks/results/results.json --plot docs/benchmarks-sweep.png --markdown benchmarks/results/table.md
     python benchmarks/run.py --checkpoint fixtures/z3_ws2_fp32 --repeats 1 --cache warm   # smoke
 
 ``--memory-cap 256MiB`` additionally runs every method once inside a cgroup v1 memory
