@@ -113,9 +113,8 @@ def web(sources: dict[str, Path]) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def s3(sources: dict[str, Path]) -> Iterator[tuple[str, dict[str, str]]]:
-    """A local S3 server (moto) holding a ZeRO-3 fixture and the safetensors conversion:
-    ``(s3://bucket, storage_options)``."""
+def s3() -> Iterator[tuple[str, dict[str, str]]]:
+    """A local S3 server (moto) holding a ZeRO-3 fixture: ``(s3://bucket, storage_options)``."""
     pytest.importorskip("s3fs")
     import logging
 
@@ -124,8 +123,7 @@ def s3(sources: dict[str, Path]) -> Iterator[tuple[str, dict[str, str]]]:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = S3Server()
     try:
-        for local, prefix in ((Z3, "z3"), (sources["st"], "st")):
-            server.upload_tree(local, "sharded", prefix)
+        server.upload_tree(Z3, "sharded", "z3")
         env = server.env()
         yield "s3://sharded", {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
                                "endpoint_url": server.endpoint}  # fmt: skip
@@ -147,8 +145,7 @@ def source_cases(sources: dict[str, Path], s3: tuple[str, dict[str, str]]) -> li
         case("tp-dcp-tp", DCP_TP, ref(DCP_TP), shard="tp", build="meta"),
         case("fsdp2-dcp-tp", DCP_TP, ref(DCP_TP), shard="fsdp2"),
         case("tp-dcp-bf16", DCP_BF16, ref(DCP_BF16), shard="tp", build="meta", dtype="bf16"),
-        case("fsdp2-s3-zero3", f"{bucket}/z3", shard="fsdp2", build="meta", **remote),
-        case("tp-s3-safetensors", f"{bucket}/st/model.safetensors", shard="tp", **remote),
+        case("tp-s3-zero3", f"{bucket}/z3", shard="tp", build="meta", **remote),
     ]
 
 
@@ -157,9 +154,7 @@ def dtype_cases() -> list[dict[str, Any]]:
     return [
         case("fsdp2-dtype-fp16", Z3, shard="fsdp2", build="meta", kwargs={"dtype": "fp16"}, dtype_ref="fp16"),
         case("tp-dtype-fp16", Z3, shard="tp", kwargs={"dtype": "fp16"}, dtype_ref="fp16"),
-        case("tp-dtype-bf16", Z3, shard="tp", build="meta", kwargs={"dtype": "bf16"}, dtype_ref="bf16"),
         case("tp-dtype-fp32", BF16, ref(BF16), shard="tp", dtype="bf16", kwargs={"dtype": "fp32"}, dtype_ref="fp32"),
-        case("fsdp2-fp16-model", FP16, ref(FP16), shard="fsdp2", dtype="fp16"),
         case("tp-fp16-model", FP16, ref(FP16), shard="tp", build="meta", dtype="fp16"),
         case("fsdp2-dcp-bf16-to-fp16", DCP_BF16, ref(DCP_BF16), shard="fsdp2", build="meta", kwargs={"dtype": "fp16"},
              dtype_ref="fp16"),
@@ -236,13 +231,10 @@ LOADS = [
     "tp-dcp-tp",
     "fsdp2-dcp-tp",
     "tp-dcp-bf16",
-    "fsdp2-s3-zero3",
-    "tp-s3-safetensors",
+    "tp-s3-zero3",
     "fsdp2-dtype-fp16",
     "tp-dtype-fp16",
-    "tp-dtype-bf16",
     "tp-dtype-fp32",
-    "fsdp2-fp16-model",
     "tp-fp16-model",
     "fsdp2-dcp-bf16-to-fp16",
 ]
