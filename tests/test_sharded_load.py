@@ -1,5 +1,7 @@
 """zeroio.load into models sharded across ranks (FSDP2, tensor parallel, 2-D meshes): every rank fills its own local
-shards, bit for bit equal to torch's own sharding of the engine's tensors, reading only its slice.
+shards, bit for bit equal to torch's own sharding of the engine's tensors, reading only its slice. Sources: ZeRO-2/3,
+universal, safetensors, torch files, DCP folders (FSDP2, tensor parallel, 4-rank uneven, one saved by the job
+itself), http:// and s3://; targets fp32, bf16 and fp16 (the model's dtype or ``dtype=``).
 
 Each job (2 ranks, then 4) starts its processes once and runs every case in them (tests/sharded_worker.py); the
 tests below assert on the records it printed.
