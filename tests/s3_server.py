@@ -105,7 +105,9 @@ class S3Server:
                 for key, value in response.getheaders():
                     if key.lower() not in ("connection", "transfer-encoding", "content-length", "keep-alive"):
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD response has no body: its Content-Length is the object's size (what s3fs's info reads).
+                length = response.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command == "PUT" and response.status < 300:
                     with server.accounting.lock:

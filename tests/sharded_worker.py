@@ -41,14 +41,20 @@ def _generate() -> Any:
 
 
 GEN = _generate()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def io_counter(name: str = "rchar") -> int:
+    """This process's /proc/self/io counter: ``rchar``, bytes read through read()/pread() so far (page cache hits
+    included), or ``syscr``, read system calls made."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {name}")
 
 
 def rchar() -> int:
-    """Bytes this process has read through read()/pread() so far (/proc/self/io), page cache hits included."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise RuntimeError("no rchar")
+    return io_counter("rchar")
 
 
 def build(case: dict) -> nn.Module:
@@ -58,8 +64,8 @@ def build(case: dict) -> nn.Module:
     model = GEN._build_model({})
     if dims:
         model = type(model)(**dims)
-    if case.get("dtype") == "bf16":
-        model = model.to(torch.bfloat16)
+    if case.get("dtype"):
+        model = model.to(DTYPES[case["dtype"]])
     return model
 
 
@@ -125,9 +131,9 @@ def reference_model(case: dict, world: int, engine: dict[str, torch.Tensor]) -> 
     ref = GEN._build_model({})
     if case.get("dims"):
         ref = type(ref)(**case["dims"])
-    ref.load_state_dict(engine)
-    if case.get("dtype_ref", case.get("dtype")) == "bf16":
-        ref = ref.to(torch.bfloat16)
+    ref.load_state_dict(engine)  # the engine's fp32 tensors (DCP: the live run's), cast below as torch casts
+    if case.get("dtype_ref", case.get("dtype")):
+        ref = ref.to(DTYPES[case.get("dtype_ref", case.get("dtype"))])
     return shard(ref, case, world)
 
 
@@ -153,14 +159,14 @@ def run_zero_init(case: dict, rank: int, world: int) -> dict[str, Any]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group already initialised
-    dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
+    dtype = DTYPES[case.get("dtype", "fp32")]
     config = {"train_batch_size": world, "zero_optimization": {"stage": 3}}
     with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype):
         model = build(case)
     params = dict(model.named_parameters())
     before = {n: (tuple(p.shape), tuple(p.ds_tensor.shape), str(p.ds_tensor.dtype)) for n, p in params.items()}
     read0 = rchar()
-    with zeroio.open(case["src"]) as ckpt:
+    with zeroio.open(case["src"], **case.get("open", {})) as ckpt:
         opened = rchar()
         report = zeroio.load(ckpt, model)
         loaded = rchar()
@@ -191,16 +197,21 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, Any]:
         return run_zero_init(case, rank, world)
     src = case["src"]
     engine = torch.load(case["engine"], weights_only=True)
+    if case.get("save_dcp"):  # torch writes the source: the reference model, sharded as the case shards it
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(reference_model(case, world, engine).state_dict(), checkpoint_id=src)
+        dist.barrier()
     model = make_model(case, world)
     dtypes = "dtype_ref" not in case  # a load with dtype= changes dtypes only
     before = describe(model, dtypes)
     kwargs = case.get("kwargs", {})
     started = time.monotonic()
     read0 = rchar()
-    with zeroio.open(src) as ckpt:
-        opened = rchar()
+    with zeroio.open(src, **case.get("open", {})) as ckpt:
+        opened, calls = rchar(), io_counter("syscr")
         report = zeroio.load(ckpt, model, **kwargs)
-        loaded = rchar()
+        loaded, calls = rchar(), io_counter("syscr") - calls
     seconds = time.monotonic() - started
     after = describe(model, dtypes)
     ref = reference_model(case, world, engine)
@@ -232,6 +243,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, Any]:
         "meta": list(report.meta_keys),
         "open_bytes": opened - read0,
         "load_bytes": loaded - opened,
+        "load_reads": calls,
         "local_bytes": local_bytes,
         "seconds": seconds,
     }

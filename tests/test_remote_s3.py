@@ -272,6 +272,14 @@ def test_missing_credentials_name_the_url_and_the_fix(s3, monkeypatch):
     assert "'s3://fixtures/z2_ws2_fp32" in str(excinfo.value) and "AWS_PROFILE" in str(excinfo.value)
 
 
+def test_url_of_one_object(s3):
+    """A URL naming one object (not a folder) opens that file: its size comes from the object's metadata."""
+    url = "s3://fixtures/z3_ws2_fp32/expected/engine.pt"
+    with zeroio.open(url) as remote, zeroio.open(FIXTURES / "z3_ws2_fp32" / "expected" / "engine.pt") as local:
+        assert list(remote) == list(local)
+        assert all(torch.equal(remote[k], local[k]) for k in local)
+
+
 def test_storage_options_give_the_credentials(s3, monkeypatch):
     """storage_options= passes credentials and the endpoint to s3fs, without any AWS variable."""
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from zeroio._load.shard_slices import local_indices, segments
+from zeroio._load.shard_slices import local_indices, segments, strided_runs
 
 
 def _torch_local(
@@ -67,3 +67,22 @@ def test_segments_merge_whole_rows() -> None:
     assert list(segments((13, 7), [range(7, 13), range(7)])) == [(49, 42)]
     assert list(segments((3, 4), [range(3), range(2, 4)])) == [(2, 2), (6, 2), (10, 2)]
     assert list(segments((), [])) == [(0, 1)]
+
+
+@pytest.mark.parametrize("shape, mesh, placements", CASES)
+def test_strided_runs_are_the_segments_grouped(shape, mesh, placements) -> None:
+    """Expanded, the grouped runs are exactly the flat ranges (so the same local shard), rows of a column block
+    grouped into one run."""
+    ours = [_ours(p) for p in placements]
+    for coord in itertools.product(*(range(n) for n in mesh)):
+        held = local_indices(shape, mesh, coord, ours)
+        grouped = list(strided_runs(shape, held))
+        expanded = [(s + k * stride, n) for s, n, stride, count in grouped for k in range(count)]
+        assert expanded == list(segments(shape, held)), (coord, grouped)
+
+
+def test_strided_runs_group_a_column_block() -> None:
+    """A Shard(1) block of a tall tensor is one run, whatever the number of rows."""
+    assert list(strided_runs((100_000, 8), [range(100_000), range(4, 8)])) == [(4, 4, 8, 100_000)]
+    assert list(strided_runs((3, 5, 4), [range(3), range(1, 3), range(4)])) == [(4, 8, 20, 3)]
+    assert list(strided_runs((2, 3, 4), [range(2), range(3), range(1, 3)])) == [(1, 2, 4, 3), (13, 2, 4, 3)]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from typing_extensions import Self
 
 from ._dtypes import DType
+from ._io.byte_map import ByteMap, ConcatMap
 from ._io.integrity import CheckedFile
 from ._io.remote_path import as_path
 from ._io.sources import ByteRange
@@ -58,6 +59,8 @@ class TensorReader(Protocol):
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None: ...
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None: ...
+
+    def byte_map(self, name: str) -> ByteMap | None: ...
 
     def chunks(
         self,
@@ -161,6 +164,15 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         when no cast is needed. ``name`` is a stored name (see :meth:`source_name`).
         """
         return None
+
+    def byte_map(self, name: str) -> ByteMap | None:
+        """Where each flattened element of stored tensor ``name`` lies (None: read through :meth:`read_into`).
+
+        Lets a sharded load read a column block, one small piece per row, straight from the byte sources; the
+        default is :meth:`byte_ranges` concatenated, readers whose layout is not a concatenation override it.
+        """
+        ranges = self.byte_ranges(name)
+        return None if ranges is None else ConcatMap(ranges, self.stored_spec(name).itemsize)
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """dtype of the tensor's bytes at rest (what :meth:`read_into` fills)."""

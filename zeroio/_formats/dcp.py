@@ -35,7 +35,7 @@ from ..errors import (
     UnsupportedCheckpointError,
 )
 from .dcp_metadata import DcpMetadata, TensorEntry, parse_dcp_metadata
-from .dcp_plans import read_entry_into, whole_chunk_order
+from .dcp_plans import EntryMap, concat_ranges, read_entry_into
 
 if TYPE_CHECKING:
     import torch
@@ -149,22 +149,16 @@ class _Part:
             )
         self.checked.add(name)
 
+    def place(self, entry: TensorEntry, i: int) -> tuple[CheckedFile, int]:
+        """Chunk ``i``'s data file and where the chunk's data starts in it."""
+        return self.file(entry.chunks[i].file), self.locate(entry, i).data_offset
+
     def read_into(self, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
         def read(i: int, first: int, dest: torch.Tensor) -> None:
-            tensor = self.locate(entry, i)
-            self.file(entry.chunks[i].file).read_into(tensor.data_offset + first * entry.dtype.itemsize, dest)
+            file, at = self.place(entry, i)
+            file.read_into(at + first * entry.dtype.itemsize, dest)
 
         read_entry_into(entry, start, out, read)
-
-    def byte_ranges(self, entry: TensorEntry) -> list[ByteRange] | None:
-        order = whole_chunk_order(entry)
-        if order is None:
-            return None
-        ranges: list[ByteRange] = []
-        for i in order:
-            tensor = self.locate(entry, i)
-            ranges.append((self.file(entry.chunks[i].file), tensor.data_offset, tensor.numel * entry.dtype.itemsize))
-        return ranges
 
     def close(self) -> None:
         for file in self.files.values():
@@ -195,7 +189,11 @@ class DcpCheckpoint(Checkpoint):
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:
         part, entry = self._entries[name]
-        return part.byte_ranges(entry)
+        return concat_ranges(entry, lambda i: part.place(entry, i))
+
+    def byte_map(self, name: str) -> EntryMap:
+        part, entry = self._entries[name]
+        return EntryMap(entry, lambda i: part.place(entry, i))
 
     def _release(self) -> None:
         for part in self._parts:

@@ -3,16 +3,25 @@ contiguous runs of the flattened tensor, read by byte range and reassembled by o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._io.sources import ByteRange, ByteSource
 from .dcp_metadata import Chunk, TensorEntry
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkRuns", "chunk_runs", "read_entry_into", "whole_chunk_order"]
+__all__ = [
+    "ChunkRuns",
+    "EntryMap",
+    "chunk_runs",
+    "concat_ranges",
+    "entry_pieces",
+    "read_entry_into",
+    "whole_chunk_order",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +68,11 @@ ReadChunk = Callable[[int, int, "torch.Tensor"], None]
 """``read(chunk index, first chunk element, out)``: fill ``out`` with that chunk's elements."""
 
 
-def read_entry_into(entry: TensorEntry, start: int, out: torch.Tensor, read: ReadChunk) -> None:
-    """Fill ``out`` with the tensor's flattened elements ``[start, start + out.numel())`` from the chunks holding
-    them; only runs that meet the range are read (found by bisection: run starts grow with the run index)."""
-    end = start + out.numel()
+def entry_pieces(entry: TensorEntry, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(chunk index, first chunk element, first element of the range, length)`` of the runs holding the
+    tensor's flattened elements ``[start, start + count)``, chunk by chunk; only runs that meet the range are
+    visited (found by bisection: run starts grow with the run index)."""
+    end = start + count
     for i, chunk in enumerate(entry.chunks):
         if not chunk.numel:
             continue
@@ -80,7 +90,61 @@ def read_entry_into(entry: TensorEntry, start: int, out: torch.Tensor, read: Rea
                 break
             a, b = max(start, flat), min(end, flat + runs.length)
             if a < b:
-                read(i, r * runs.length + (a - flat), out[a - start : b - start])
+                yield i, r * runs.length + (a - flat), a - start, b - a
+
+
+def read_entry_into(entry: TensorEntry, start: int, out: torch.Tensor, read: ReadChunk) -> None:
+    """Fill ``out`` with the tensor's flattened elements ``[start, start + out.numel())`` from the chunks holding
+    them, reading only those runs."""
+    for i, first, at, n in entry_pieces(entry, start, out.numel()):
+        read(i, first, out[at : at + n])
+
+
+class EntryMap:
+    """A DCP tensor's elements as byte ranges inside its chunks' archives (a chunk located on first use): a column
+    block stored as column chunks is then read in one range per block of rows."""
+
+    def __init__(self, entry: TensorEntry, place: Callable[[int], tuple[ByteSource, int]]) -> None:
+        self._entry = entry
+        self._place = place  # chunk index -> (its data file, offset of its data)
+
+    def locate(self, start: int, count: int) -> list[ByteRange]:
+        each = self._entry.dtype.itemsize
+        found = []
+        for i, first, at, n in entry_pieces(self._entry, start, count):
+            source, offset = self._place(i)
+            found.append((at, (source, offset + first * each, n * each)))
+        found.sort(key=lambda f: f[0])
+        return [r for _, r in found]
+
+    def locate_rows(self, start: int, length: int, stride: int, count: int) -> list[ByteRange] | None:
+        """:meth:`locate` of ``count`` rows of a 2-D tensor (``length`` columns each, from flat ``start``, ``stride``
+        = its row length), found by box arithmetic: each chunk's rows of the block are one range when the block's
+        columns are the chunk's own columns. None when the tensor is not 2-D."""
+        shape = self._entry.shape
+        if len(shape) != 2 or stride != shape[1] or start % stride + length > stride:
+            return None
+        each = self._entry.dtype.itemsize
+        row0, col0 = divmod(start, stride)
+        col1 = col0 + length
+        per_chunk = []  # (first column, chunk index, first row, rows, first col, cols) of each chunk that overlaps
+        for i, chunk in enumerate(self._entry.chunks):
+            (r0, c0), (nr, nc) = chunk.offsets, chunk.sizes
+            lo, hi = max(row0, r0), min(row0 + count, r0 + nr)
+            a, b = max(col0, c0), min(col1, c0 + nc)
+            if lo < hi and a < b:
+                per_chunk.append((lo, a, i, hi, b))
+        found: list[tuple[int, int, ByteRange]] = []  # (row, column, range): sorted, the block's element order
+        for lo, a, i, hi, b in per_chunk:
+            (r0, c0), (_, nc) = self._entry.chunks[i].offsets, self._entry.chunks[i].sizes
+            source, offset = self._place(i)
+            first = offset + ((lo - r0) * nc + (a - c0)) * each
+            if a == col0 and b == col1 and b - a == nc:  # whole chunk rows, back to back in its archive
+                found.append((lo, a, (source, first, (hi - lo) * nc * each)))
+            else:
+                found.extend((r, a, (source, first + (r - lo) * nc * each, (b - a) * each)) for r in range(lo, hi))
+        found.sort(key=lambda f: (f[0], f[1]))
+        return [r for _, _, r in found]
 
 
 def whole_chunk_order(entry: TensorEntry) -> list[int] | None:
@@ -100,3 +164,12 @@ def whole_chunk_order(entry: TensorEntry) -> list[int] | None:
             return None
         expected += entry.chunks[i].numel
     return [i for _, i in order]
+
+
+def concat_ranges(entry: TensorEntry, place: Callable[[int], tuple[ByteSource, int]]) -> list[ByteRange] | None:
+    """The tensor's bytes as its chunks' data concatenated (:func:`whole_chunk_order`), or None. ``place(i)``:
+    chunk ``i``'s data file and where its data starts (a located chunk holds ``chunk.numel`` elements)."""
+    order = whole_chunk_order(entry)
+    if order is None:
+        return None
+    return [(*place(i), entry.chunks[i].numel * entry.dtype.itemsize) for i in order]

@@ -6,12 +6,14 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
 from .._constants import SAFETENSORS_MAX_HEADER_SIZE
 from .._dtypes import BY_NAME, BY_SAFETENSORS, SAFETENSORS_ORDER, DType
+from .._io.byte_map import ConcatMap
 from .._io.confine import require_regular_file
 from .._io.sources import ByteSource, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
@@ -240,6 +242,10 @@ class SafetensorsCheckpoint(Checkpoint):
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         file, entry = self._locations[name]
         file.read(entry, start, out)
+
+    def byte_map(self, name: str) -> ConcatMap:
+        file, entry = self._locations[name]
+        return ConcatMap([(file.source, entry.begin, entry.dtype.itemsize * prod(entry.shape))], entry.dtype.itemsize)
 
     def _release(self) -> None:
         for file in self._files:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
 from .._dtypes import FLOAT32
+from .._io.byte_map import ConcatMap
 from .._io.integrity import CheckedFile
 from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile, TensorRef, load_pickle
@@ -46,6 +47,11 @@ class TorchCheckpoint(Checkpoint):
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         self._refs[name].read(start, out.numel(), out)
+
+    def byte_map(self, name: str) -> ConcatMap | None:
+        ref = self._refs[name]
+        whole = ref.byte_range(0, ref.numel)
+        return None if whole is None else ConcatMap([whole], ref.dtype_spec.itemsize)
 
     def _release(self) -> None:
         for file in self._files:

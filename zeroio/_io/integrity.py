@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -159,6 +160,19 @@ class CheckedFile:
             view = writable_bytes(out)
             if len(view):
                 self._saw(offset, view)
+
+    def read_many(self, pieces: Sequence[tuple[int, memoryview]], what: str = "a tensor's data") -> None:
+        """:meth:`read_into` of each ``(offset, bytes view)``, in one call to the source when it can."""
+        read_many = getattr(self.source, "read_many", None)
+        if read_many is not None:
+            read_many(pieces, what)
+        else:
+            for offset, view in pieces:
+                self.source.read_into(offset, view, what)
+        if self.verify:
+            for offset, view in pieces:
+                if len(view):
+                    self._saw(offset, view)
 
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
         if not can_copy_in_kernel(self.source):

@@ -7,6 +7,7 @@ import errno
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
@@ -166,22 +167,23 @@ class LocalFile:
             pool.end_lease(self)
 
     def read_into(self, offset: int, out: torch.Tensor | Buffer, what: str = "a tensor's data") -> None:
-        view = writable_bytes(out)  # read straight into the tensor (or buffer): no intermediate copy
-        nbytes = len(view)
-        if nbytes == 0:
-            return
-        done = 0
+        self.read_many([(offset, writable_bytes(out))], what)  # straight into the tensor: no intermediate copy
+
+    def read_many(self, pieces: Sequence[tuple[int, memoryview]], what: str = "a tensor's data") -> None:
+        """:meth:`read_into` of each ``(offset, bytes view)`` under one descriptor lease (a column block's rows)."""
         fd = self._lease()
         try:
-            while done < nbytes:
-                got = os.preadv(fd, [view[done:]], offset + done)
-                if got <= 0:
-                    raise CheckpointFormatError(
-                        f"'{self.path}' ends after {offset + done} bytes, inside {what}: the file is truncated. "
-                        "Copy it again from where it was saved.",
-                        path=self.path,
-                    )
-                done += got
+            for offset, view in pieces:
+                done, nbytes = 0, len(view)
+                while done < nbytes:
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                    if got <= 0:
+                        raise CheckpointFormatError(
+                            f"'{self.path}' ends after {offset + done} bytes, inside {what}: the file is truncated. "
+                            "Copy it again from where it was saved.",
+                            path=self.path,
+                        )
+                    done += got
         finally:
             pool.end_lease(self)
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from math import prod
 
-__all__ = ["Placement", "Segment", "local_indices", "runs", "segments"]
+__all__ = ["Placement", "Segment", "Strided", "local_indices", "runs", "segments", "strided_runs"]
 
 Placement = tuple[str, int, int]
 """``(kind, tensor dim, split factor)``, kind one of ``"shard"``, ``"strided"``, ``"replicate"``."""
 
 Segment = tuple[int, int]
 """``(start, length)``: a contiguous range of a tensor's flattened (row-major) elements."""
+
+Strided = tuple[int, int, int, int]
+"""``(start, length, stride, count)``: ``count`` ranges of ``length`` elements, the k-th at ``start + k * stride``
+(a column block: one range per row, rows ``stride`` apart)."""
 
 
 def _chunk(indices: list[int], pieces: int, which: int) -> list[int]:
@@ -56,6 +60,15 @@ def runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _last_partial(shape: tuple[int, ...], held: Sequence[Sequence[int]]) -> int:
+    """The last dim whose selection is not the whole dim (every dim after it is read whole); -1 if none."""
+    last = -1
+    for d, (n, h) in enumerate(zip(shape, held, strict=True)):
+        if list(h) != list(range(n)):
+            last = d
+    return last
+
+
 def segments(shape: Sequence[int], held: Sequence[Sequence[int]]) -> Iterator[Segment]:
     """The flat ranges of a row-major tensor of ``shape`` holding the selection ``held`` (per-dim indices), in the
     row-major order of the selection: concatenated, they are the local shard's flattened elements."""
@@ -65,11 +78,7 @@ def segments(shape: Sequence[int], held: Sequence[Sequence[int]]) -> Iterator[Se
         return
     if any(len(h) == 0 for h in held):
         return
-    # The last dim whose selection is not the whole dim: every dim after it is read whole.
-    last = -1
-    for d, (n, h) in enumerate(zip(shape, held, strict=True)):
-        if list(h) != list(range(n)):
-            last = d
+    last = _last_partial(shape, held)
     if last < 0:
         yield (0, prod(shape))
         return
@@ -96,3 +105,29 @@ def segments(shape: Sequence[int], held: Sequence[Sequence[int]]) -> Iterator[Se
         pending = seg
     if pending is not None:
         yield pending
+
+
+def strided_runs(shape: Sequence[int], held: Sequence[Sequence[int]]) -> Iterator[Strided]:
+    """:func:`segments` with the one range per row of a column block grouped (consecutive rows, one range each):
+    expanded in order they are the same ranges, but a tall column block is a handful of values, not one per row."""
+    shape = tuple(shape)
+    last = _last_partial(shape, held) if shape and all(held) else -1
+    last_runs = runs(held[last]) if last > 0 else []
+    if len(last_runs) != 1:  # rows (or several ranges per row) that do not group: the plain ranges
+        for start, length in segments(shape, held):
+            yield (start, length, length, 1)
+        return
+    inner = prod(shape[last + 1 :])
+    strides = [prod(shape[d + 1 :]) for d in range(len(shape))]
+    first, stop = last_runs[0]
+    row = last - 1
+
+    def walk(d: int, base: int) -> Iterator[Strided]:
+        if d == row:
+            for a, b in runs(held[row]):
+                yield (base + a * strides[row] + first * inner, (stop - first) * inner, strides[row], b - a)
+            return
+        for i in held[d]:
+            yield from walk(d + 1, base + i * strides[d])
+
+    yield from walk(0, 0)

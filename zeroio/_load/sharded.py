@@ -9,7 +9,7 @@ process group).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._io.byte_map import ByteMap, read_strided
+from .._io.sources import tensor_bytes
 from .._text import get_logger
 from ..errors import ShardedModelError, ZeroIOError
-from .shard_slices import Placement, Segment, local_indices, segments
+from .shard_slices import Placement, Strided, local_indices, strided_runs
 
 if TYPE_CHECKING:
     from .._checkpoint import TensorReader
@@ -44,7 +46,10 @@ __all__ = [
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 16 * 1024 * 1024
-"""Largest staging buffer per read (when the local shard's dtype or device differs from the stored dtype)."""
+"""Largest block of elements read at once, and staging buffer (when the local shard's dtype or device differs from
+the stored dtype)."""
+MAX_ROWS = 8192
+"""Most rows of a column block read in one block, so a block's list of byte ranges stays small."""
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -94,8 +99,8 @@ def check_supported(model: nn.Module, where: str) -> None:
 class ShardPlan:
     """Which flattened elements of the checkpoint tensor this rank's part of one parameter holds."""
 
-    segments: list[Segment]
-    """Flat ranges of the global tensor, in the local shard's element order."""
+    runs: list[Strided]
+    """Flat ranges of the global tensor, in the local shard's element order (a column block's rows grouped)."""
     local_shape: tuple[int, ...]
     """Shape of the local part (the DTensor's local tensor, or the flat ``ds_tensor``)."""
 
@@ -135,7 +140,7 @@ def plan_shard(tensor: torch.Tensor, name: str, where: str) -> ShardPlan:
         # flat elements [r * size, (r + 1) * size), the last partitions padded past ds_numel.
         start = dist.get_rank(group=t.ds_process_group) * size
         length = max(0, min(size, numel - start))
-        return ShardPlan([(start, length)] if length else [], (size,))
+        return ShardPlan([(start, length, length, 1)] if length else [], (size,))
     mesh = t.device_mesh
     coordinate = mesh.get_coordinate()
     placements = [_placement(p, name, where) for p in t.placements]
@@ -154,7 +159,7 @@ def plan_shard(tensor: torch.Tensor, name: str, where: str) -> ShardPlan:
             expected=local_shape,
             found=found,
         )
-    return ShardPlan(list(segments(shape, held)), local_shape)
+    return ShardPlan(list(strided_runs(shape, held)), local_shape)
 
 
 def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False) -> None:
@@ -211,12 +216,16 @@ def plan_agreed(
 
 
 def read_segments(
-    ckpt: TensorReader, name: str, parts: Iterable[Segment], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+    ckpt: TensorReader, name: str, parts: Iterable[Strided], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
 ) -> None:
     """Fill the contiguous ``dest`` (flattened) with the elements of checkpoint tensor ``name`` at ``parts``.
 
     Reads straight into ``dest`` when it is a CPU tensor of the stored dtype; otherwise through one staging buffer
-    of at most ``chunk_bytes`` (cast and moved by ``copy_``, rounding as ``load_state_dict`` does).
+    of at most ``chunk_bytes`` (cast and moved by ``copy_``, rounding as ``load_state_dict`` does). A run of rows
+    (a ``Shard(1)`` column block) is read in blocks of up to ``chunk_bytes`` and :data:`MAX_ROWS` rows through the
+    reader's :meth:`~zeroio._checkpoint.Checkpoint.byte_map`, straight from the files: one read per block where
+    the rows' ranges touch in storage (a column-sharded DCP chunk), else one call per block reading each row's
+    own bytes (nothing between them).
     """
     source = ckpt.source_name(name)
     stored = ckpt.stored_dtype(name)
@@ -224,28 +233,49 @@ def read_segments(
     step = max(1, chunk_bytes // stored.itemsize)
     direct = flat.device.type == "cpu" and flat.dtype == stored
     staging = None if direct else torch.empty(min(step, max(1, flat.numel())), dtype=stored)
-    out = filled = 0
-    for start, length in parts:
-        pos = 0
-        while pos < length:
-            if staging is None:
-                n = min(length - pos, step)
-                ckpt.read_into(source, start + pos, flat[out : out + n])
-                out += n
+    where: ByteMap | None = None  # the byte map, asked for by the first run of several rows
+    asked = False
+    out = 0
+
+    def target(n: int) -> torch.Tensor:
+        return flat[out : out + n] if staging is None else staging[:n]
+
+    def done(n: int) -> None:
+        nonlocal out
+        if staging is not None:
+            flat[out : out + n].copy_(staging[:n])
+        out += n
+
+    for start, length, stride, count in parts:
+        rows = min(MAX_ROWS, step // length) if length else 0
+        if count == 1 or rows < 2:  # one row at a time, each cut into reads of at most `step` elements
+            for k in range(count):
+                for at in range(0, length, step):
+                    n = min(step, length - at)
+                    ckpt.read_into(source, start + k * stride + at, target(n))
+                    done(n)
+            continue
+        if not asked:
+            where, asked = ckpt.byte_map(source), True
+        for k in range(0, count, rows):
+            m = min(rows, count - k)
+            block = target(m * length)
+            if where is not None:
+                read_strided(where, start + k * stride, length, stride, m, tensor_bytes(block))
             else:
-                n = min(length - pos, staging.numel() - filled)
-                ckpt.read_into(source, start + pos, staging[filled : filled + n])
-                filled += n
-                if filled == staging.numel():
-                    flat[out : out + filled].copy_(staging[:filled])
-                    out, filled = out + filled, 0
-            pos += n
-    if staging is not None and filled:
-        flat[out : out + filled].copy_(staging[:filled])
+                for j in range(m):
+                    ckpt.read_into(source, start + (k + j) * stride, block[j * length : (j + 1) * length])
+            done(m * length)
+
+
+def _segments(parts: Iterable[Strided]) -> Iterator[tuple[int, int]]:
+    for start, length, stride, count in parts:
+        for k in range(count):
+            yield start + k * stride, length
 
 
 def broadcast_segments(
-    ckpt: TensorReader, name: str, parts: Iterable[Segment], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+    ckpt: TensorReader, name: str, parts: Iterable[Strided], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
 ) -> None:
     """:func:`read_segments` for ``broadcast_from_rank0``: rank 0 alone reads the whole tensor, chunk by chunk, and
     broadcasts each chunk; every rank keeps the elements of its ``parts``. All ranks call it for the same tensors
@@ -263,7 +293,7 @@ def broadcast_segments(
     flat = dest.view(-1)
     placed: list[tuple[int, int, int]] = []  # (global start, length, local start), in global order
     local = 0
-    for start, length in parts:
+    for start, length in _segments(parts):
         placed.append((start, length, local))
         local += length
     placed.sort()
@@ -286,13 +316,14 @@ def broadcast_segments(
             flat[at + a - start : at + b - start].copy_(buffer[a - lo : b - lo])
 
 
-Fill = Callable[["TensorReader", str, Sequence[Segment], torch.Tensor], None]
+Fill = Callable[["TensorReader", str, Sequence[Strided], torch.Tensor], None]
 """How a local part is filled: :func:`read_segments` (each rank reads) or :func:`broadcast_segments`."""
 
 
 def fill_whole(ckpt: TensorReader, name: str, dest: torch.Tensor, fill: Fill) -> None:
     """Fill an unsharded ``dest`` with all of checkpoint tensor ``name`` (``broadcast_from_rank0`` loads)."""
-    whole = [(0, ckpt.info(name).numel)] if dest.numel() else []
+    numel = ckpt.info(name).numel
+    whole = [(0, numel, numel, 1)] if dest.numel() else []
     if dest.is_contiguous():
         fill(ckpt, name, whole, dest)
     else:
@@ -337,14 +368,14 @@ def fill_sharded(
     want_device = device or (_mesh_device(tensor) if local.is_meta else local.device)
     if _is_zero_init(tensor) or (not local.is_meta and local.dtype == want_dtype and local.device == want_device):
         dest = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
-        fill(ckpt, name, plan.segments, dest)
+        fill(ckpt, name, plan.runs, dest)
         if dest is not local:
             local.copy_(dest)
         return None
     from torch.distributed.tensor import DTensor
 
     dest = torch.empty(plan.local_shape, dtype=want_dtype, device=want_device)
-    fill(ckpt, name, plan.segments, dest)
+    fill(ckpt, name, plan.runs, dest)
     t: Any = tensor
     return DTensor.from_local(dest, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
