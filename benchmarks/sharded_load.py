@@ -119,9 +119,12 @@ def _load(method: str, args: argparse.Namespace, device: str) -> tuple[Any, floa
     setup = time.perf_counter() - t_setup
     dist.barrier()
     io0, t0 = _io(), time.perf_counter()
-    if method in ("zeroio", "zeroio_bcast"):
+    if method in ("zeroio", "zeroio_bcast") or method.startswith("zeroio_r"):
         import zeroio
+        import zeroio._load.sharded as tuning  # zeroio_rN: N reader threads per rank (a tuning run, not an API)
 
+        if method.startswith("zeroio_r"):
+            tuning.READERS = int(method.removeprefix("zeroio_r"))
         zeroio.load(args.checkpoint, model, device=device if device == "cuda" else None, progress=False,
                     broadcast_from_rank0=method == "zeroio_bcast")  # fmt: skip
     elif method == "rank0":
@@ -264,8 +267,12 @@ def job(method: str, world: int, args: argparse.Namespace, *, cuda: bool, timeou
     t0 = time.perf_counter()
     logs = [open(report / f"log.{r}.txt", "w") for r in range(world)]  # noqa: SIM115
     procs = [
-        subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r if cuda else 0)},
-                         stdout=logs[r], stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            cmd,
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r if cuda else 0)},
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
         for r in range(world)
     ]
     deadline = time.monotonic() + timeout
