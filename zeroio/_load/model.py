@@ -421,7 +421,7 @@ def _load(
     meter = ByteProgress(progress, total, "Loading")
     # A caller's default-device context must not redirect our reads.
     on_device: dict[torch.device, list[tuple[_Slot, str, torch.Tensor]]] = {}  # filled through pinned staging
-    fills = sharded.ShardFills(sharded.READERS if fill is sharded.read_segments else 1)
+    fills = sharded.ShardFills(sharded.readers_per_rank() if fill is sharded.read_segments else 1)
     with closing(meter), closing(fills), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
