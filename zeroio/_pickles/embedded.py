@@ -8,6 +8,7 @@ bytes stay where they are, found by their record's local header, and are read la
 from __future__ import annotations
 
 import io
+import math
 import struct
 import zipfile
 from collections.abc import Callable
@@ -71,10 +72,7 @@ class EmbeddedTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
