@@ -87,6 +87,17 @@ def shard(model: nn.Module, case: dict, world: int, device: str = "cpu") -> nn.M
         for block in (model.mlp_in, model.mlp_out):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif kind == "hsdp":  # FSDP2 on a 2-D mesh: replicated over "replicate", sharded over "shard"
+        mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for block in (model.mlp_in, model.mlp_out):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "3d":  # HSDP over tensor parallel: a (2, 1, 2) mesh of 4 ranks
+        mesh = init_device_mesh(device, (2, 1, world // 2), mesh_dim_names=("replicate", "shard", "tp"))
+        _tp(model, mesh["tp"], "tp")
+        for block in (model.mlp_in, model.mlp_out):
+            fully_shard(block, mesh=mesh["replicate", "shard"])
+        fully_shard(model, mesh=mesh["replicate", "shard"])
     elif kind == "none":
         pass
     elif kind == "fsdp1":

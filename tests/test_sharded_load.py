@@ -338,8 +338,8 @@ def test_fsdp1_is_refused_with_the_route_that_works(two_ranks: dict[str, list[di
 
 
 def test_two_dimensional_mesh(tmp_path: Path) -> None:
-    """4 ranks: FSDP2 over tensor parallel on a 2x2 mesh (strided-shard placements, uneven rows), and FSDP2 with an
-    empty shard."""
+    """4 ranks: FSDP2 over tensor parallel on a 2x2 mesh (strided-shard placements, uneven rows), HSDP on a 2x2
+    mesh (Replicate, Shard), HSDP over tensor parallel on a 2x1x2 mesh, and FSDP2 with an empty shard."""
     cases = [
         case("2d", Z3, shard="2d"),
         case("2d-meta", Z3, shard="2d", build="meta"),
@@ -353,6 +353,8 @@ def test_two_dimensional_mesh(tmp_path: Path) -> None:
             forward=True,
         ),
         case("2d-z3-ws4", FIXTURES / "z3_ws4_fp32", FIXTURES / "z3_ws4_fp32" / "expected" / "engine.pt", shard="2d"),
+        case("hsdp-meta", Z3, shard="hsdp", build="meta"),  # (Replicate, Shard(0)) placements
+        case("3d", Z3, shard="3d", build="meta"),  # HSDP over tensor parallel, 3 mesh dimensions
         # DCP written by FSDP2 on 4 ranks with uneven rows and an empty chunk, into the same sharding.
         case("fsdp2-4-ranks-dcp", DCP_UNEVEN, ref(DCP_UNEVEN), shard="fsdp2", build="meta"),
     ]
@@ -367,6 +369,13 @@ def test_two_dimensional_mesh(tmp_path: Path) -> None:
                 assert record["forward_equal"], record
             if name.startswith("fsdp2-4-ranks"):
                 assert record["rank"] != 3 or record["mlp_in_local_rows"] == 0, record
+                continue
+            if name == "hsdp-meta":  # replicated across the two groups, row-sharded within each
+                assert "['R', 'S(0)']" in record["placements"], record["placements"]
+                continue
+            if name == "3d":  # three mesh dimensions: replicate, FSDP (strided over tp), tp
+                assert "['R', '_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
+                assert "['R', 'S(0)', 'S(1)']" in record["placements"], record["placements"]
                 continue
             # FSDP2 over TP: a row-sharded (Colwise) weight becomes _StridedShard on dp, Shard(0) on tp.
             assert "['_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
