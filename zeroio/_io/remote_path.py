@@ -134,15 +134,15 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
         )
     options = dict(storage_options or {})
     url = _credentials_to_options(url, protocol, options)
-    if _ALIASES.get(protocol, protocol) == "s3":
+    scheme = _ALIASES.get(protocol, protocol)
+    if scheme == "s3":
         # botocore retries under s3fs's and zeroio's own retries: with no network a read took 63 s to fail.
-        # storage_options={'config_kwargs': ...} still overrides this; the timeouts are added below.
+        # storage_options={'config_kwargs': ...} still overrides this; backend_timeouts adds the timeouts.
         options.setdefault("config_kwargs", S3_CONFIG_DEFAULTS)
-    backend_timeouts(_ALIASES.get(protocol, protocol), options, Timeouts.pop(options))
-    if _ALIASES.get(protocol, protocol) == "s3" and "endpoint_url" not in options:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
+        if endpoint and "endpoint_url" not in options:
             options["endpoint_url"] = endpoint
+    backend_timeouts(scheme, options, Timeouts.pop(options))
     if protocol == "hf" and "endpoint" not in options and os.environ.get("HF_ENDPOINT"):
         options["endpoint"] = os.environ["HF_ENDPOINT"]  # huggingface_hub reads it once, at import
     # One filesystem per (URL scheme, options, credential variables): creating one (a botocore session) costs
