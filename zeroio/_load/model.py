@@ -426,8 +426,9 @@ def _load(
         for slot, key in plan.values():
             old = slot.tensor
             if id(slot) in shard_plans:
-                job = partial(sharded.fill_sharded, ckpt, key, old, shard_plans[id(slot)], target_dtype, target_device)
-                fills.run(partial(job, fill), partial(_filled, slot, meter, infos[key].nbytes))
+                shard_plan = shard_plans[id(slot)]
+                job = partial(sharded.fill_sharded, ckpt, key, old, shard_plan, target_dtype, target_device, fill)
+                fills.run(job, partial(_filled, slot, meter, infos[key].nbytes))
                 continue
             want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
             want_device = target_device or (torch.device("cpu") if old.is_meta else old.device)
