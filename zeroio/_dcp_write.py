@@ -175,17 +175,12 @@ def write_dcp(
     src: Path | RemotePath, dst: Path, read: ReadOptions, write: WriteOptions
 ) -> tuple[list[Path], int, int, dict[str, str]]:
     """Write ``src`` as a DCP checkpoint at ``dst``; returns (data files, bytes of model tensors, tensors, tied)."""
-    layout, include_optimizer, target, chunk_bytes = (
-        write.dcp_layout,
-        write.include_optimizer,
-        write.dtype,
-        write.chunk_bytes,
-    )
+    titan = write.dcp_layout == "torchtitan"
     out = AtomicDir(Path(dst), overwrite=write.overwrite)
     out.check()
     with open_checkpoint(src, read) as ckpt:
         trainable = [n for n, i in ckpt.infos.items() if i.kind == "trainable" and n not in ckpt.tied]
-        if include_optimizer:
+        if write.include_optimizer:
             if not trainable:
                 raise UnsupportedCheckpointError(
                     f"'{ckpt.metadata.path}' has no parameters with optimizer state; drop include_optimizer.",
@@ -195,20 +190,20 @@ def write_dcp(
         files: list[Path] = []
         total = 0
         with out as tmp:
-            model_dir = tmp if layout == "torchtitan" else tmp / "pytorch_model_fsdp_0"
+            model_dir = tmp if titan else tmp / "pytorch_model_fsdp_0"
             model = _Folder.create(model_dir)
-            prefix = "" if layout == "torchtitan" else "model."
+            prefix = "" if titan else "model."
             for name, info in ckpt.infos.items():
                 path = (name,) if not prefix else ("model", name)
-                wanted = output_dtype(info, None if target is None else target.torch)
-                blocks = _blocks(ckpt, name, target, chunk_bytes)
+                wanted = output_dtype(info, None if write.dtype is None else write.dtype.torch)
+                blocks = _blocks(ckpt, name, write.dtype, write.chunk_bytes)
                 model.tensor(prefix + name, path, info.shape, wanted, blocks)
                 total += info.numel * wanted.itemsize
             optim = model
-            if include_optimizer:
-                optim = model if layout == "torchtitan" else _Folder.create(tmp / "optimizer_0")
-                _write_optimizer(ckpt, optim, "optimizer", trainable, layout == "torchtitan", chunk_bytes)
-            if layout == "torchtitan":
+            if write.include_optimizer:
+                optim = model if titan else _Folder.create(tmp / "optimizer_0")
+                _write_optimizer(ckpt, optim, "optimizer", trainable, titan, write.chunk_bytes)
+            if titan:
                 model.value("train_state.step", ("train_state", "step"), int(ckpt.metadata.global_step or 0))
             ckpt.finish_crc_checks()
             for folder in dict.fromkeys([model, optim]):
