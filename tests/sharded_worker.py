@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -270,6 +273,19 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+@contextmanager
+def staging(nbytes: int | None) -> Iterator[None]:
+    """A case's ``staging_bytes``: small staging chunks, so the fixtures' small tensors cross chunk boundaries."""
+    if nbytes is None:
+        yield
+        return
+    os.environ["ZEROIO_STAGING_BYTES"] = str(nbytes)
+    try:
+        yield
+    finally:
+        del os.environ["ZEROIO_STAGING_BYTES"]
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     if spec.get("docs"):  # docs/loading.md's examples, verbatim, in one namespace: the first one starts the group
@@ -283,7 +299,8 @@ def main() -> int:
     torch.manual_seed(1234 + rank)  # ranks build different random weights: only the load makes them agree
     for case in spec["cases"]:
         try:
-            outcome = run_case(case, rank, world)
+            with staging(case.get("staging_bytes")):
+                outcome = run_case(case, rank, world)
         except zeroio.errors.ZeroIOError as exc:
             outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc), "error_rank": exc.rank}
         outcome["id"] = case["id"]

@@ -47,6 +47,11 @@ CASES = [
     case("tp_meta", "tp"),
     case("tp_rowemb_built_on_cuda", "tp_rowemb", build="cuda"),
     case("tp_bf16_source", "tp", build="cuda", src=BF16),
+    # 64-byte staging: every tensor crosses pinned chunks (copies in flight while the next chunk is read), column
+    # blocks in 2-row blocks, casts on the device.
+    case("fsdp2_meta_bf16_small_chunks", "fsdp2", dtype="bf16", staging_bytes=64),
+    case("tp_meta_small_chunks", "tp", staging_bytes=64),
+    case("tp_bf16_small_chunks", "tp", dtype="bf16", staging_bytes=64),
 ]
 
 

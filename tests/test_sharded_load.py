@@ -195,6 +195,11 @@ def two_ranks(
         case("big-tp-dcp", tmp_path_factory.mktemp("big_dcp"), sources["big_engine"], shard="tp", build="meta",
              save_dcp=True, **big),
         case("after-errors", Z3, shard="fsdp2"),
+        # 64-byte staging: every tensor crosses chunks, column blocks go row by row or in 2-row blocks, casts staged.
+        case("tp-small-chunks", Z3, shard="tp", build="meta", kwargs={"dtype": "bf16"}, dtype_ref="bf16",
+             staging_bytes=64),
+        case("big-tp-dcp-small-chunks", tmp_path_factory.mktemp("big_dcp_small"), sources["big_engine"], shard="tp",
+             build="meta", save_dcp=True, staging_bytes=4096, **big),
         *source_cases(sources, s3),
         *dtype_cases(),
         # Last: importing DeepSpeed takes seconds.
@@ -219,6 +224,8 @@ LOADS = [
     "big-fsdp2",
     "big-tp",
     "after-errors",
+    "tp-small-chunks",
+    "big-tp-dcp-small-chunks",
     "broadcast-fsdp2",
     "broadcast-tp",
     "broadcast-unsharded",

@@ -217,57 +217,102 @@ def plan_agreed(
 # --------------------------------------------------------------------------- reading
 
 
+class _Landing:
+    """Where :func:`read_segments` reads a local part's elements before ``dest`` holds them, and how they get there.
+
+    Straight into ``dest`` (a CPU tensor of the stored dtype); through one host buffer, cast by ``copy_`` (a CPU
+    tensor of another dtype); or, for a CUDA tensor, through pinned host buffers copied with ``non_blocking=True``
+    and cast on the device, so the next read overlaps the copy (a pageable ``copy_`` casts on the CPU and blocks the
+    reading thread for the transfer). Pinned buffers come from torch's caching host allocator, which reuses one only
+    once the copy recorded on it has completed.
+    """
+
+    def __init__(self, flat: torch.Tensor, stored: torch.dtype, step: int) -> None:
+        self.flat = flat
+        self.out = 0
+        self.cap = min(step, max(1, flat.numel()))
+        self.cuda = flat.is_cuda
+        self.direct = flat.device.type == "cpu" and flat.dtype == stored
+        self.stored = stored
+        self.host: torch.Tensor | None = None
+        if not (self.direct or self.cuda):
+            self.host = torch.empty(self.cap, dtype=stored)
+
+    def buffer(self, n: int) -> torch.Tensor:
+        """Where the next ``n`` (at most one step of) elements are read."""
+        if self.direct:
+            return self.flat[self.out : self.out + n]
+        if self.cuda:  # a fresh block per chunk: the last one may still be on its way to the device
+            self.host = torch.empty(self.cap, dtype=self.stored, pin_memory=True)
+        assert self.host is not None
+        return self.host[:n]
+
+    def place(self, n: int) -> None:
+        """Move the ``n`` elements just read into ``dest``."""
+        target = self.flat[self.out : self.out + n]
+        if self.host is not None:
+            read = self.host[:n]
+            if not self.cuda:
+                target.copy_(read)
+            elif target.dtype == self.stored:
+                target.copy_(read, non_blocking=True)
+            else:  # copied in the stored dtype, cast by the device
+                target.copy_(read.to(target.device, non_blocking=True))
+            if self.cuda:
+                self.host = None  # back to the allocator, reused once this copy has completed
+        self.out += n
+
+    def finish(self) -> None:
+        """Wait for the copies in flight: ``dest`` is whole when :func:`read_segments` returns."""
+        if self.cuda:
+            torch.cuda.current_stream(self.flat.device).synchronize()
+
+
+def staging_bytes() -> int:
+    """:data:`CHUNK_BYTES`, or ``ZEROIO_STAGING_BYTES`` (tests cross chunk boundaries with small fixtures)."""
+    override = os.environ.get("ZEROIO_STAGING_BYTES")
+    return max(8, int(override)) if override else CHUNK_BYTES
+
+
 def read_segments(
-    ckpt: TensorReader, name: str, parts: Iterable[Strided], dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+    ckpt: TensorReader, name: str, parts: Iterable[Strided], dest: torch.Tensor, chunk_bytes: int | None = None
 ) -> None:
     """Fill the contiguous ``dest`` (flattened) with the elements of checkpoint tensor ``name`` at ``parts``.
 
-    Reads straight into ``dest`` when it is a CPU tensor of the stored dtype; otherwise through one staging buffer
-    of at most ``chunk_bytes`` (cast and moved by ``copy_``, rounding as ``load_state_dict`` does). A run of rows
-    (a ``Shard(1)`` column block) is read in blocks of up to ``chunk_bytes`` and :data:`MAX_ROWS` rows through the
-    reader's :meth:`~zeroio._checkpoint.Checkpoint.byte_map`, straight from the files: one read per block where
+    Reads straight into ``dest`` when it is a CPU tensor of the stored dtype; otherwise through staging buffers of
+    at most ``chunk_bytes`` (:class:`_Landing`; cast by ``copy_``, rounding as ``load_state_dict`` does). A run of
+    rows (a ``Shard(1)`` column block) is read in blocks of up to ``chunk_bytes`` and :data:`MAX_ROWS` rows through
+    the reader's :meth:`~zeroio._checkpoint.Checkpoint.byte_map`, straight from the files: one read per block where
     the rows' ranges touch in storage (a column-sharded DCP chunk), else one call per block reading each row's
     own bytes (nothing between them).
     """
     source = ckpt.source_name(name)
     stored = ckpt.stored_dtype(name)
-    flat = dest.view(-1)
-    step = max(1, chunk_bytes // stored.itemsize)
-    direct = flat.device.type == "cpu" and flat.dtype == stored
-    staging = None if direct else torch.empty(min(step, max(1, flat.numel())), dtype=stored)
+    step = max(1, (chunk_bytes or staging_bytes()) // stored.itemsize)
+    landing = _Landing(dest.view(-1), stored, step)
     where: ByteMap | None = None  # the byte map, asked for by the first run of several rows
     asked = False
-    out = 0
-
-    def target(n: int) -> torch.Tensor:
-        return flat[out : out + n] if staging is None else staging[:n]
-
-    def done(n: int) -> None:
-        nonlocal out
-        if staging is not None:
-            flat[out : out + n].copy_(staging[:n])
-        out += n
-
     for start, length, stride, count in parts:
         rows = min(MAX_ROWS, step // length) if length else 0
         if count == 1 or rows < 2:  # one row at a time, each cut into reads of at most `step` elements
             for k in range(count):
                 for at in range(0, length, step):
                     n = min(step, length - at)
-                    ckpt.read_into(source, start + k * stride + at, target(n))
-                    done(n)
+                    ckpt.read_into(source, start + k * stride + at, landing.buffer(n))
+                    landing.place(n)
             continue
         if not asked:
             where, asked = ckpt.byte_map(source), True
         for k in range(0, count, rows):
             m = min(rows, count - k)
-            block = target(m * length)
+            block = landing.buffer(m * length)
             if where is not None:
                 read_strided(where, start + k * stride, length, stride, m, tensor_bytes(block))
             else:
                 for j in range(m):
                     ckpt.read_into(source, start + (k + j) * stride, block[j * length : (j + 1) * length])
-            done(m * length)
+            landing.place(m * length)
+    landing.finish()
 
 
 def _segments(parts: Iterable[Strided]) -> Iterator[tuple[int, int]]:
