@@ -7,7 +7,8 @@
 # (default 1.3B) 8-rank ZeRO-3 checkpoint, its FSDP2 DCP copy, the cold-read limits, the sharded loads on 2 and 4
 # CPU ranks and 1 CUDA rank (benchmarks/sharded_load.py), then DCP -> safetensors (benchmarks/dcp_convert.py) if
 # time is left. PHASE 2: the CUDA tests again, checkpoint + DCP again (a lease starts bare), DCP -> safetensors, then
-# DeepSpeed's load_checkpoint at world size 8. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
+# DeepSpeed's load_checkpoint at world size 8. PHASE 3: the CUDA tests, the checkpoint, then the reader threads at
+# 4 ranks (1, 2 = the default, 4 per rank) and the 1-rank CUDA load against dcp.load, two repeats. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
 # Wheels carried in .whl/ (deepspeed and its missing dependencies, accelerate) are installed first.
 set -u
 OUT=${1:?usage: gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]}
@@ -36,14 +37,18 @@ else
         >"$W/build.log" 2>&1 &
 fi
 BUILD=$!
-if [ "$PHASE" = 1 ] || [ "$PHASE" = 2 ] && [ -z "${NO_CUDA_TESTS:-}" ]; then
+if [ -z "${NO_CUDA_TESTS:-}" ]; then
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sharded.py >"$OUT/cuda_tests.txt" 2>&1
     echo "cuda tests exit $?" >>"$OUT/cuda_tests.txt"
 fi
 wait $BUILD || { tail -50 "$W/build.log" >>"$OUT/env.txt"; exit 1; }
 echo "build done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
 
-if [ "$PHASE" = 1 ]; then
+if [ "$PHASE" = 3 ]; then
+    python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds 4 \
+        --methods zeroio_r1 zeroio zeroio_r4 --cuda-methods zeroio dcp --limits --repeats 2 --work $W/sl \
+        --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
+elif [ "$PHASE" = 1 ]; then
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds 2 4 \
         --methods zeroio zeroio_bcast rank0 dcp --cuda-methods zeroio rank0 dcp --limits --work $W/sl \
         --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
@@ -52,7 +57,7 @@ else
         --methods --work $W/sl --deadline "$DEADLINE" --json "$OUT/sharded_load_dcp.json" >"$OUT/sharded_load.log" 2>&1
 fi
 echo "sharded_load done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
-if [ "$(left)" -gt 100 ]; then
+if [ "$PHASE" != 3 ] && [ "$(left)" -gt 100 ]; then
     timeout "$(left)" python3 benchmarks/dcp_convert.py --dcp $W/dcp --work $W/dc --keep \
         --json "$OUT/dcp_convert.json" >"$OUT/dcp_convert.log" 2>&1
     echo "dcp_convert exit $? at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"

@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             order = args.methods[repeat % len(args.methods) :] + args.methods[: repeat % len(args.methods)]
             for method in order:
                 one(method, world)
-        for method in args.cuda_methods:
+        turn = repeat % max(1, len(args.cuda_methods))
+        for method in args.cuda_methods[turn:] + args.cuda_methods[:turn]:
             one(method, 1, cuda=True)
     if args.ds_world:
         one("deepspeed", args.ds_world)
