@@ -95,8 +95,8 @@ def shard(model: nn.Module, case: dict, world: int, device: str = "cpu") -> nn.M
         for block in (model.mlp_in, model.mlp_out):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    elif kind == "3d":  # HSDP over tensor parallel: a (2, 1, 2) mesh of 4 ranks
-        mesh = init_device_mesh(device, (2, 1, world // 2), mesh_dim_names=("replicate", "shard", "tp"))
+    elif kind == "3d":  # HSDP over tensor parallel: a (2, 1, 2) mesh of 4 ranks, (2, 2, 2) of 8
+        mesh = init_device_mesh(device, (2, world // 4, 2), mesh_dim_names=("replicate", "shard", "tp"))
         _tp(model, mesh["tp"], "tp")
         for block in (model.mlp_in, model.mlp_out):
             fully_shard(block, mesh=mesh["replicate", "shard"])

@@ -60,8 +60,8 @@ def run(tmp_path: Path, world: int, cases: list[dict[str, Any]]) -> dict[str, li
 
     The docs' "Sharded models" examples for ``world`` ranks run first, in the same processes."""
     spec = tmp_path / f"spec{world}.json"
-    prefix = "sharded-4:" if world == 4 else "sharded:"
-    docs = [(title, block) for title, block in DOC_BLOCKS if title.startswith(prefix)]
+    prefix = {2: "sharded:", 4: "sharded-4:"}.get(world)
+    docs = [(title, block) for title, block in DOC_BLOCKS if prefix and title.startswith(prefix)]
     spec.write_text(json.dumps({"cases": cases, "timeout": 180, "docs": docs}))
     port = free_port()
     procs = [
@@ -387,6 +387,25 @@ def test_two_dimensional_mesh(tmp_path: Path) -> None:
             # FSDP2 over TP: a row-sharded (Colwise) weight becomes _StridedShard on dp, Shard(0) on tp.
             assert "['_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
             assert "['S(0)', 'S(1)']" in record["placements"], record["placements"]
+
+
+def test_three_dimensional_mesh(tmp_path: Path) -> None:
+    """8 ranks: HSDP over tensor parallel on a 2x2x2 mesh, where the strided shard over the FSDP dimension splits
+    rows for real (on the 2x1x2 mesh of the 4-rank test it holds them all), and 5 rows leave ranks empty."""
+    cases = [
+        case("3d-meta", Z3, shard="3d", build="meta"),
+        case("3d-dcp-tp", DCP_TP, ref(DCP_TP), shard="3d"),
+    ]
+    records = run(tmp_path, 8, cases)
+    for name, by_rank in records.items():
+        if name == "docs":
+            continue
+        assert len(by_rank) == 8, name
+        for record in by_rank:
+            assert record["ok"], record
+            assert record["differ"] == [] and record["same_layout"] and record["tied"], record
+            assert "['R', '_S(0, 2)', 'S(0)']" in record["placements"], record["placements"]
+            assert "['R', 'S(0)', 'S(1)']" in record["placements"], record["placements"]
 
 
 def test_docs_examples_run(two_ranks: dict[str, list[dict]]) -> None:
