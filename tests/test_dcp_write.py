@@ -99,3 +99,45 @@ def test_small_chunks_split_rows_and_output_is_atomic(tmp_path):
     with pytest.raises(OutputError, match="already"):
         zeroio.convert(ZERO3, tmp_path / "step-2", fmt="dcp", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
+
+
+def test_max_shard_size_splits_data_files_torch_reads(tmp_path):
+    """max_shard_size bounds each data file (``__0_N.distcp``); torch's own reader (``dcp_to_torch_save``, no process
+    group) and zeroio read the split checkpoint back bit for bit. exp_avg of emb.weight alone is 364 bytes."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "step-2"
+    zeroio.convert(ZERO3, out, fmt="dcp", include_optimizer=True, max_shard_size=1000, chunk_bytes=256, progress=False)
+    data = sorted(p.name for p in out.glob("*.distcp"))
+    assert len(data) > 5 and data[:2] == ["__0_0.distcp", "__0_1.distcp"]
+    # A file passes the bound only when one chunk alone does (its torch.save archive adds ~1 KB of framing).
+    sizes = [(out / name).stat().st_size for name in data]
+    assert all(size < 1000 + 2048 for size in sizes), sizes
+    dcp_to_torch_save(out, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    with zeroio.open(ZERO3) as src, zeroio.open(out) as back:
+        for key in src:
+            assert torch.equal(whole[key], src[key]) and torch.equal(back[key], src[key]), key
+        state = src.optimizer_state("emb.weight")
+        assert torch.equal(whole["optimizer"]["state"]["emb.weight"]["exp_avg_sq"], state["exp_avg_sq"])
+
+
+def test_exclude_frozen_progress_and_workers(tmp_path):
+    """exclude_frozen leaves frozen parameters out, progress counts every byte of model tensors written, and the
+    read-ahead threads change nothing in the files (workers=1 and workers=4 write the same bytes)."""
+    calls: list[tuple[int, int]] = []
+    one = zeroio.convert(ZERO3, tmp_path / "one", fmt="dcp", exclude_frozen=True, workers=1, chunk_bytes=64,
+                         progress=lambda done, total: calls.append((done, total)))  # fmt: skip
+    four = zeroio.convert(ZERO3, tmp_path / "four", fmt="dcp", exclude_frozen=True, workers=4, chunk_bytes=64,
+                          progress=False)  # fmt: skip
+    with zeroio.open(ZERO3) as src, zeroio.open(tmp_path / "one") as back:
+        frozen = [k for k, info in src.infos.items() if info.kind == "frozen"]
+        assert frozen and list(back) == [k for k in src if k not in frozen]
+        for key in back:
+            assert torch.equal(back[key], src[key]), key
+        kept = list(back)
+        total = sum(src.infos[k].nbytes for k in kept)
+    assert one.total_size == four.total_size == total == calls[-1][0] == calls[-1][1]
+    assert len(calls) > len(kept) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    for name in (".metadata", "__0_0.distcp"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "four" / name).read_bytes()

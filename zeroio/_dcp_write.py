@@ -16,8 +16,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +35,7 @@ from ._metadata import output_dtype
 from ._options import ReadOptions
 from ._write.atomic import AtomicDir
 from ._write.options import WriteOptions
+from ._write.progress import ByteProgress
 from .errors import UnsupportedCheckpointError
 
 __all__ = ["write_dcp"]
@@ -39,27 +44,49 @@ DATA_FILE = "__0_0.distcp"
 
 @dataclass(eq=False)
 class _Folder:
-    """One DCP folder being written: its data file and the metadata entries of what went into it."""
+    """One DCP folder being written: its data files (``__0_N.distcp``, a new one once ``max_file_bytes`` would be
+    passed) and the metadata entries of what went into them."""
 
     path: Path
-    fh: IO[bytes]
+    max_file_bytes: int
+    files: list[str] = field(default_factory=list)
     entries: dict[str, Any] = field(default_factory=dict)
     storage: dict[Any, Any] = field(default_factory=dict)
     planner: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _fh: IO[bytes] | None = None
 
     @classmethod
-    def create(cls, path: Path) -> _Folder:
+    def create(cls, path: Path, max_file_bytes: int) -> _Folder:
         path.mkdir(parents=True, exist_ok=True)
-        return cls(path, open(path / DATA_FILE, "xb"))
+        folder = cls(path, max_file_bytes)
+        folder._next_file()
+        return folder
 
-    def _append(self, fqn: str, write: Any, offsets: tuple[int, ...] | None) -> None:
+    def _next_file(self) -> IO[bytes]:
+        self._close_file()
+        self.files.append(f"__0_{len(self.files)}.distcp")
+        self._fh = open(self.path / self.files[-1], "xb")  # noqa: SIM115 (closed by _close_file or abandon)
+        return self._fh
+
+    def _close_file(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            self._fh = None
+
+    def _append(self, fqn: str, write: Any, nbytes: int, offsets: tuple[int, ...] | None) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        start = self.fh.tell()
-        write(self.fh)
+        fh = self._fh
+        assert fh is not None
+        start = fh.tell()
+        if start and start + nbytes > self.max_file_bytes:
+            fh, start = self._next_file(), 0
+        write(fh)
         at = None if offsets is None else torch.Size(offsets)
-        self.storage[MetadataIndex(fqn, at, 0)] = _StorageInfo(DATA_FILE, start, self.fh.tell() - start)
+        self.storage[MetadataIndex(fqn, at, 0)] = _StorageInfo(self.files[-1], start, fh.tell() - start)
 
     def tensor(self, fqn: str, path: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, blocks: Any) -> None:
         """Write a tensor from ``blocks``: ``(row offset, tensor of those rows)`` in order, covering it."""
@@ -72,7 +99,7 @@ class _Folder:
         chunks = []
         for row, block in blocks:
             offsets = (row, *([0] * (len(shape) - 1))) if shape else ()
-            self._append(fqn, lambda fh, b=block: torch.save(b, fh), offsets)
+            self._append(fqn, lambda fh, b=block: torch.save(b, fh), block.numel() * block.element_size(), offsets)
             chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(block.shape)))
         self.entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), chunks)
         self.planner[fqn] = path
@@ -83,17 +110,21 @@ class _Folder:
 
         buffer = io.BytesIO()
         torch.save(obj, buffer)
-        self._append(fqn, lambda fh: fh.write(buffer.getvalue()), None)
+        self._append(fqn, lambda fh: fh.write(buffer.getvalue()), buffer.tell(), None)
         self.entries[fqn] = BytesStorageMetadata()
         self.planner[fqn] = path
 
+    def abandon(self) -> None:
+        """Close the data file being written, if any (an error stopped the write)."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
     def finish(self) -> None:
-        """Flush the data file, then write ``.metadata`` (DCP's reader needs it last)."""
+        """Flush the data files, then write ``.metadata`` (DCP's reader needs it last)."""
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
+        self._close_file()
         meta = Metadata(self.entries, self.planner, self.storage, StorageMeta(), "1.0.0")
         with open(self.path / ".metadata", "xb") as fh:
             pickle.dump(meta, fh)
@@ -101,27 +132,72 @@ class _Folder:
             os.fsync(fh.fileno())
 
 
-def _blocks(ckpt: TensorReader, name: str, target: DType | None, chunk_bytes: int) -> Iterable[tuple[int, Any]]:
-    """Row blocks of tensor ``name`` of at most ``chunk_bytes`` (at least one row), read as they are written."""
-    info = ckpt.info(name)
-    stored = ckpt.stored_dtype(name)
-    wanted = output_dtype(info, None if target is None else target.torch)
-    if not info.shape:
-        out = torch.empty(1, dtype=stored)
-        ckpt.read_into(ckpt.source_name(name), 0, out)
-        yield 0, out.to(wanted).reshape(())
-        return
-    rows, row = info.shape[0], info.numel // max(1, info.shape[0])
-    step = max(1, chunk_bytes // max(1, row * max(stored.itemsize, wanted.itemsize)))
-    if rows == 0:
-        yield 0, torch.empty(info.shape, dtype=wanted)
-        return
-    for r in range(0, rows, step):
-        n = min(step, rows - r)
-        out = torch.empty(n * row, dtype=stored)
+Block = tuple[str, int, torch.Tensor]
+"""``(tensor name, first row, those rows)``: one chunk DCP stores."""
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockRead:
+    """Rows ``[at, at + n)`` of one tensor (of ``row`` elements each), read in the stored dtype and cast."""
+
+    ckpt: TensorReader
+    name: str
+    shape: tuple[int, ...]
+    at: int
+    n: int
+    row: int
+    stored: torch.dtype
+    wanted: torch.dtype
+
+    def __call__(self) -> Block:
+        if not self.shape:  # a scalar
+            out = torch.empty(1, dtype=self.stored)
+            self.ckpt.read_into(self.ckpt.source_name(self.name), 0, out)
+            return self.name, 0, out.to(self.wanted).reshape(())
+        out = torch.empty(self.n * self.row, dtype=self.stored)
         if out.numel():
-            ckpt.read_into(ckpt.source_name(name), r * row, out)
-        yield r, out.to(wanted).view(n, *info.shape[1:])
+            self.ckpt.read_into(self.ckpt.source_name(self.name), self.at * self.row, out)
+        return self.name, self.at, out.to(self.wanted).view(self.n, *self.shape[1:])
+
+
+def _block_reads(
+    ckpt: TensorReader, names: Iterable[str], target: DType | None, chunk_bytes: int
+) -> Iterator[_BlockRead]:
+    """For each tensor, in order, the reads of its row blocks of at most ``chunk_bytes`` (at least one row; one
+    block for a scalar or a tensor without rows)."""
+    for name in names:
+        info = ckpt.info(name)
+        stored = ckpt.stored_dtype(name)
+        wanted = output_dtype(info, None if target is None else target.torch)
+        shape = tuple(info.shape)
+        rows = shape[0] if shape else 0
+        if rows == 0:
+            yield _BlockRead(ckpt, name, shape, 0, 0, 0, stored, wanted)
+            continue
+        row = info.numel // rows
+        step = max(1, chunk_bytes // max(1, row * max(stored.itemsize, wanted.itemsize)))
+        for r in range(0, rows, step):
+            yield _BlockRead(ckpt, name, shape, r, min(step, rows - r), row, stored, wanted)
+
+
+def _read_ahead(reads: Iterable[_BlockRead], workers: int) -> Iterator[Block]:
+    """The blocks of ``reads``, in order, up to ``workers`` of them read (and cast) ahead on as many threads, while
+    the caller writes the last one: memory stays near ``workers + 1`` blocks."""
+    if workers <= 1:
+        yield from (read() for read in reads)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="zeroio-dcp") as pool:
+        ahead: deque[Future[Block]] = deque()
+        try:
+            for read in reads:
+                ahead.append(pool.submit(read))
+                if len(ahead) > workers:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+        finally:
+            for future in ahead:
+                future.cancel()
 
 
 def _adam_state(ckpt: TensorReader, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -174,12 +250,18 @@ def _write_optimizer(
 def write_dcp(
     src: Path | RemotePath, dst: Path, read: ReadOptions, write: WriteOptions
 ) -> tuple[list[Path], int, int, dict[str, str]]:
-    """Write ``src`` as a DCP checkpoint at ``dst``; returns (data files, bytes of model tensors, tensors, tied)."""
+    """Write ``src`` as a DCP checkpoint at ``dst``; returns (data files, bytes of model tensors, tensors, tied).
+
+    Honours ``write.dtype``, ``exclude_frozen``, ``max_shard_size`` (per data file), ``chunk_bytes`` (per stored
+    chunk), ``workers`` (blocks read ahead) and ``progress`` (bytes of model tensors written).
+    """
     titan = write.dcp_layout == "torchtitan"
     out = AtomicDir(Path(dst), overwrite=write.overwrite)
     out.check()
     with open_checkpoint(src, read) as ckpt:
-        trainable = [n for n, i in ckpt.infos.items() if i.kind == "trainable" and n not in ckpt.tied]
+        infos = ckpt.infos
+        names = [n for n, i in infos.items() if not (write.exclude_frozen and i.kind == "frozen")]
+        trainable = [n for n in names if infos[n].kind == "trainable" and n not in ckpt.tied]
         if write.include_optimizer:
             if not trainable:
                 raise UnsupportedCheckpointError(
@@ -187,26 +269,40 @@ def write_dcp(
                     path=ckpt.metadata.path,
                 )
             ckpt.optimizer_state(trainable[0])  # refuse a source without optimizer state before writing
-        files: list[Path] = []
-        total = 0
-        with out as tmp:
-            model_dir = tmp if titan else tmp / "pytorch_model_fsdp_0"
-            model = _Folder.create(model_dir)
-            prefix = "" if titan else "model."
-            for name, info in ckpt.infos.items():
-                path = (name,) if not prefix else ("model", name)
-                wanted = output_dtype(info, None if write.dtype is None else write.dtype.torch)
-                blocks = _blocks(ckpt, name, write.dtype, write.chunk_bytes)
-                model.tensor(prefix + name, path, info.shape, wanted, blocks)
-                total += info.numel * wanted.itemsize
-            optim = model
-            if write.include_optimizer:
-                optim = model if titan else _Folder.create(tmp / "optimizer_0")
-                _write_optimizer(ckpt, optim, "optimizer", trainable, titan, write.chunk_bytes)
-            if titan:
-                model.value("train_state.step", ("train_state", "step"), int(ckpt.metadata.global_step or 0))
-            ckpt.finish_crc_checks()
-            for folder in dict.fromkeys([model, optim]):
-                folder.finish()
-                files.append(Path(dst) / folder.path.relative_to(tmp) / DATA_FILE)
-        return files, total, len(ckpt.infos), dict(ckpt.tied)
+        target = None if write.dtype is None else write.dtype.torch
+        wanted = {n: output_dtype(infos[n], target) for n in names}
+        total = sum(infos[n].numel * wanted[n].itemsize for n in names)
+        meter = ByteProgress(write.progress, total, "Writing DCP")
+        folders: list[_Folder] = []
+        with out as tmp, closing(meter):
+            try:
+                model = _Folder.create(tmp if titan else tmp / "pytorch_model_fsdp_0", write.max_shard_size)
+                folders.append(model)
+                prefix = "" if titan else "model."
+                blocks = _read_ahead(_block_reads(ckpt, names, write.dtype, write.chunk_bytes), write.workers)
+                for name, group in groupby(blocks, key=lambda block: block[0]):
+                    path = (name,) if titan else ("model", name)
+                    model.tensor(prefix + name, path, infos[name].shape, wanted[name], _counted(group, meter))
+                optim = model
+                if write.include_optimizer:
+                    if not titan:
+                        optim = _Folder.create(tmp / "optimizer_0", write.max_shard_size)
+                        folders.append(optim)
+                    _write_optimizer(ckpt, optim, "optimizer", trainable, titan, write.chunk_bytes)
+                if titan:
+                    model.value("train_state.step", ("train_state", "step"), int(ckpt.metadata.global_step or 0))
+                ckpt.finish_crc_checks()
+                for folder in folders:
+                    folder.finish()
+            finally:
+                for folder in folders:  # after an error: no handle left open on the discarded folder
+                    folder.abandon()
+        files = [Path(dst) / f.path.relative_to(tmp) / name for f in folders for name in f.files]
+        return files, total, len(names), {a: t for a, t in ckpt.tied.items() if a in names and t in names}
+
+
+def _counted(blocks: Iterable[Block], meter: ByteProgress) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(row, tensor)`` of each block, counting its bytes once it is handed on to be written."""
+    for _, row, block in blocks:
+        yield row, block
+        meter.update(block.numel() * block.element_size())
