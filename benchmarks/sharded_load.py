@@ -45,6 +45,8 @@ sys.path.insert(0, str(HERE))
 import run as bench
 
 CHUNK = 64 * 2**20
+TIMES: dict[str, float] = {}
+"""Parts of a rank's load timed apart (``open_seconds``), reported beside its total."""
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -119,14 +121,18 @@ def _load(method: str, args: argparse.Namespace, device: str) -> tuple[Any, floa
     setup = time.perf_counter() - t_setup
     dist.barrier()
     io0, t0 = _io(), time.perf_counter()
-    if method in ("zeroio", "zeroio_bcast") or method.startswith("zeroio_r"):
+    if method.startswith("zeroio"):
         import zeroio
         import zeroio._load.sharded as tuning  # zeroio_rN: N reader threads per rank (a tuning run, not an API)
 
         if method.startswith("zeroio_r"):
             tuning.READERS = int(method.removeprefix("zeroio_r"))
-        zeroio.load(args.checkpoint, model, device=device if device == "cuda" else None, progress=False,
-                    broadcast_from_rank0=method == "zeroio_bcast")  # fmt: skip
+        if method.startswith("zeroio_c"):  # zeroio_cN: staging chunks of N MiB
+            os.environ["ZEROIO_STAGING_BYTES"] = str(int(method.removeprefix("zeroio_c")) * 2**20)
+        with zeroio.open(args.checkpoint) as ckpt:  # timed apart: the metadata reads before any tensor bytes
+            TIMES["open_seconds"] = time.perf_counter() - t0
+            zeroio.load(ckpt, model, device=device if device == "cuda" else None, progress=False,
+                        broadcast_from_rank0=method == "zeroio_bcast")  # fmt: skip
     elif method == "rank0":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -223,7 +229,7 @@ def worker(method: str, args: argparse.Namespace) -> int:
         out["rss_before_bytes"] = rss_before * 1024
         if method != "deepspeed":  # its parameters are partitions (ds_tensor): compared by the tests, not here
             out.update(_digest(model))
-    out.update(rank=rank, startup_seconds=age0, process_seconds=bench_age())
+    out.update(rank=rank, startup_seconds=age0, process_seconds=bench_age(), **TIMES)
     (args.report / f"report.{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
@@ -297,6 +303,8 @@ def job(method: str, world: int, args: argparse.Namespace, *, cuda: bool, timeou
         return result
     if method != "save_dcp":
         result["seconds"] = max(r["seconds"] for r in ranks)
+        if all("open_seconds" in r for r in ranks):
+            result["open_seconds"] = max(r["open_seconds"] for r in ranks)
         for key in ("io_rchar", "io_read_bytes"):
             result[f"total_{key}"] = sum(r[key] for r in ranks)
         result["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in ranks]
