@@ -8,7 +8,8 @@
 # CPU ranks and 1 CUDA rank (benchmarks/sharded_load.py), then DCP -> safetensors (benchmarks/dcp_convert.py) if
 # time is left. PHASE 2: the CUDA tests again, checkpoint + DCP again (a lease starts bare), DCP -> safetensors, then
 # DeepSpeed's load_checkpoint at world size 8. PHASE 3: the CUDA tests, the checkpoint, then the reader threads at
-# 4 ranks (1, 2 = the default, 4 per rank) and the 1-rank CUDA load against dcp.load, two repeats. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
+# 4 ranks (1, 2 = the default, 4 per rank) and the 1-rank CUDA load against dcp.load, two repeats. PHASE 4: the
+# checkpoint, then staging chunks of 4, 16 (the default) and 64 MiB at 4 ranks and on CUDA, two repeats. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
 # Wheels carried in .whl/ (deepspeed and its missing dependencies, accelerate) are installed first.
 set -u
 OUT=${1:?usage: gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]}
@@ -48,6 +49,10 @@ if [ "$PHASE" = 3 ]; then
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds 4 \
         --methods zeroio_r1 zeroio zeroio_r4 --cuda-methods zeroio dcp --limits --repeats 2 --work $W/sl \
         --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
+elif [ "$PHASE" = 4 ]; then
+    python3 benchmarks/sharded_load.py --checkpoint $W/ck --worlds 4 --methods zeroio zeroio_c64 zeroio_c4 \
+        --cuda-methods zeroio zeroio_c64 zeroio_c4 --limits --repeats 2 --work $W/sl \
+        --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
 elif [ "$PHASE" = 1 ]; then
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds 2 4 \
         --methods zeroio zeroio_bcast rank0 dcp --cuda-methods zeroio rank0 dcp --limits --work $W/sl \
@@ -57,13 +62,13 @@ else
         --methods --work $W/sl --deadline "$DEADLINE" --json "$OUT/sharded_load_dcp.json" >"$OUT/sharded_load.log" 2>&1
 fi
 echo "sharded_load done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
-if [ "$PHASE" != 3 ] && [ "$(left)" -gt 100 ]; then
+if [ "$PHASE" -lt 3 ] && [ "$(left)" -gt 100 ]; then
     timeout "$(left)" python3 benchmarks/dcp_convert.py --dcp $W/dcp --work $W/dc --keep \
         --json "$OUT/dcp_convert.json" >"$OUT/dcp_convert.log" 2>&1
     echo "dcp_convert exit $? at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
     rm -rf $W/dc
 fi
-if [ "$PHASE" != 1 ] && [ "$(left)" -gt 60 ]; then
+if [ "$PHASE" != 1 ] && [ "$PHASE" != 4 ] && [ "$(left)" -gt 60 ]; then
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --worlds --methods --ds-world 8 --work $W/sl \
         --deadline "$DEADLINE" --json "$OUT/sharded_load_ds.json" >>"$OUT/sharded_load.log" 2>&1
     echo "deepspeed load done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
