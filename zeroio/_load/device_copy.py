@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,7 +19,7 @@ import torch
 
 from .._checkpoint import Checkpoint
 
-__all__ = ["RING", "STAGING_CHUNK_BYTES", "DeviceFiller"]
+__all__ = ["RING", "STAGING_CHUNK_BYTES", "DeviceFiller", "Ranges"]
 
 STAGING_CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes per pinned buffer: large enough that one read and one transfer each run near full speed.
@@ -31,13 +31,20 @@ RING = 6
 
 @dataclass(slots=True)
 class _Piece:
-    """One chunk of one tensor: elements ``[start, start + numel)`` of ``name`` into ``dest``'s flat view."""
+    """One chunk of one tensor: elements ``[source, source + numel)`` of ``name`` into elements
+    ``[start, start + numel)`` of ``dest``'s flat view."""
 
     name: str
     dest: torch.Tensor
     start: int
     numel: int
     last: bool
+    source: int
+
+
+Ranges = Sequence[tuple[int, int]] | None
+"""The flat ``(start, length)`` ranges of a checkpoint tensor a destination holds, in order (a sharded parameter's
+local part); None: the whole tensor."""
 
 
 @dataclass(slots=True)
@@ -63,24 +70,30 @@ class DeviceFiller:
         """Whether ``dest`` is a tensor this filler can fill (contiguous, on a CUDA device)."""
         return dest.is_cuda and dest.is_contiguous() and torch.cuda.is_available()
 
-    def _pieces(self, ckpt: Checkpoint, jobs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[_Piece]:
-        for name, dest in jobs:
+    def _pieces(self, ckpt: Checkpoint, jobs: Iterable[tuple[str, torch.Tensor, Ranges]]) -> Iterator[_Piece]:
+        for name, dest, ranges in jobs:
             stored = ckpt.stored_dtype(name)
             step = max(1, self.chunk_bytes // stored.itemsize)
-            total = dest.numel()
+            spans = [(0, dest.numel())] if ranges is None else [(a, n) for a, n in ranges if n]
+            total = sum(n for _, n in spans)  # a zero.Init partition's padding past the tensor is left as it is
             if total == 0:
-                yield _Piece(name, dest, 0, 0, True)
-            for start in range(0, total, step):
-                n = min(step, total - start)
-                yield _Piece(name, dest, start, n, start + n == total)
+                yield _Piece(name, dest, 0, 0, True, 0)
+                continue
+            out = 0
+            for first, length in spans:
+                for at in range(0, length, step):
+                    n = min(step, length - at)
+                    yield _Piece(name, dest, out, n, out + n == total, first + at)
+                    out += n
 
     def fill(
         self,
         ckpt: Checkpoint,
-        jobs: Iterable[tuple[str, torch.Tensor]],
+        jobs: Iterable[tuple[str, torch.Tensor, Ranges]],
         done: Callable[[str], None] = lambda name: None,
     ) -> None:
-        """Copy each checkpoint tensor ``name`` into its device tensor ``dest`` (casting as ``copy_`` rounds).
+        """Copy each checkpoint tensor ``name`` (or its flat ``ranges``, in order) into its device tensor ``dest``
+        (casting as ``copy_`` rounds).
 
         ``done(name)`` is called once a tensor's last chunk is queued on the device. Returns when every copy
         has completed. Chunks are read in the stored dtype and cast on the device: widening to the checkpoint's
@@ -127,7 +140,7 @@ class DeviceFiller:
                     source = ckpt.source_name(piece.name)
                     read: Future[None] = Future()
                     if piece.numel:
-                        read = readers.submit(ckpt.read_into, source, piece.start, buffer)
+                        read = readers.submit(ckpt.read_into, source, piece.source, buffer)
                     else:
                         read.set_result(None)
                     pending.append(_InFlight(piece, slot, buffer, read))

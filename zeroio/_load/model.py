@@ -20,7 +20,7 @@ from .._types import DTypeLike, InitHook, StrPath
 from .._write.progress import ByteProgress, Progress, check_progress
 from ..errors import InitHookError, StateDictMismatchError, ZeroIOError
 from . import sharded
-from .device_copy import DeviceFiller
+from .device_copy import DeviceFiller, Ranges
 from .key_map import KeyMap, apply_key_map, normalise_prefixes
 
 if TYPE_CHECKING:
@@ -218,6 +218,26 @@ def _filled(slot: _Slot, meter: ByteProgress, nbytes: int, new: torch.Tensor | N
     if new is not None:
         _install(slot, new)
     meter.update(nbytes)
+
+
+@dataclass(slots=True)
+class _OnDevice:
+    """A CUDA tensor filled by :class:`DeviceFiller`: all of checkpoint tensor ``key`` into ``dest``, or, for a
+    sharded parameter, its ``ranges`` into its local part (put in place by ``target.finish()``)."""
+
+    slot: _Slot
+    key: str
+    dest: torch.Tensor
+    ranges: Ranges = None
+    target: sharded.ShardTarget | None = None
+
+
+def _fill_target(
+    ckpt: Checkpoint, name: str, plan: sharded.ShardPlan, target: sharded.ShardTarget, fill: sharded.Fill
+) -> torch.Tensor | None:
+    """Fill a sharded parameter's local part (on a :class:`sharded.ShardFills` thread) and put it in place."""
+    fill(ckpt, name, plan.runs, target.dest)
+    return target.finish()
 
 
 def _fill(ckpt: Checkpoint, name: str, dest: torch.Tensor) -> None:
@@ -420,14 +440,21 @@ def _load(
     total = sum(infos[key].nbytes for _, key in plan.values())
     meter = ByteProgress(progress, total, "Loading")
     # A caller's default-device context must not redirect our reads.
-    on_device: dict[torch.device, list[tuple[_Slot, str, torch.Tensor]]] = {}  # filled through pinned staging
+    on_device: dict[torch.device, list[_OnDevice]] = {}  # filled through pinned staging, reads overlapping copies
     fills = sharded.ShardFills(sharded.readers_per_rank() if fill is sharded.read_segments else 1)
     with closing(meter), closing(fills), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
             if id(slot) in shard_plans:
                 shard_plan = shard_plans[id(slot)]
-                job = partial(sharded.fill_sharded, ckpt, key, old, shard_plan, target_dtype, target_device, fill)
+                target = sharded.shard_target(old, shard_plan, target_dtype, target_device)
+                ranges = sharded.contiguous_runs(shard_plan)
+                if fill is sharded.read_segments and ranges is not None and DeviceFiller.handles(target.dest):
+                    on_device.setdefault(target.dest.device, []).append(
+                        _OnDevice(slot, key, target.dest, ranges, target)
+                    )
+                    continue
+                job = partial(_fill_target, ckpt, key, shard_plan, target, fill)
                 fills.run(job, partial(_filled, slot, meter, infos[key].nbytes))
                 continue
             want_dtype = target_dtype if (target_dtype is not None and old.is_floating_point()) else old.dtype
@@ -439,7 +466,7 @@ def _load(
             if broadcast:
                 sharded.fill_whole(ckpt, key, dest, fill)
             elif DeviceFiller.handles(dest):
-                on_device.setdefault(dest.device, []).append((slot, key, dest))
+                on_device.setdefault(dest.device, []).append(_OnDevice(slot, key, dest))
                 continue
             else:
                 _fill(ckpt, key, dest)
@@ -449,11 +476,12 @@ def _load(
         fills.finish()
         for device, jobs in on_device.items():
             DeviceFiller(device).fill(
-                ckpt, [(key, dest) for _, key, dest in jobs], lambda k: meter.update(infos[k].nbytes)
+                ckpt, [(e.key, e.dest, e.ranges) for e in jobs], lambda k: meter.update(infos[k].nbytes)
             )
-            for slot, _, dest in jobs:
-                if dest is not slot.tensor:
-                    _install(slot, dest)
+            for entry in jobs:
+                new = entry.dest if entry.target is None else entry.target.finish()
+                if new is not None and new is not entry.slot.tensor:
+                    _install(entry.slot, new)
 
     # 5. Report.
     loaded_keys = [k for k, slot in by_key.items() if id(slot) in plan]

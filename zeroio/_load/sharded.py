@@ -32,10 +32,11 @@ __all__ = [
     "Fill",
     "ShardFills",
     "ShardPlan",
+    "ShardTarget",
     "agree",
     "broadcast_segments",
     "check_supported",
-    "fill_sharded",
+    "contiguous_runs",
     "fill_whole",
     "global_shape",
     "is_sharded",
@@ -43,6 +44,7 @@ __all__ = [
     "plan_shard",
     "read_segments",
     "readers_per_rank",
+    "shard_target",
 ]
 
 logger = get_logger(__name__)
@@ -394,37 +396,55 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def fill_sharded(
-    ckpt: TensorReader,
-    name: str,
-    tensor: torch.Tensor,
-    plan: ShardPlan,
-    dtype: torch.dtype | None,
-    device: torch.device | None,
-    fill: Fill,
-) -> torch.Tensor | None:
-    """Fill this rank's part of ``tensor`` with its slice of checkpoint tensor ``name``.
+@dataclass(slots=True)
+class ShardTarget:
+    """Where this rank's part of one sharded parameter is filled (``dest``, contiguous) and how it is put in place
+    once filled (:meth:`finish`)."""
 
-    In place when the local part is materialised and already of the wanted dtype and device (FSDP2 and DeepSpeed
-    keep references to it). Otherwise (``meta``, or another dtype or device) a new DTensor with the same mesh,
-    placements and global shape is returned, its local shard allocated at its final size only, for the caller to
-    register in place of ``tensor``.
-    """
+    tensor: torch.Tensor
+    local: torch.Tensor
+    dest: torch.Tensor
+    new: bool
+    """Whether ``dest`` becomes a new DTensor (the old local part is ``meta``, or of another dtype or device)."""
+
+    def finish(self) -> torch.Tensor | None:
+        """Put the filled ``dest`` in place: copied into the old local part (FSDP2 and DeepSpeed keep references
+        to it), or returned as a new DTensor with the same mesh, placements and global shape, for the caller to
+        register in place of ``tensor``."""
+        if not self.new:
+            if self.dest is not self.local:
+                self.local.copy_(self.dest)
+            return None
+        from torch.distributed.tensor import DTensor
+
+        t: Any = self.tensor
+        return DTensor.from_local(
+            self.dest, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+
+
+def shard_target(
+    tensor: torch.Tensor, plan: ShardPlan, dtype: torch.dtype | None, device: torch.device | None
+) -> ShardTarget:
+    """Where to fill this rank's part of ``tensor``: in place when the local part is materialised and already of
+    the wanted dtype and device (or a ``zero.Init`` partition), else a new local shard allocated at its final size
+    only (never the full tensor)."""
     local = _local(tensor)
     want_dtype = dtype if (dtype is not None and local.is_floating_point()) else local.dtype
     want_device = device or (_mesh_device(tensor) if local.is_meta else local.device)
     if _is_zero_init(tensor) or (not local.is_meta and local.dtype == want_dtype and local.device == want_device):
         dest = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
-        fill(ckpt, name, plan.runs, dest)
-        if dest is not local:
-            local.copy_(dest)
-        return None
-    from torch.distributed.tensor import DTensor
+        return ShardTarget(tensor, local, dest, new=False)
+    return ShardTarget(tensor, local, torch.empty(plan.local_shape, dtype=want_dtype, device=want_device), new=True)
 
-    dest = torch.empty(plan.local_shape, dtype=want_dtype, device=want_device)
-    fill(ckpt, name, plan.runs, dest)
-    t: Any = tensor
-    return DTensor.from_local(dest, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+def contiguous_runs(plan: ShardPlan) -> list[tuple[int, int]] | None:
+    """The plan's flat ranges as ``(start, length)`` when each is one contiguous range (row blocks: FSDP2's
+    ``Shard(0)``, its strided form over tensor parallel, ``zero.Init`` partitions), else None (column blocks,
+    read in blocks of rows by :func:`read_segments`)."""
+    if any(count > 1 for _, _, _, count in plan.runs):
+        return None
+    return [(start, length) for start, length, _, _ in plan.runs]
 
 
 # --------------------------------------------------------------------------- several tensors at once
@@ -454,7 +474,7 @@ Done = Callable[[torch.Tensor | None], None]
 
 
 class ShardFills:
-    """Runs :func:`fill_sharded` jobs on ``workers`` threads (1: in the calling thread, as ``broadcast_from_rank0``
+    """Runs sharded fill jobs on ``workers`` threads (1: in the calling thread, as ``broadcast_from_rank0``
     needs: every rank must reach the same collectives in the same order). Each job's ``done`` (installing the new
     tensor, progress) runs in the calling thread, in submission order. :meth:`close` waits for every running job,
     so no thread writes into the model after ``load`` returns or raises."""
