@@ -9,7 +9,8 @@
 # time is left. PHASE 2: the CUDA tests again, checkpoint + DCP again (a lease starts bare), DCP -> safetensors, then
 # DeepSpeed's load_checkpoint at world size 8. PHASE 3: the CUDA tests, the checkpoint, then the reader threads at
 # 4 ranks (1, 2 = the default, 4 per rank) and the 1-rank CUDA load against dcp.load, two repeats. PHASE 4: the
-# checkpoint, then staging chunks of 4, 16 (the default) and 64 MiB at 4 ranks and on CUDA, two repeats. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
+# checkpoint, then staging chunks of 4, 16 (the default) and 64 MiB at 4 ranks and on CUDA, two repeats. PHASE 5: the
+# CUDA tests, the checkpoint, zeroio at 4 ranks and on CUDA against dcp.load on CUDA, two repeats. Every step stops by DEADLINE_S (default 540 s after the start) and writes its JSON as it goes.
 # Wheels carried in .whl/ (deepspeed and its missing dependencies, accelerate) are installed first.
 set -u
 OUT=${1:?usage: gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]}
@@ -39,7 +40,8 @@ else
 fi
 BUILD=$!
 if [ -z "${NO_CUDA_TESTS:-}" ]; then
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sharded.py >"$OUT/cuda_tests.txt" 2>&1
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sharded.py tests/test_load.py -k "cuda" \
+        >"$OUT/cuda_tests.txt" 2>&1
     echo "cuda tests exit $?" >>"$OUT/cuda_tests.txt"
 fi
 wait $BUILD || { tail -50 "$W/build.log" >>"$OUT/env.txt"; exit 1; }
@@ -52,6 +54,10 @@ if [ "$PHASE" = 3 ]; then
 elif [ "$PHASE" = 4 ]; then
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --worlds 4 --methods zeroio zeroio_c64 zeroio_c4 \
         --cuda-methods zeroio zeroio_c64 zeroio_c4 --limits --repeats 2 --work $W/sl \
+        --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
+elif [ "$PHASE" = 5 ]; then
+    python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds 4 \
+        --methods zeroio --cuda-methods zeroio dcp --limits --repeats 2 --work $W/sl \
         --deadline "$DEADLINE" --json "$OUT/sharded_load.json" >"$OUT/sharded_load.log" 2>&1
 elif [ "$PHASE" = 1 ]; then
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --dcp $W/dcp --make-dcp --dcp-world 4 --worlds 2 4 \
@@ -68,7 +74,7 @@ if [ "$PHASE" -lt 3 ] && [ "$(left)" -gt 100 ]; then
     echo "dcp_convert exit $? at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
     rm -rf $W/dc
 fi
-if [ "$PHASE" != 1 ] && [ "$PHASE" != 4 ] && [ "$(left)" -gt 60 ]; then
+if [ "$PHASE" = 2 ] || [ "$PHASE" = 3 ] && [ "$(left)" -gt 60 ]; then
     python3 benchmarks/sharded_load.py --checkpoint $W/ck --worlds --methods --ds-world 8 --work $W/sl \
         --deadline "$DEADLINE" --json "$OUT/sharded_load_ds.json" >>"$OUT/sharded_load.log" 2>&1
     echo "deepspeed load done at +$(( $(date +%s) - START )) s" >>"$OUT/env.txt"
