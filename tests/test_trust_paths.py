@@ -185,6 +185,35 @@ def test_hugging_face_cache_snapshot_still_reads(tmp_path: Path) -> None:
     assert load_file(source / "model-00001-of-00002.safetensors")["a"].equal(tensors["a"])
 
 
+@pytest.mark.parametrize(
+    "repo, sub, reads",
+    [
+        ("models--org--name", "subfolder/model", True),  # hf_hub_download(..., subfolder=...) keeps the tree
+        ("not-a-hub-cache", "", False),  # a folder named snapshots elsewhere does not open its ../../blobs
+    ],
+)
+def test_hub_cache_blobs_rule(tmp_path: Path, repo: str, sub: str, reads: bool) -> None:
+    """Links may leave a checkpoint only for the blobs/ of the Hugging Face cache repository whose snapshot holds
+    it, at any depth of the snapshot (one rule for indexes and DCP folders: zeroio/_io/confine.py)."""
+    source = tmp_path / "src"
+    tensors = _sharded(source)
+    cache = tmp_path / repo
+    (cache / "blobs").mkdir(parents=True)
+    folder = cache / "snapshots" / "abc123" / sub
+    folder.mkdir(parents=True)
+    for i, path in enumerate(sorted(source.iterdir())):
+        blob = cache / "blobs" / f"sha{i}"
+        shutil.copy(path, blob)
+        (folder / path.name).symlink_to(os.path.relpath(blob, folder))
+    if not reads:
+        with pytest.raises(errors.CheckpointFormatError, match="outside"):
+            zeroio.open(folder)
+        return
+    with zeroio.open(folder) as ckpt:
+        for name, tensor in tensors.items():
+            assert torch.equal(ckpt[name], tensor)
+
+
 def test_url_roots_refuse_the_same_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An s3:// universal checkpoint naming '../../../victim/...' is refused by name, before any request for it
     (an https:// server would resolve the '..' and serve the other folder)."""

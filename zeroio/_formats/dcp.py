@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint
 from .._dtypes import FLOAT32, DType
-from .._io.confine import confined_path, require_regular_file
+from .._io.confine import confined_path, hub_cache_blobs, require_regular_file
 from .._io.integrity import CheckedFile
 from .._io.sources import ByteRange, open_source
 from .._metadata import CheckpointMetadata, TensorInfo
@@ -256,8 +256,7 @@ def _read_part(folder: Path, trusted: frozenset[str]) -> tuple[_Part, dict[str, 
     tree = load_dcp_metadata(meta_path, meta_path.read_bytes(), trusted)
     sizes: dict[str, int] = {}
 
-    snapshots = next((p for p in folder.parents if p.name == "snapshots"), None) if isinstance(folder, Path) else None
-    blobs = snapshots.parent / "blobs" if snapshots is not None else None  # a Hub cache's snapshot links there
+    blobs = hub_cache_blobs(folder)  # a Hub cache's snapshot files link there
 
     def file_size(name: str) -> int:
         data = confined_path(folder, name, source=meta_path, what="data file", links_into=blobs)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .._io.confine import confined_path
+from .._io.confine import confined_path, hub_cache_blobs
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["read_index", "shard_paths"]
@@ -39,10 +39,9 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
 def shard_paths(index_path: Path, weight_map: dict[str, str]) -> dict[str, Path]:
     """``{shard file name: path}`` of every shard the index names, checked to exist inside its folder.
 
-    Links may lead out of the folder only into a Hugging Face cache's ``blobs/`` (``snapshots/<rev>/x`` links to
-    ``../../blobs/<sha>``)."""
+    Links may lead out of the folder only into a Hugging Face cache's ``blobs/`` (:func:`hub_cache_blobs`)."""
     root = index_path.parent
-    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    blobs = hub_cache_blobs(root)
     shards: dict[str, Path] = {}
     for shard in dict.fromkeys(weight_map.values()):
         shard_path = confined_path(root, shard, source=index_path, what="shard", links_into=blobs)

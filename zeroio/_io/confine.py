@@ -13,7 +13,10 @@ from pathlib import Path
 
 from ..errors import CheckpointFormatError
 
-__all__ = ["confined_path", "require_regular_file"]
+__all__ = ["confined_path", "hub_cache_blobs", "require_regular_file"]
+
+_HUB_REPO_FOLDERS = ("models--", "datasets--", "spaces--")
+"""How huggingface_hub names a repository's folder in its cache (``repo_folder_name``)."""
 
 _FIX = "The checkpoint is corrupted or hostile; zeroio reads only files inside the checkpoint folder."
 
@@ -44,6 +47,19 @@ def _short(name: str) -> str:
 
 def _is_remote(path: Path) -> bool:
     return hasattr(path, "byte_source")  # a RemotePath (remote_path.py): object stores have no links
+
+
+def hub_cache_blobs(folder: Path) -> Path | None:
+    """The ``blobs/`` folder a Hugging Face cache's files link into, when ``folder`` lies in one of its snapshots
+    (``models--org--name/snapshots/<rev>/``, or a subfolder of it; ``datasets--``/``spaces--`` alike), else None:
+    the one place a checkpoint's links may lead outside its folder (a snapshot's files link to
+    ``../../blobs/<sha>``)."""
+    if _is_remote(folder):
+        return None
+    snapshots = next((p for p in Path(folder).parents if p.name == "snapshots"), None)
+    if snapshots is None or not snapshots.parent.name.startswith(_HUB_REPO_FOLDERS):
+        return None
+    return snapshots.parent / "blobs"
 
 
 def confined_path(root: Path, *names: str, source: Path, what: str, links_into: Path | None = None) -> Path:
