@@ -246,6 +246,25 @@ def test_bad_token_raises_hub_error_and_stores_nothing(case: str, hub_server: Hu
     assert not hub_server.repo_exists("tester/denied")
 
 
+def test_cli_convert_push_to_hub_asks_the_hub_before_converting(hub_server: HubServer, tmp_path: Path) -> None:
+    """``zeroio convert SRC DST --push-to-hub REPO`` with a wrong token fails on the Hub's answer before anything is
+    converted (DST is never created); with a good token it converts, then pushes what it wrote."""
+    env = {**os.environ, "HF_ENDPOINT": hub_server.endpoint, "HF_HUB_DISABLE_XET": "1"}
+    cmd = [sys.executable, "-m", "zeroio", "convert", str(ZERO_FIXTURE), str(tmp_path / "out"), "--quiet",
+           "--push-to-hub", "tester/early"]  # fmt: skip
+    denied = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HF_TOKEN": "hf_wrong_token_1234"},
+                            check=False, timeout=120)  # fmt: skip
+    assert denied.returncode == 1, denied.stderr
+    assert "The Hub rejected the token while pushing to 'tester/early'" in denied.stderr
+    assert "hf_wrong_token_1234" not in denied.stderr
+    assert not (tmp_path / "out").exists() and not hub_server.repo_exists("tester/early")
+    pushed = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HF_TOKEN": DEFAULT_TOKEN}, check=False,
+                            timeout=120)  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    written = tmp_path / "out" / "model.safetensors"
+    assert hub_server.read_file("tester/early", "model.safetensors") == written.read_bytes()
+
+
 # --------------------------------------------------------------------------- network cuts
 
 

@@ -185,14 +185,7 @@ def push_to_hub(
 
         # 2. Repo and branch first, so a bad token or an unreachable Hub fails before a long conversion.
         with as_hub_error():
-            api.create_repo(repo_id, private=private, exist_ok=True)
-            if (
-                revision is not None
-                and revision != _DEFAULT_BRANCH
-                and not revision.startswith("refs/")  # refs/pr/N must exist already: it is not a branch
-                and not api.revision_exists(repo_id, revision)
-            ):
-                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            _ensure_repo(api, repo_id, private, revision)
 
         # 3. The folder to upload: the converted folder itself, or a fresh conversion in a temporary folder.
         card_facts: dict[str, Any] = {}
@@ -247,6 +240,42 @@ def push_to_hub(
         pr_url=info.pr_url,
         files=files,
     )
+
+
+def prepare_push(
+    repo_id: str,
+    *,
+    src: Path | str,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    endpoint: str | None = None,
+) -> None:
+    """Create ``repo_id`` (and ``revision``'s branch) as :func:`push_to_hub` does first, for a caller that converts
+    before pushing (``zeroio convert --push-to-hub``): a bad token or an unreachable Hub fails in seconds, before
+    the conversion, not after it.
+
+    Raises:
+        HubError: as :func:`push_to_hub` raises it (``src`` is named in it).
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint, token=token)
+    with _as_hub_error(
+        repo_id=repo_id, endpoint=api.endpoint, src=src, revision=revision, token_given=token is not None
+    ):
+        _ensure_repo(api, repo_id, private, revision)
+
+
+def _ensure_repo(api: Any, repo_id: str, private: bool | None, revision: str | None) -> None:
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    if (
+        revision is not None
+        and revision != _DEFAULT_BRANCH
+        and not revision.startswith("refs/")  # refs/pr/N must exist already: it is not a branch
+        and not api.revision_exists(repo_id, revision)
+    ):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
 
 
 # --------------------------------------------------------------------------- the upload folder
@@ -310,7 +339,9 @@ def _hub_failures() -> tuple[type[BaseException], ...]:
 
 
 @contextmanager
-def _as_hub_error(*, repo_id: str, endpoint: str, src: Path, revision: str | None, token_given: bool) -> Iterator[None]:
+def _as_hub_error(
+    *, repo_id: str, endpoint: str, src: Path | str, revision: str | None, token_given: bool
+) -> Iterator[None]:
     """Re-raise what huggingface_hub / hf_xet raise as a HubError with a what-to-do message."""
     try:
         yield
@@ -333,7 +364,7 @@ def _token_found() -> bool:
 
 
 def _to_hub_error(
-    e: BaseException, *, repo_id: str, endpoint: str, src: Path, revision: str | None, had_token: bool
+    e: BaseException, *, repo_id: str, endpoint: str, src: Path | str, revision: str | None, had_token: bool
 ) -> HubError:
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 
