@@ -12,10 +12,7 @@ expected slices on the CPU). Ranks may share one GPU (gloo: NCCL refuses two ran
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -90,19 +87,6 @@ def run_case(case: dict[str, Any], world: int) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def staging(nbytes: int | None) -> Iterator[None]:
-    """A case's ``staging_bytes``: small staging chunks, so the fixtures' small tensors cross chunk boundaries."""
-    if nbytes is None:
-        yield
-        return
-    os.environ["ZEROIO_STAGING_BYTES"] = str(nbytes)
-    try:
-        yield
-    finally:
-        del os.environ["ZEROIO_STAGING_BYTES"]
-
-
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group(backend=spec["backend"], timeout=timedelta(seconds=120))
@@ -111,7 +95,7 @@ def main() -> int:
     torch.manual_seed(1234 + rank)
     for case in spec["cases"]:
         try:
-            with staging(case.get("staging_bytes")):
+            with sw.staging(case.get("staging_bytes")):
                 outcome = run_case(case, world)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
             outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc)[:2000]}
