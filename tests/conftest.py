@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -72,3 +73,12 @@ def _free_deepspeed_shared_memory() -> Iterator[None]:
 def fixtures_dir():
     """The folder of genuine DeepSpeed fixtures."""
     return FIXTURES
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's own Ctrl-C handler in this process, and so the default one in the processes it starts, even when
+    the suite runs as a background job of a shell (started with SIGINT ignored, which children would inherit)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

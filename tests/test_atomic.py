@@ -109,7 +109,7 @@ def test_overwrite_refuses_a_destination_holding_the_source(tmp_path):
 
 
 @pytest.mark.parametrize("workers", [1, 4])
-def test_keyboard_interrupt_removes_the_partial_output(tmp_path, workers):
+def test_keyboard_interrupt_removes_the_partial_output(tmp_path, workers, ctrl_c_raises):
     """A real SIGINT mid-conversion removes the temporary folder and raises OutputError from KeyboardInterrupt."""
     dst = tmp_path / "out"
     once = threading.Lock()

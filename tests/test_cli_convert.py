@@ -112,7 +112,7 @@ def _big_sparse_safetensors(path, numel: int) -> None:
         f.truncate(8 + len(header) + numel * 4)
 
 
-def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path):
+def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path, ctrl_c_raises):
     """SIGINT during `zeroio convert` removes the partial output, says so on stderr, and exits 130."""
     src = tmp_path / "big.safetensors"
     _big_sparse_safetensors(src, 96 * 1024 * 1024)  # 384 MB to write: long enough to interrupt

@@ -265,6 +265,19 @@ def test_cli_convert_push_to_hub_asks_the_hub_before_converting(hub_server: HubS
     assert hub_server.read_file("tester/early", "model.safetensors") == written.read_bytes()
 
 
+def test_create_hub_repo_checks_the_token_and_makes_repo_and_branch(hub_server: HubServer) -> None:
+    """zeroio.create_hub_repo: a wrong token raises HubError and creates nothing; a good one creates the repo and
+    the branch (the first step of push_to_hub, for scripts that convert before pushing)."""
+    from zeroio import create_hub_repo
+
+    with pytest.raises(HubError, match="rejected the token") as err:
+        create_hub_repo("tester/first", token="hf_wrong_token_1234", endpoint=hub_server.endpoint)
+    assert err.value.name == "tester/first" and err.value.found == 401
+    assert not hub_server.repo_exists("tester/first")
+    create_hub_repo("tester/first", token=DEFAULT_TOKEN, endpoint=hub_server.endpoint, revision="bf16")
+    assert hub_server.repo_exists("tester/first") and "bf16" in hub_server.refs("tester/first")
+
+
 # --------------------------------------------------------------------------- network cuts
 
 

@@ -16,7 +16,7 @@ if _typing.TYPE_CHECKING:
     from ._checkpoint import Checkpoint
     from ._convert import ConvertResult, convert
     from ._formats import open
-    from ._hub import PushResult, push_to_hub
+    from ._hub import PushResult, create_hub_repo, push_to_hub
     from ._load.model import LoadReport, load
     from ._metadata import CheckpointMetadata, TensorInfo
     from ._reshard.reshard import ReshardResult, reshard
@@ -36,6 +36,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "convert",
+    "create_hub_repo",
     "load",
     "open",
     "push_to_hub",
@@ -55,6 +56,7 @@ _PUBLIC_HOMES: dict[str, str] = {
     "TensorInfo": "._metadata",
     "VerifyReport": "._verify",
     "convert": "._convert",
+    "create_hub_repo": "._hub",
     "load": "._load.model",
     "open": "._formats",
     "push_to_hub": "._hub",

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ._types import StrPath
     from ._write.progress import Progress
 
-__all__ = ["STALE_WEIGHT_PATTERNS", "PushResult", "push_to_hub"]
+__all__ = ["STALE_WEIGHT_PATTERNS", "PushResult", "create_hub_repo", "push_to_hub"]
 
 logger = get_logger(__name__)
 
@@ -242,27 +242,33 @@ def push_to_hub(
     )
 
 
-def prepare_push(
+def create_hub_repo(
     repo_id: str,
     *,
-    src: Path | str,
     token: str | None = None,
     private: bool | None = None,
     revision: str | None = None,
     endpoint: str | None = None,
 ) -> None:
-    """Create ``repo_id`` (and ``revision``'s branch) as :func:`push_to_hub` does first, for a caller that converts
-    before pushing (``zeroio convert --push-to-hub``): a bad token or an unreachable Hub fails in seconds, before
-    the conversion, not after it.
+    """Create ``repo_id`` (and the branch ``revision``) on the Hub if missing, as :func:`push_to_hub` does first.
+
+    Call it before a long conversion that you push afterwards (``zeroio convert --push-to-hub`` does): a bad token,
+    a missing write permission or an unreachable Hub then fails in seconds instead of after the conversion.
 
     Raises:
-        HubError: as :func:`push_to_hub` raises it (``src`` is named in it).
+        HubError: as :func:`push_to_hub` raises it.
+
+    Example:
+        >>> import zeroio
+        >>> zeroio.create_hub_repo("me/my-model", private=True)  # doctest: +SKIP
+        >>> zeroio.convert("checkpoints/run1", "out/my-model")  # doctest: +SKIP
+        >>> zeroio.push_to_hub("out/my-model", "me/my-model")  # doctest: +SKIP
     """
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint, token=token)
     with _as_hub_error(
-        repo_id=repo_id, endpoint=api.endpoint, src=src, revision=revision, token_given=token is not None
+        repo_id=repo_id, endpoint=api.endpoint, src=None, revision=revision, token_given=token is not None
     ):
         _ensure_repo(api, repo_id, private, revision)
 
@@ -340,7 +346,7 @@ def _hub_failures() -> tuple[type[BaseException], ...]:
 
 @contextmanager
 def _as_hub_error(
-    *, repo_id: str, endpoint: str, src: Path | str, revision: str | None, token_given: bool
+    *, repo_id: str, endpoint: str, src: Path | None, revision: str | None, token_given: bool
 ) -> Iterator[None]:
     """Re-raise what huggingface_hub / hf_xet raise as a HubError with a what-to-do message."""
     try:
@@ -364,7 +370,7 @@ def _token_found() -> bool:
 
 
 def _to_hub_error(
-    e: BaseException, *, repo_id: str, endpoint: str, src: Path | str, revision: str | None, had_token: bool
+    e: BaseException, *, repo_id: str, endpoint: str, src: Path | None, revision: str | None, had_token: bool
 ) -> HubError:
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
-from contextlib import closing, nullcontext
+from collections.abc import Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -18,9 +18,10 @@ from .._options import read_options
 from .._text import SHOWN, get_logger, listing
 from .._types import DTypeLike, InitHook, StrPath
 from .._write.progress import ByteProgress, Progress, check_progress
-from ..errors import InitHookError, StateDictMismatchError, ZeroIOError
-from . import sharded
+from ..errors import StateDictMismatchError, ZeroIOError
+from . import shard_reads, sharded
 from .device_copy import DeviceFiller, Ranges
+from .init_hooks import run_init_hooks
 from .key_map import KeyMap, apply_key_map, normalise_prefixes
 
 if TYPE_CHECKING:
@@ -31,9 +32,6 @@ __all__ = ["KeyMap", "LoadReport", "load"]
 logger = get_logger(__name__)
 
 _SHOWN = SHOWN  # list items shown in an error message before "... and N more"
-
-_FRAMEWORK_MODULES = ("lightning", "pytorch_lightning", "lightning_fabric")
-_HOOK_NAMES = ("configure_sharded_model", "configure_model")  # Lightning's order: legacy hook first
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,67 +99,6 @@ def _slots(model: nn.Module) -> tuple[dict[str, _Slot], list[_Slot]]:
             if persistent:
                 by_key[key] = slot
     return by_key, list(by_id.values())
-
-
-# --------------------------------------------------------------------------- hooks
-
-
-def _is_lightning_module(model: nn.Module) -> bool:
-    """Whether ``model`` is a Lightning ``LightningModule``, checked by class name so Lightning is never imported."""
-    return any(
-        cls.__name__ == "LightningModule" and cls.__module__.split(".")[0] in _FRAMEWORK_MODULES
-        for cls in type(model).__mro__
-    )
-
-
-def _default_hooks(model: nn.Module) -> list[str]:
-    """Lightning's sharded-init hooks that a LightningModule's class overrides (the framework's base ones are
-    no-ops). Like Lightning's own ``load_from_checkpoint`` (``is_overridden`` on a LightningModule), a plain
-    ``nn.Module`` gets none: a method it happens to call ``configure_model`` is the user's, not a contract."""
-    if not _is_lightning_module(model):
-        return []
-    names = []
-    for name in _HOOK_NAMES:
-        fn = getattr(type(model), name, None)
-        if not callable(fn):
-            continue
-        module = str(getattr(fn, "__module__", "") or "")
-        if module.split(".")[0] in _FRAMEWORK_MODULES:
-            continue
-        names.append(name)
-    return names
-
-
-def _on_meta(model: nn.Module) -> bool:
-    """Whether the model has parameters and all of them are on ``meta`` (built under ``torch.device("meta")``)."""
-    params = list(model.parameters())
-    return bool(params) and all(p.is_meta for p in params)
-
-
-def _run_hooks(model: nn.Module, init_hook: InitHook | None, where: str) -> tuple[str, ...]:
-    if init_hook is not None:
-        calls: list[tuple[str, Callable[[], Any]]] = [
-            (getattr(init_hook, "__qualname__", None) or repr(init_hook), lambda: init_hook(model))
-        ]
-    else:
-        calls = [(name, getattr(model, name)) for name in _default_hooks(model)]
-    # A model built on meta gets its hook-built layers on meta too (as Lightning's empty-init context does):
-    # otherwise every new layer would be allocated and randomly initialised on the CPU only to be overwritten.
-    on_meta = bool(calls) and _on_meta(model)
-    for name, call in calls:
-        logger.debug("running init hook %s", name)
-        try:
-            with torch.device("meta") if on_meta else nullcontext():
-                call()
-        except Exception as exc:
-            shown = name if init_hook is not None else f"{type(model).__name__}.{name}"
-            raise InitHookError(
-                f"The init hook {shown} raised {type(exc).__name__}: {exc}. Nothing was loaded from '{where}'; fix "
-                "the hook so that it builds the model's layers, then call zeroio.load again.",
-                path=where,
-                name=name,
-            ) from exc
-    return tuple(name for name, _ in calls)
 
 
 def _listing(keys: list[str], notes: Mapping[str, str] | None = None) -> str:
@@ -233,7 +170,7 @@ class _OnDevice:
 
 
 def _fill_target(
-    ckpt: Checkpoint, name: str, plan: sharded.ShardPlan, target: sharded.ShardTarget, fill: sharded.Fill
+    ckpt: Checkpoint, name: str, plan: sharded.ShardPlan, target: sharded.ShardTarget, fill: shard_reads.Fill
 ) -> torch.Tensor | None:
     """Fill a sharded parameter's local part (on a :class:`sharded.ShardFills` thread) and put it in place."""
     fill(ckpt, name, plan.runs, target.dest)
@@ -354,7 +291,7 @@ def load(
         read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
         ckpt = open_checkpoint(path, read)
     try:
-        fill = sharded.broadcast_segments if broadcast_from_rank0 else sharded.read_segments
+        fill = shard_reads.broadcast_segments if broadcast_from_rank0 else shard_reads.read_segments
         report, partial = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill)
         if not partial:  # a sharded load reads only this rank's slice: checking whole records would read them all
             ckpt.finish_crc_checks()  # records read in part (flat-group padding)
@@ -373,18 +310,18 @@ def _load(
     target_device: torch.device | None,
     key_map: KeyMap | None,
     progress: Progress,
-    fill: sharded.Fill,
+    fill: shard_reads.Fill,
 ) -> tuple[LoadReport, bool]:
     """Steps 2-5 of :func:`load`; also says whether the model was sharded (each rank read only its slice)."""
     where = str(ckpt.metadata.path)
 
     # 2. The init hook builds lazily created layers; it runs exactly once, before keys are matched.
-    hooks = _run_hooks(model, init_hook, where)
+    hooks = run_init_hooks(model, init_hook, where)
 
     # 3. Match checkpoint keys to the model's parameters and persistent buffers (names and shapes only).
     by_key, all_slots = _slots(model)
     sharded.check_supported(model, where)
-    broadcast = fill is sharded.broadcast_segments
+    broadcast = fill is shard_reads.broadcast_segments
     is_sharded = broadcast or any(sharded.is_sharded(slot.tensor) for slot in all_slots)
     infos = ckpt.infos
     mapped, dropped = apply_key_map(list(infos), key_map)
@@ -441,7 +378,7 @@ def _load(
     meter = ByteProgress(progress, total, "Loading")
     # A caller's default-device context must not redirect our reads.
     on_device: dict[torch.device, list[_OnDevice]] = {}  # filled through pinned staging, reads overlapping copies
-    fills = sharded.ShardFills(sharded.readers_per_rank() if fill is sharded.read_segments else 1)
+    fills = sharded.ShardFills(sharded.readers_per_rank() if fill is shard_reads.read_segments else 1)
     with closing(meter), closing(fills), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
             old = slot.tensor
@@ -449,7 +386,7 @@ def _load(
                 shard_plan = shard_plans[id(slot)]
                 target = sharded.shard_target(old, shard_plan, target_dtype, target_device)
                 ranges = sharded.contiguous_runs(shard_plan)
-                if fill is sharded.read_segments and ranges is not None and DeviceFiller.handles(target.dest):
+                if fill is shard_reads.read_segments and ranges is not None and DeviceFiller.handles(target.dest):
                     on_device.setdefault(target.dest.device, []).append(
                         _OnDevice(slot, key, target.dest, ranges, target)
                     )
@@ -464,7 +401,7 @@ def _load(
             else:
                 dest = torch.empty(old.shape, dtype=want_dtype, device=want_device)
             if broadcast:
-                sharded.fill_whole(ckpt, key, dest, fill)
+                shard_reads.fill_whole(ckpt, key, dest, fill)
             elif DeviceFiller.handles(dest):
                 on_device.setdefault(dest.device, []).append(_OnDevice(slot, key, dest))
                 continue

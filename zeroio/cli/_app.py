@@ -91,9 +91,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a checkpoint to safetensors / torch files (streaming, atomic)."""
     pushing = getattr(args, "push_to_hub", None) and not (args.distributed and os.environ.get("RANK", "0") != "0")
     if pushing:  # the Hub's answer before a long conversion: a bad token fails in seconds
-        from .._hub import prepare_push
-
-        prepare_push(args.push_to_hub, src=args.src)
+        zeroio.create_hub_repo(args.push_to_hub)
     try:
         result = zeroio.convert(
             args.src,
