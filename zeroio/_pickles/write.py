@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
 import struct
+import tempfile
 import types
+import weakref
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -145,13 +148,50 @@ class _Fill:
     chunks: Chunks
 
 
-class RankFileBuilder:
-    """One rank file: an object tree with data-less (fake) tensors, then :meth:`save` streams their bytes."""
+class _Placeholders:
+    """CPU tensors that hold no memory: each maps a sparse temporary file (``MAP_SHARED``, never read nor written),
+    so ``torch.save`` under ``skip_data`` records their storages as it records any CPU tensor's, at no cost.
+
+    torch's ``FakeTensorMode`` does the same but costs ~1 s to create (it imports ``torch._dynamo``), and pickles
+    each storage's location as its own string where ``torch.save`` of real tensors (DeepSpeed's files) memoizes
+    one. Anonymous memory (``torch.empty``) would be committed page by page only when touched, but counts in full
+    against a strict overcommit limit; a file's shared mapping does not.
+    """
 
     def __init__(self) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        fd, name = tempfile.mkstemp(prefix="zeroio-placeholder-")
+        os.close(fd)
+        self._path: str | None = name
+        self._size = 0
+        self._finalizer = weakref.finalize(self, _unlink, name)
 
-        self._mode = FakeTensorMode()
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        assert self._path is not None, "placeholders used after close()"
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self._size:  # sparse: the file grows without taking disk space
+            os.truncate(self._path, nbytes)
+            self._size = nbytes
+        return torch.from_file(self._path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+    def close(self) -> None:
+        """Remove the file (the mappings made stay valid until their tensors are freed)."""
+        self._finalizer()
+        self._path = None
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class RankFileBuilder:
+    """One rank file: an object tree with data-less tensors (:class:`_Placeholders`), then :meth:`save` streams
+    their bytes."""
+
+    def __init__(self) -> None:
+        self._placeholders = _Placeholders()
         self._fills: list[_Fill] = []
 
     def tensor(self, path: Where, shape: Sequence[int], dtype: torch.dtype, chunks: Chunks) -> torch.Tensor:
@@ -161,10 +201,8 @@ class RankFileBuilder:
         numel = math.prod(shape)
         if numel == 0:
             return torch.empty(tuple(shape), dtype=dtype)
-        with self._mode:
-            fake = torch.empty(tuple(shape), dtype=dtype)
         self._fills.append(_Fill(path, numel, dtype, chunks))
-        return fake
+        return self._placeholders.tensor(tuple(shape), dtype)
 
     @property
     def nbytes(self) -> int:
@@ -181,8 +219,9 @@ class RankFileBuilder:
         # 1. The archive, storage bytes left empty (no tensor is ever materialised).
         import torch
 
-        with open(path, "xb") as fh, torch.serialization.skip_data(materialize_fake_tensors=True):
+        with open(path, "xb") as fh, torch.serialization.skip_data():
             torch.save(tree, fh, pickle_module=_PICKLE_MODULE)
+        self._placeholders.close()
         # 2. Which record holds which tensor: read back with zeroio's own parser.
         parsed, rank_file = load_pickle(path)
         rank_file.close()
