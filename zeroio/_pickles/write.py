@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._io.fileio import pwrite_all, tensor_bytes
 from .._text import get_logger
-from ..errors import CheckpointFormatError, PartitionMismatchError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, OutputError, PartitionMismatchError, UnsupportedCheckpointError
 from .archive import TensorRef
 from .plain import TensorRule, Walk, Where, to_plain
 from .read import load_pickle
@@ -159,7 +159,15 @@ class _Placeholders:
     """
 
     def __init__(self) -> None:
-        fd, name = tempfile.mkstemp(prefix="zeroio-placeholder-")
+        try:
+            fd, name = tempfile.mkstemp(prefix="zeroio-placeholder-")
+        except OSError as exc:
+            where = tempfile.gettempdir()
+            raise OutputError(
+                f"Cannot create a placeholder file in '{where}' ({exc.strerror or exc}): zeroio builds each rank "
+                "file around an empty sparse file there. Set TMPDIR to a writable folder and run again.",
+                path=where,
+            ) from exc
         os.close(fd)
         self._path: str | None = name
         self._size = 0
