@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU-host run of issues 24 (goal 5 CUDA part, goal 6) and 25 (goal 6), in one command per lease.
 #
-#   bash benchmarks/gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]
+#   ZEROIO_COMMIT=<commit> bash benchmarks/gpu_host_sharded.sh OUT_DIR [PHASE] [PARAMS]
+#
+# (ZEROIO_COMMIT: the commit under test, written into every result file; the host's copy of .git may be stale.)
 #
 # PHASE 1 (default): CUDA correctness tests (tests/test_cuda_sharded.py, while the checkpoint builds), the PARAMS
 # (default 1.3B) 8-rank ZeRO-3 checkpoint, its FSDP2 DCP copy, the cold-read limits, the sharded loads on 2 and 4

@@ -836,7 +836,8 @@ def machine_info() -> dict[str, Any]:
         info["torch"] = torch.__version__
         info["deepspeed"] = deepspeed.__version__
     with contextlib.suppress(Exception):
-        info["zeroio_commit"] = subprocess.run(
+        # ZEROIO_COMMIT first: a copy of the tree sent to another machine may carry a stale .git (the GPU host's did).
+        info["zeroio_commit"] = os.environ.get("ZEROIO_COMMIT") or subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
     return info
