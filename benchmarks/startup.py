@@ -21,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ ZEROIO_COMMANDS: list[tuple[str, list[str]]] = [
     ("zeroio inspect fixtures/z3_ws2_bf16", ["inspect", "fixtures/z3_ws2_bf16"]),
     ("zeroio inspect --json fixtures/z3_ws2_bf16", ["inspect", "--json", "fixtures/z3_ws2_bf16"]),
     ("zeroio inspect fixtures/layouts/pipe_z1_ws2_pp2_bf16", ["inspect", "fixtures/layouts/pipe_z1_ws2_pp2_bf16"]),
+    # Writing rank files (torch needed): the whole command, start-up included, on a small fixture.
+    ("zeroio reshard fixtures/z3_ws2_fp32 --world-size 3",
+     ["reshard", "fixtures/z3_ws2_fp32", str(Path(tempfile.gettempdir()) / "zeroio-startup-reshard"), "--world-size",
+      "3", "--overwrite", "--quiet"]),
 ]
 BASELINE = ('python -c "import torch"', ["-c", "import torch"])
 INTERPRETER = ('python -c "pass"', ["-c", "pass"])  # the floor: what any Python command costs here
