@@ -9,6 +9,8 @@ then ``sync`` of what it wrote; zeroio fsyncs itself), with its memory sampled e
 - ``dcp_to_torch_save``: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(DCP, OUT/model.pt)`` (a
   torch file: torch has no DCP -> safetensors for ``.distcp`` data);
 - ``accelerate``: ``accelerate merge-weights DCP OUT`` (``model.safetensors``);
+- ``zeroio_dcp`` / ``zeroio_dcp_wN``: ``zeroio convert DCP OUT --format dcp`` (a DCP folder again, through torch;
+  ``--workers N`` blocks read ahead);
 - ``limit``: ``copy_file_range`` of every ``.distcp`` file into one file + ``fsync`` (``python -S``, no torch):
   the bytes read and written, in the kernel; ``read_limit``: ``cat`` of the ``.distcp`` files to ``/dev/null``.
 
@@ -53,6 +55,9 @@ def command(method: str, dcp: Path, out: Path) -> list[str]:
     files = [str(p) for p in sorted(dcp.glob("*.distcp"))]
     if method == "zeroio":
         return [sys.executable, "-m", "zeroio", "convert", str(dcp), str(out), "--quiet"]
+    if method.startswith("zeroio_dcp"):  # DCP rewritten as DCP (--format dcp); zeroio_dcp_wN: N read-ahead threads
+        workers = ["--workers", method.removeprefix("zeroio_dcp_w")] if method.startswith("zeroio_dcp_w") else []
+        return [sys.executable, "-m", "zeroio", "convert", str(dcp), str(out), "--format", "dcp", "--quiet", *workers]
     if method == "dcp_to_torch_save":
         code = ("import sys, os; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
                 "os.makedirs(sys.argv[2]); dcp_to_torch_save(sys.argv[1], os.path.join(sys.argv[2], 'model.pt'))")  # fmt: skip
