@@ -178,10 +178,17 @@ class _Placeholders:
 
         assert self._path is not None, "placeholders used after close()"
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > self._size:  # sparse: the file grows without taking disk space
-            os.truncate(self._path, nbytes)
-            self._size = nbytes
-        return torch.from_file(self._path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        try:
+            if nbytes > self._size:  # sparse: the file grows without taking disk space
+                os.truncate(self._path, nbytes)
+                self._size = nbytes
+            return torch.from_file(self._path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        except (OSError, RuntimeError, OverflowError) as exc:  # a size the file system refuses, mappings exhausted
+            raise OutputError(
+                f"Cannot map a placeholder of {nbytes} bytes for a tensor of shape {list(shape)} in "
+                f"'{self._path}' ({exc}). Set TMPDIR to a local file system that allows sparse files.",
+                path=self._path,
+            ) from exc
 
     def close(self) -> None:
         """Remove the file (the mappings made stay valid until their tensors are freed)."""
