@@ -679,18 +679,8 @@ def test_raising_configure_model():
 def _lightning_module_class():
     pl = pytest.importorskip("lightning.pytorch")
 
-    class LitTiny(pl.LightningModule):
+    class LitTiny(_PlainLit, pl.LightningModule):
         """A LightningModule whose layers exist only after configure_model (Lightning's sharded-init hook)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model: nn.Module | None = None
-            self.configured = 0
-
-        def configure_model(self) -> None:
-            self.configured += 1
-            if self.model is None:
-                self.model = build()
 
         def forward(self, ids):
             return self.model(ids)
