@@ -9,7 +9,6 @@ copy has passed. Host memory stays ``RING x chunk``; device memory gains the sam
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checkpoint import Checkpoint
+from .shard_reads import staging_bytes
 
 __all__ = ["RING", "STAGING_CHUNK_BYTES", "DeviceFiller", "Ranges"]
 
@@ -60,8 +60,7 @@ class DeviceFiller:
 
     def __init__(self, device: torch.device, chunk_bytes: int | None = None, ring: int = RING) -> None:
         self.device = device
-        override = os.environ.get("ZEROIO_STAGING_BYTES")
-        wanted = chunk_bytes or (int(override) if override else STAGING_CHUNK_BYTES)
+        wanted = chunk_bytes or staging_bytes(STAGING_CHUNK_BYTES)
         self.chunk_bytes = max(8, wanted - wanted % 8)  # whole elements of every dtype
         self.ring = ring
 

@@ -78,10 +78,11 @@ class _Landing:
             torch.cuda.current_stream(self.flat.device).synchronize()
 
 
-def staging_bytes() -> int:
-    """:data:`CHUNK_BYTES`, or ``ZEROIO_STAGING_BYTES`` (tests cross chunk boundaries with small fixtures)."""
+def staging_bytes(default: int = CHUNK_BYTES) -> int:
+    """``default``, or ``ZEROIO_STAGING_BYTES`` (tests cross chunk boundaries with small fixtures), for every
+    staging buffer of a load (here, and ``DeviceFiller``'s pinned ring)."""
     override = os.environ.get("ZEROIO_STAGING_BYTES")
-    return max(8, int(override)) if override else CHUNK_BYTES
+    return max(8, int(override)) if override else default
 
 
 def read_segments(
