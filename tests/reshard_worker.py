@@ -101,11 +101,15 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
-    # Every rank is done and rank 0 has saved: skip the interpreter's teardown, where DeepSpeed's CPU shared-memory
-    # comm op (deepspeed_shm_comm_op) once aborted a rank ("terminate called without an active exception", SIGABRT)
-    # on a loaded 2-core machine, failing a job whose results were complete.
+def exit_skipping_teardown() -> None:
+    """End a DeepSpeed job's rank once every rank is done and rank 0 has saved, without the interpreter's teardown:
+    there DeepSpeed's CPU shared-memory comm op (deepspeed_shm_comm_op) once aborted a rank ("terminate called
+    without an active exception", SIGABRT) on a loaded 2-core machine, failing a job whose results were complete."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
+    exit_skipping_teardown()

@@ -11,10 +11,8 @@ everything to ``F`` (torch.save).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-from reshard_worker import load_generate, snapshot
+from reshard_worker import exit_skipping_teardown, load_generate, snapshot
 
 
 def main() -> None:
@@ -56,9 +54,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Every rank is done and rank 0 has saved: skip the interpreter's teardown, where DeepSpeed's CPU shared-memory
-    # comm op (deepspeed_shm_comm_op) once aborted a rank ("terminate called without an active exception", SIGABRT)
-    # on a loaded 2-core machine, failing a job whose results were complete.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_teardown()

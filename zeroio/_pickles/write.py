@@ -177,12 +177,13 @@ class _Placeholders:
         import torch
 
         assert self._path is not None, "placeholders used after close()"
-        nbytes = math.prod(shape) * dtype.itemsize
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
         try:
             if nbytes > self._size:  # sparse: the file grows without taking disk space
                 os.truncate(self._path, nbytes)
                 self._size = nbytes
-            return torch.from_file(self._path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+            return torch.from_file(self._path, shared=True, size=numel, dtype=dtype).view(shape)
         except (OSError, RuntimeError, OverflowError) as exc:  # a size the file system refuses, mappings exhausted
             raise OutputError(
                 f"Cannot map a placeholder of {nbytes} bytes for a tensor of shape {list(shape)} in "
