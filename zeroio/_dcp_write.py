@@ -1,8 +1,9 @@
 """``convert(fmt="dcp")``: a PyTorch Distributed Checkpoint that FSDP2 resumes from, written chunk by chunk.
 
 Each tensor is written as row blocks of at most ``chunk_bytes`` (one ``torch.save`` archive per block, appended to
-``__0_0.distcp``, as DCP's ``FileSystemWriter`` appends them), so memory stays near one block whatever the model
-size; ``.metadata`` is pickled from torch's own classes last. Nothing here needs ``torch.distributed`` initialised:
+``__0_0.distcp``, as DCP's ``FileSystemWriter`` appends them; ``__0_1.distcp`` and on past ``max_shard_size``), so
+memory stays near ``workers + 1`` blocks whatever the model size; ``.metadata`` is pickled from torch's own
+classes last. Nothing here needs ``torch.distributed`` initialised:
 ``dcp.load`` only reads ``.metadata`` and the byte ranges it names. Layouts (docs/dcp.md):
 
 * ``torchtitan``: ``dst`` is the DCP folder (name it ``step-N``): model keys at the top level, the optimizer as
@@ -28,7 +29,6 @@ from typing import IO, Any
 import torch
 
 from ._checkpoint import TensorReader
-from ._dtypes import DType
 from ._formats import open_checkpoint
 from ._io.remote_path import RemotePath
 from ._metadata import output_dtype
@@ -39,7 +39,6 @@ from ._write.progress import ByteProgress
 from .errors import UnsupportedCheckpointError
 
 __all__ = ["write_dcp"]
-DATA_FILE = "__0_0.distcp"
 
 
 @dataclass(eq=False)
@@ -160,24 +159,21 @@ class _BlockRead:
         return self.name, self.at, out.to(self.wanted).view(self.n, *self.shape[1:])
 
 
-def _block_reads(
-    ckpt: TensorReader, names: Iterable[str], target: DType | None, chunk_bytes: int
-) -> Iterator[_BlockRead]:
-    """For each tensor, in order, the reads of its row blocks of at most ``chunk_bytes`` (at least one row; one
-    block for a scalar or a tensor without rows)."""
-    for name in names:
+def _block_reads(ckpt: TensorReader, wanted: dict[str, torch.dtype], chunk_bytes: int) -> Iterator[_BlockRead]:
+    """For each tensor of ``wanted`` (name -> output dtype), in order, the reads of its row blocks of at most
+    ``chunk_bytes`` (at least one row; one block for a scalar or a tensor without rows)."""
+    for name, out_dtype in wanted.items():
         info = ckpt.info(name)
         stored = ckpt.stored_dtype(name)
-        wanted = output_dtype(info, None if target is None else target.torch)
         shape = tuple(info.shape)
         rows = shape[0] if shape else 0
         if rows == 0:
-            yield _BlockRead(ckpt, name, shape, 0, 0, 0, stored, wanted)
+            yield _BlockRead(ckpt, name, shape, 0, 0, 0, stored, out_dtype)
             continue
         row = info.numel // rows
-        step = max(1, chunk_bytes // max(1, row * max(stored.itemsize, wanted.itemsize)))
+        step = max(1, chunk_bytes // max(1, row * max(stored.itemsize, out_dtype.itemsize)))
         for r in range(0, rows, step):
-            yield _BlockRead(ckpt, name, shape, r, min(step, rows - r), row, stored, wanted)
+            yield _BlockRead(ckpt, name, shape, r, min(step, rows - r), row, stored, out_dtype)
 
 
 def _read_ahead(reads: Iterable[_BlockRead], workers: int) -> Iterator[Block]:
@@ -279,7 +275,7 @@ def write_dcp(
                 model = _Folder.create(tmp if titan else tmp / "pytorch_model_fsdp_0", write.max_shard_size)
                 folders.append(model)
                 prefix = "" if titan else "model."
-                blocks = _read_ahead(_block_reads(ckpt, names, write.dtype, write.chunk_bytes), write.workers)
+                blocks = _read_ahead(_block_reads(ckpt, wanted, write.chunk_bytes), write.workers)
                 for name, group in groupby(blocks, key=lambda block: block[0]):
                     path = (name,) if titan else ("model", name)
                     model.tensor(prefix + name, path, infos[name].shape, wanted[name], _counted(group, meter))
