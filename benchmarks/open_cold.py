@@ -1,5 +1,5 @@
 """Cold cost of opening a checkpoint, apart from reading its tensors: importing zeroio, then ``zeroio.open`` with
-the rank files parsed one by one or on threads (``zeroio._formats.zero.PARSE_LOCAL_CONCURRENTLY``).
+the rank files parsed one by one or on threads (``zeroio._formats.zero.reader.PARSE_LOCAL_CONCURRENTLY``).
 
 Each run is a fresh process after the page cache is dropped (root), variants alternating::
 
@@ -27,7 +27,7 @@ import sys, time, json
 import torch
 t0 = time.perf_counter()
 import zeroio
-import zeroio._formats.zero as zero
+import zeroio._formats.zero.reader as zero
 t1 = time.perf_counter()
 zero.PARSE_LOCAL_CONCURRENTLY = sys.argv[2] == "threads"
 with zeroio.open(sys.argv[1]) as ckpt:

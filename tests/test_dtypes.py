@@ -1,4 +1,4 @@
-"""The torch-free dtype vocabulary (``zeroio._dtypes``) and byte-level rounding (``zeroio._formats.bits``) agree
+"""The torch-free dtype vocabulary (``zeroio._dtypes``) and byte-level rounding (``zeroio._formats.stored_bits``) agree
 with torch itself: a new torch that renames or resizes a dtype, or rounds differently, fails here (issue 17)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zeroio._dtypes import BY_NAME, BY_STORAGE, SAFETENSORS_ORDER, as_dtype
-from zeroio._formats.bits import rounds_to
+from zeroio._formats.stored_bits import rounds_to
 
 
 def test_every_name_is_the_torch_dtype_of_that_name():

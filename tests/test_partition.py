@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroio._partition import (
+from zeroio._formats.partition import (
     Piece,
     locate,
     split_pieces,

@@ -21,7 +21,7 @@ from fixture_data import FIXTURES, fixture_names
 
 import zeroio
 from zeroio import ReshardResult, convert, errors, reshard
-from zeroio._partition import zero3_partition_numel, zero3_sub_groups
+from zeroio._formats.partition import zero3_partition_numel, zero3_sub_groups
 from zeroio.cli import main
 
 ZERO3 = fixture_names(stage=3)

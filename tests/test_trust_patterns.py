@@ -14,7 +14,7 @@ from hostile_folders import tp_huge_name, tp_invalid_pattern, tp_nested_pattern
 
 import zeroio
 from zeroio import errors
-from zeroio._formats.patterns import MAX_MATCH_COST, PatternError, bounded_match, bounded_pattern
+from zeroio._formats.name_patterns import MAX_MATCH_COST, PatternError, bounded_match, bounded_pattern
 
 TP2 = FIXTURES / "layouts" / "autotp_z1_ws2_tp2_bf16"
 

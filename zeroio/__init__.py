@@ -13,12 +13,10 @@ import typing as _typing
 from . import errors as errors  # light (no torch): `zeroio.errors` works right after `import zeroio`
 
 if _typing.TYPE_CHECKING:
-    from ._checkpoint import Checkpoint
     from ._convert import ConvertResult, convert
-    from ._formats import open
+    from ._formats import Checkpoint, CheckpointMetadata, TensorInfo, open
     from ._hub import PushResult, create_hub_repo, push_to_hub
     from ._load.model import LoadReport, load
-    from ._metadata import CheckpointMetadata, TensorInfo
     from ._reshard.reshard import ReshardResult, reshard
     from ._verify import Mismatch, VerifyReport, verify
 
@@ -46,14 +44,14 @@ __all__ = [
 
 # Public name -> the module (relative to this package) that defines it; imported when the name is first read.
 _PUBLIC_HOMES: dict[str, str] = {
-    "Checkpoint": "._checkpoint",
-    "CheckpointMetadata": "._metadata",
+    "Checkpoint": "._formats",
+    "CheckpointMetadata": "._formats",
     "ConvertResult": "._convert",
     "LoadReport": "._load.model",
     "Mismatch": "._verify",
     "PushResult": "._hub",
     "ReshardResult": "._reshard.reshard",
-    "TensorInfo": "._metadata",
+    "TensorInfo": "._formats",
     "VerifyReport": "._verify",
     "convert": "._convert",
     "create_hub_repo": "._hub",

@@ -9,19 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._checkpoint import Checkpoint
+from ._formats import Checkpoint, ReadOptions, output_spec, read_options
+from ._io.progress import Progress
 from ._io.remote_path import as_path, is_url
-from ._metadata import output_spec
+from ._messages import get_logger
 from ._model_card import card_facts
-from ._options import ReadOptions, read_options
-from ._text import get_logger
 from ._types import StrPath
 from ._write.atomic import AtomicDir
 from ._write.comm import Job, LocalComm
-from ._write.engine import ExtraFiles, WriteOutcome, write_checkpoint
 from ._write.options import DEFAULT_CHUNK_BYTES, DcpLayout, OutputFormat, WriteOptions, write_options
-from ._write.progress import Progress
-from ._write.write_plan import WritePlan
+from ._write.phases import ExtraFiles, WriteOutcome, write_checkpoint
+from ._write.plan import WritePlan
 from .errors import OutputError
 
 if TYPE_CHECKING:
@@ -61,7 +59,7 @@ class ConvertResult:
 def _convert_lightning(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
     """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
     from ._formats import open_checkpoint
-    from ._lightning import write_lightning_ckpt
+    from ._write.lightning_writer import write_lightning_ckpt
 
     # 1. Refuse an existing file (or a file in the way of a parent folder) before reading anything, as for folders;
     #    a folder at dst is refused by write_lightning_ckpt, overwrite or not (a Lightning checkpoint is one file).
@@ -108,8 +106,8 @@ def _convert_lightning(src: Path, dst: Path, read: ReadOptions, write: WriteOpti
 
 
 def _convert_universal(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
-    """``fmt="universal"``: a DeepSpeed universal checkpoint (``zeroio/_universal_write.py``)."""
-    from ._universal_write import write_universal
+    """``fmt="universal"``: a DeepSpeed universal checkpoint (``zeroio/_write/universal_writer.py``)."""
+    from ._write.universal_writer import write_universal
 
     out = write_universal(src, dst, read, write)
     return ConvertResult(
@@ -299,7 +297,7 @@ def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOpti
     if write.fmt == "universal":
         return _convert_universal(source, dst_path, read, write)
     if write.distributed:
-        from ._distributed import convert_distributed
+        from ._write.distributed import convert_distributed
 
         return _result(convert_distributed(source, dst_path, read, write))
     if write.fmt == "lightning":
@@ -313,17 +311,17 @@ def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOpti
 
 
 def _convert_dcp(source: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
-    """``fmt="dcp"``: a PyTorch Distributed Checkpoint FSDP2 resumes from (zeroio/_dcp_write.py)."""
-    from ._dcp_write import write_dcp
+    """``fmt="dcp"``: a PyTorch Distributed Checkpoint FSDP2 resumes from (zeroio/_write/dcp_writer.py)."""
+    from ._write.dcp_writer import write_dcp
 
     files, total, count, tied = write_dcp(source, dst, read, write)
     return ConvertResult(files=tuple(files), index_path=None, total_size=total, num_tensors=count, tied=tied)
 
 
 def _optimizer_files(write: WriteOptions) -> ExtraFiles:
-    """``include_optimizer``: optimizer.safetensors + optimizer.json beside the weights (zeroio/_optim.py),
+    """``include_optimizer``: optimizer.safetensors + optimizer.json beside the weights (zeroio/_write/optimizer_files.py),
     planned with the weights (a source without optimizer state fails before anything is created)."""
-    from ._optim import plan_optimizer_files, write_optimizer_files
+    from ._write.optimizer_files import plan_optimizer_files, write_optimizer_files
 
     def plan(ckpt: Checkpoint, weights: WritePlan) -> Callable[[Path], None]:
         optim = plan_optimizer_files(ckpt, list(weights.names), max_shard_size=write.max_shard_size)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._formats import ReadOptions, read_options
 from ._io.remote_path import as_path, is_url
+from ._messages import get_logger, redact_exception
 from ._model_card import default_commit_message, render_model_card
-from ._options import ReadOptions, read_options
-from ._text import get_logger, redact_exception
 from ._write.options import write_options
 from .errors import HubError
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     import torch
 
     from ._formats import TPRules
+    from ._io.progress import Progress
     from ._types import StrPath
-    from ._write.progress import Progress
 
 __all__ = ["STALE_WEIGHT_PATTERNS", "PushResult", "create_hub_repo", "push_to_hub"]
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._dtypes import DType
-from ._metadata import CheckpointMetadata, dtype_name
-from ._text import listing
+from ._formats import CheckpointMetadata, dtype_name
+from ._messages import listing
 
 if TYPE_CHECKING:
     import torch

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._checkpoint import Checkpoint
 from ._dtypes import as_dtype
+from ._formats import Checkpoint, dtype_name, parse_dtype, read_options
 from ._io.remote_path import as_path, is_url, with_storage_options
-from ._metadata import dtype_name, parse_dtype
-from ._options import read_options
-from ._text import get_logger
+from ._messages import get_logger
 from ._types import StrPath
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, cast
 
 # Re-exported (not in __all__) for the CLI, which imports only zeroio and zeroio.errors.
-from ._text import redact as redact  # noqa: PLC0414
-from ._text import redact_exception as redact_exception  # noqa: PLC0414
+from ._messages import redact as redact  # noqa: PLC0414
+from ._messages import redact_exception as redact_exception  # noqa: PLC0414
 
 __all__ = [
     "CheckpointClosedError",

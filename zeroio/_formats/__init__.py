@@ -11,16 +11,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checkpoint import Checkpoint
 from .._io.confine import require_regular_file
 from .._io.remote_path import RemotePath, as_path
-from .._options import ReadOptions, read_options
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
-from .consolidated import is_consolidated, open_consolidated
-from .dcp import is_dcp, open_dcp
-from .optim_views import ComposedOptimizerState
-from .optimizer import (
+from .checkpoint import Checkpoint, PartitionedCheckpoint, TensorReader
+from .composite.pipeline import open_pipeline
+from .composite.pipeline_files import is_pipeline
+from .composite.tensor_parallel import is_tensor_parallel, open_tensor_parallel
+from .composite.universal import is_universal, open_universal
+from .dcp.reader import is_dcp, open_dcp
+from .files.consolidated import is_consolidated, open_consolidated
+from .metadata import (
+    CheckpointMetadata,
+    TensorInfo,
+    dtype_name,
+    output_dtype,
+    output_spec,
+    parse_dtype,
+    parse_dtype_spec,
+    require,
+    require_dict,
+)
+from .optimizer.state import (
     OptimizerLayout,
     moment_source,
     optimizer_layout,
@@ -32,36 +45,51 @@ from .optimizer import (
     step_of,
     trainable_source,
 )
-from .pipeline import open_pipeline
-from .pipeline_files import is_pipeline
+from .optimizer.views import ComposedOptimizerState
+from .options import ReadOptions, read_options
+from .partition import zero3_partition_numel, zero3_sub_groups
 from .read_plans import FlatPlan, ReadPlan, WholePlan, read_plan_into
-from .tensor_parallel import is_tensor_parallel, open_tensor_parallel
-from .tensor_parallel_rules import TPRules
-from .universal import is_universal, open_universal
-from .zero import open_zero
-from .zero_files import is_zero_checkpoint
+from .tp_rules import TPRules
+from .zero.file_layout import is_zero_checkpoint
+from .zero.reader import open_zero
 
 __all__ = [
     "FORMATS",
+    "Checkpoint",
+    "CheckpointMetadata",
     "ComposedOptimizerState",
     "FlatPlan",
     "Format",
     "OptimizerLayout",
+    "PartitionedCheckpoint",
+    "ReadOptions",
     "ReadPlan",
     "TPRules",
+    "TensorInfo",
+    "TensorReader",
     "WholePlan",
+    "dtype_name",
     "moment_source",
     "open",
     "open_checkpoint",
     "optimizer_layout",
     "optimizer_state",
+    "output_dtype",
+    "output_spec",
     "param_group_of",
+    "parse_dtype",
+    "parse_dtype_spec",
+    "read_options",
     "read_plan_into",
+    "require",
+    "require_dict",
     "require_partitioned",
     "state_dtype",
     "state_keys_of",
     "step_of",
     "trainable_source",
+    "zero3_partition_numel",
+    "zero3_sub_groups",
 ]
 
 

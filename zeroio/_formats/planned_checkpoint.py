@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._checkpoint import Checkpoint
 from .._io.integrity import CheckedFile
 from .._io.sources import ByteRange
-from .._metadata import CheckpointMetadata, TensorInfo
 from .._pickles import RankFile
+from .checkpoint import Checkpoint
+from .metadata import CheckpointMetadata, TensorInfo
 from .read_plans import ReadPlan, plan_byte_ranges, read_plan_into
 
 if TYPE_CHECKING:

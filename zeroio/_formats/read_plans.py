@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._dtypes import FLOAT32, DType, as_dtype, to_torch
 from .._io.sources import ByteRange
-from .._metadata import CheckpointMetadata, TensorInfo, require
-from .._partition import Piece
 from .._pickles import RankFile, TensorRef
-from .bits import ref_bytes, rounds_to
+from .metadata import CheckpointMetadata, TensorInfo, require
+from .partition import Piece
+from .stored_bits import ref_bytes, rounds_to
 from .validate import tensor_ref
 
 if TYPE_CHECKING:

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import _constants as C
-from .._metadata import require, require_dict
 from .._pickles import TensorRef
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, WorldSizeMismatchError
-from .zero_files import ZeroLayout
+from .metadata import require, require_dict
+from .zero.file_layout import ZeroLayout
 
 __all__ = [
     "ModelStates",

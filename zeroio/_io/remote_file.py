@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._text import redact, redact_exception
+from .._messages import redact, redact_exception
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, RemoteStorageError
 from .remote_fetch import WHOLE_OBJECT_BYTES, ObjectChanged, RangeError, Timeouts
 from .sources import writable_bytes

@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 from urllib.parse import unquote
 
-from .._text import redact
+from .._messages import redact
 from .._types import StrPath
 from ..errors import RemoteStorageError
 from .remote_fetch import Timeouts, backend_timeouts, fetcher, pinned_version
@@ -168,7 +168,7 @@ def _credentials_to_options(url: str, protocol: str, options: dict[str, Any]) ->
 
     s3fs takes ``KEY:SECRET@bucket`` for a bucket name and quotes it in its errors; moved out of the URL, the
     secret reaches no object key, path or message. (HTTP keeps its ``user:password@``: aiohttp sends it as Basic
-    auth, and messages hide it, ``zeroio._text.redact``.)"""
+    auth, and messages hide it, ``zeroio._messages.redact``.)"""
     if _ALIASES.get(protocol, protocol) != "s3":
         return url
     scheme, _, rest = url.partition("://")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checkpoint import Checkpoint
+from .._formats import Checkpoint
 from .shard_reads import staging_bytes
 
 __all__ = ["RING", "STAGING_CHUNK_BYTES", "DeviceFiller", "Ranges"]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._text import get_logger
+from .._messages import get_logger
 from .._types import InitHook
 from ..errors import InitHookError
 

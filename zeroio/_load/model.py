@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._checkpoint import Checkpoint
-from .._metadata import CheckpointMetadata, parse_dtype
-from .._options import read_options
-from .._text import SHOWN, get_logger, listing
+from .._formats import Checkpoint, CheckpointMetadata, parse_dtype, read_options
+from .._io.progress import ByteProgress, Progress, check_progress
+from .._messages import SHOWN, get_logger, listing
 from .._types import DTypeLike, InitHook, StrPath
-from .._write.progress import ByteProgress, Progress, check_progress
 from ..errors import StateDictMismatchError, ZeroIOError
 from . import shard_reads, sharded
 from .device_copy import DeviceFiller, Ranges

@@ -16,7 +16,7 @@ from .._io.sources import tensor_bytes
 from .shard_slices import Strided
 
 if TYPE_CHECKING:
-    from .._checkpoint import TensorReader
+    from .._formats import TensorReader
 
 __all__ = ["CHUNK_BYTES", "MAX_ROWS", "Fill", "broadcast_segments", "fill_whole", "read_segments", "staging_bytes"]
 
@@ -93,7 +93,7 @@ def read_segments(
     Reads straight into ``dest`` when it is a CPU tensor of the stored dtype; otherwise through staging buffers of
     at most ``chunk_bytes`` (:class:`_Landing`; cast by ``copy_``, rounding as ``load_state_dict`` does). A run of
     rows (a ``Shard(1)`` column block) is read in blocks of up to ``chunk_bytes`` and :data:`MAX_ROWS` rows through
-    the reader's :meth:`~zeroio._checkpoint.Checkpoint.byte_map`, straight from the files: one read per block where
+    the reader's :meth:`~zeroio._formats.checkpoint.Checkpoint.byte_map`, straight from the files: one read per block where
     the rows' ranges touch in storage (a column-sharded DCP chunk), else one call per block reading each row's
     own bytes (nothing between them).
     """

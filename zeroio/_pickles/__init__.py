@@ -10,10 +10,10 @@ written chunk by chunk).
 from __future__ import annotations
 
 from .archive import RankFile, TensorRef
-from .dcp_meta import load_dcp_metadata
+from .dcp_metadata_unpickler import load_dcp_metadata
 from .embedded import EmbeddedTensor
 from .limits import MAX_DEPTH, MAX_DIMS, MAX_PICKLE_BYTES
-from .plain import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
+from .plain_tree import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
 from .read import load_embedded, load_pickle
 from .standins import (
     ZERO_STAGE_ENUM,

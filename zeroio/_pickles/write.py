@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._io.fileio import pwrite_all, tensor_bytes
-from .._text import get_logger
+from .._messages import get_logger
 from ..errors import CheckpointFormatError, OutputError, PartitionMismatchError, UnsupportedCheckpointError
 from .archive import TensorRef
-from .plain import TensorRule, Walk, Where, to_plain
+from .plain_tree import TensorRule, Walk, Where, to_plain
 from .read import load_pickle
 from .standins import ZERO_STAGE_ENUM, Inert, ZeroStageEnum, global_name, inert_parts
 

@@ -11,15 +11,13 @@ from typing import Any
 import torch
 
 from .. import _constants as C
-from .._checkpoint import PartitionedCheckpoint
-from .._formats import open_checkpoint, optimizer_layout
+from .._formats import PartitionedCheckpoint, ReadOptions, open_checkpoint, optimizer_layout, read_options
 from .._io.fileio import write_new_file
+from .._io.progress import ByteProgress, Progress, check_progress
 from .._io.remote_path import as_path, is_url
-from .._options import ReadOptions, read_options
-from .._text import get_logger
+from .._messages import get_logger
 from .._types import StrPath
 from .._write.atomic import AtomicDir
-from .._write.progress import ByteProgress, Progress, check_progress
 from ..errors import UnsupportedCheckpointError
 from .targets import ReshardPlan, plan_reshard
 from .trees import RankTrees

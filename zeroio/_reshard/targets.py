@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _constants as C
-from .._checkpoint import PartitionedCheckpoint
-from .._metadata import require, require_dict
-from .._partition import zero3_partition_numel, zero3_sub_groups
+from .._formats import PartitionedCheckpoint, require, require_dict, zero3_partition_numel, zero3_sub_groups
 from ..errors import PartitionMismatchError, UnsupportedCheckpointError
 
 if TYPE_CHECKING:

@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from .. import _constants as C
-from .._formats import moment_source, read_plan_into
+from .._formats import moment_source, read_plan_into, zero3_partition_numel
 from .._io.fileio import ChunkBuffers
-from .._partition import zero3_partition_numel
 from .._pickles import Chunks, RankFileBuilder, TensorRef, Where, writable
 from .targets import RankRead, ReshardPlan, rank_reads
 

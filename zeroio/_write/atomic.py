@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
 
-from .._text import get_logger, listing
+from .._messages import get_logger, listing
 from ..errors import OutputError
 from .own_files import LOCK_NAME, foreign_entries
 

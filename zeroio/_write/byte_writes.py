@@ -19,12 +19,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-from .._checkpoint import TensorReader
 from .._dtypes import DType
+from .._formats import TensorReader, output_spec
 from .._io.casts import can_cast, cast_into
 from .._io.fileio import ByteBuffers, pwrite_all
 from .._io.sources import ByteRange, kernel_copy_enabled
-from .._metadata import output_spec
 from .safetensors_writer import TensorSlot
 
 __all__ = ["copy_in_kernel", "copy_through_memory"]

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from .._dtypes import DType
-from .._metadata import parse_dtype_spec
-from .progress import Progress, check_progress
+from .._formats import parse_dtype_spec
+from .._io.progress import Progress, check_progress
 from .sharding import parse_size
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from .. import _constants as C
 from .._io.remote_file import call_with_retries
 from .._io.remote_path import as_path, filesystem, is_url, url_identity
-from .._text import get_logger, redact_exception
+from .._messages import get_logger, redact_exception
 from ..errors import CheckpointNotFoundError, OutputError
 from .own_files import LATEST_UNIVERSAL, foreign_names
 

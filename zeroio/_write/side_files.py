@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._text import get_logger
+from .._messages import get_logger
 
 if TYPE_CHECKING:
     import torch

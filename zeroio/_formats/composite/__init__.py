@@ -1,0 +1,1 @@
+"""Layouts built from other layouts: pipeline stages, tensor-parallel ranks, universal folders."""

@@ -1,0 +1,1 @@
+"""PyTorch Distributed Checkpoint folders: the .metadata checked, chunks planned, tensors read."""

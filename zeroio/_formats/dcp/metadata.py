@@ -1,0 +1,290 @@
+"""A DCP ``.metadata`` tree (inert records, :mod:`zeroio._pickles.dcp_metadata_unpickler`) checked into typed entries.
+
+Every fact a reader later trusts is checked here, before any tensor byte is read: each item's data lies inside a
+file of the folder, each tensor's chunks lie inside the tensor, cover it exactly once and fit the bytes stored for
+them, and no size is larger than the files can back.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..._dtypes import DType
+from ..._pickles import MAX_DIMS, Inert, global_name, inert_parts, is_inert
+from ...errors import CheckpointFormatError, UnsupportedCheckpointError
+
+__all__ = ["BytesEntry", "Chunk", "DcpMetadata", "TensorEntry", "parse_dcp_metadata"]
+
+_HOME = "torch.distributed.checkpoint.metadata"
+_TENSOR = f"{_HOME}.TensorStorageMetadata"
+_BYTES = f"{_HOME}.BytesStorageMetadata"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One stored piece of a tensor: a box of the full tensor, saved as its own archive in a data file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    """The data file (a name inside the folder)."""
+    offset: int
+    length: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor of the checkpoint: its full shape and dtype, and its chunks."""
+
+    fqn: str
+    dtype: DType
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class BytesEntry:
+    """A non-tensor value (``BytesStorageMetadata``): ``torch.save`` bytes at ``[offset, offset + length)``."""
+
+    fqn: str
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class DcpMetadata:
+    """What ``.metadata`` says, checked."""
+
+    tensors: dict[str, TensorEntry]
+    values: dict[str, BytesEntry]
+    version: str | None
+    save_id: str | None
+    files: tuple[str, ...]
+
+
+def _bad(path: Path, what: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"'{path}' is not valid DCP metadata: {what}. The checkpoint is corrupted or hostile; copy it again from "
+        "where it was saved.",
+        path=path,
+    )
+
+
+def _fields(obj: Any, expected: str, path: Path, where: str) -> dict[str, Any]:
+    if not is_inert(obj) or global_name(obj) != expected:
+        name = global_name(obj) or type(obj).__name__
+        raise _bad(path, f"{where} is a {name}, not a {expected.rsplit('.', 1)[-1]}")
+    return inert_parts(obj).state
+
+
+def _int(value: Any, path: Path, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _bad(path, f"{where} is {str(value)[:60]!r}, not a non-negative int")
+    return value
+
+
+def _dims(value: Any, path: Path, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
+        raise _bad(path, f"{where} is not a shape of at most {MAX_DIMS} dimensions")
+    return tuple(_int(v, path, where) for v in value)
+
+
+def _dtype(properties: Any, path: Path, fqn: str) -> DType:
+    state = _properties_state(properties, path, fqn)
+    dtype = state[0] if isinstance(state, tuple) and state else state.get("dtype") if isinstance(state, dict) else None
+    if not isinstance(dtype, DType):
+        raise _bad(path, f"tensor '{fqn}' has no readable dtype ({str(dtype)[:40]})")
+    return dtype
+
+
+def _properties_state(properties: Any, path: Path, fqn: str) -> Any:
+    name = global_name(properties)
+    if not is_inert(properties) or name is None or not name.endswith(".TensorProperties"):
+        raise _bad(path, f"tensor '{fqn}' has properties of type {name or type(properties).__name__}")
+    parts = inert_parts(properties)
+    return parts.state.get("_state") if parts.opaque_state else parts.state
+
+
+def _storage_index(storage: Any, path: Path) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]]:
+    """``(fqn, chunk offsets or None) -> (file, offset, length)`` from ``storage_data``."""
+    if not isinstance(storage, dict):
+        raise _bad(path, "storage_data is not a mapping")
+    found: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    for key, info in storage.items():
+        index = _fields(key, f"{_HOME}.MetadataIndex", path, "a storage_data key")
+        fqn = index.get("fqn")
+        if not isinstance(fqn, str):
+            raise _bad(path, "a storage_data key has no fqn")
+        offset = index.get("offset")
+        at = None if offset is None else _dims(offset, path, f"the offset of '{fqn}'")
+        fields = _fields(info, "torch.distributed.checkpoint.filesystem._StorageInfo", path, f"storage of '{fqn}'")
+        transforms = fields.get("transform_descriptors")
+        if transforms:
+            raise UnsupportedCheckpointError(
+                f"'{path}' stores '{fqn}' through the stream transforms {list(transforms)[:3]!r:.80} (e.g. zstd "
+                "compression), which zeroio does not read. Save the checkpoint without a transform extension.",
+                path=path,
+                name=fqn,
+            )
+        file = fields.get("relative_path")
+        if (
+            not isinstance(file, str)
+            or not file
+            or "/" in file
+            or "\\" in file
+            or file in (".", "..")
+            or "\0" in file
+            or file.startswith(".")
+        ):
+            raise _bad(
+                path, f"'{fqn}' names the data file {str(file)[:80]!r}, which is not a file name inside the folder"
+            )
+        found[(fqn, at)] = (
+            file,
+            _int(fields.get("offset"), path, f"the offset of '{fqn}'"),
+            _int(fields.get("length"), path, f"the length of '{fqn}'"),
+        )
+    return found
+
+
+MAX_GRID_CELLS = 1 << 22
+"""Most cells of a tensor's chunk grid checked (4M): a sharded layout (rows, columns, FSDP over TP) has about one
+cell per chunk; a grid much larger than its chunks only comes from chunks cut at unrelated places."""
+
+
+def _check_tiling(path: Path, fqn: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None:
+    """Chunks lie inside the tensor, do not overlap and together cover it.
+
+    Checked on the grid the chunks' edges cut the tensor into: each chunk marks the cells it spans, a cell marked
+    twice is an overlap, a cell never marked a hole. The work is the number of cells (about the number of chunks
+    for any sharded layout), never chunk pairs: 50,000 chunks side by side are 50,000 cells, not 10**9 pairs.
+    """
+    total = 0
+    for c in chunks:
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            raise _bad(path, f"a chunk of '{fqn}' has {len(c.offsets)} dimensions, the tensor {len(shape)}")
+        if any(o + s > d for o, s, d in zip(c.offsets, c.sizes, shape)):
+            raise _bad(path, f"a chunk of '{fqn}' at {c.offsets} of size {c.sizes} reaches outside its shape {shape}")
+        total += c.numel
+    numel = 1
+    for d in shape:
+        numel *= d
+    live = [c for c in chunks if c.numel]
+    edges = [
+        sorted({0, n, *(c.offsets[d] for c in live), *(c.offsets[d] + c.sizes[d] for c in live)})
+        for d, n in enumerate(shape)
+    ]
+    cells = 1
+    for e in edges:
+        cells *= max(1, len(e) - 1)
+    if cells > max(MAX_GRID_CELLS, 8 * len(live)):
+        raise UnsupportedCheckpointError(
+            f"'{path}': the {len(live)} chunks of '{fqn}' cut it into a grid of {cells} cells; zeroio checks grids up "
+            f"to {MAX_GRID_CELLS}. Chunks cut at unrelated places are not what DCP writes.",
+            path=path,
+            name=fqn,
+        )
+    owner = [0] * (cells if numel else 0)  # 1 + the index of the chunk holding each cell
+    for i, c in enumerate(live):
+        spans = [range(bisect_left(e, o), bisect_left(e, o + n)) for e, o, n in zip(edges, c.offsets, c.sizes)]
+        for cell in _cells(spans, edges):
+            if owner[cell]:
+                other = live[owner[cell] - 1]
+                raise _bad(path, f"chunks of '{fqn}' at {other.offsets} and {c.offsets} overlap")
+            owner[cell] = i + 1
+    if total != numel or (numel and not all(owner)):
+        raise _bad(path, f"the chunks of '{fqn}' hold {total} elements, its shape {shape} has {numel}")
+
+
+def _cells(spans: list[range], edges: list[list[int]]) -> Iterator[int]:
+    """Flat indices (row-major over the grid) of the cells in the box ``spans``."""
+    flat = [0]
+    for span, e in zip(spans, edges):
+        width = max(1, len(e) - 1)
+        flat = [f * width + j for f in flat for j in span]
+    yield from flat
+
+
+def parse_dcp_metadata(path: Path, tree: Any, file_size: Callable[[str], int]) -> DcpMetadata:
+    """Check the ``.metadata`` tree read from ``path``; ``file_size(name)`` is a data file's size (or raises)."""
+    top = _fields(tree, f"{_HOME}.Metadata", path, "the top-level object")
+    entries = top.get("state_dict_metadata")
+    if not isinstance(entries, dict):
+        raise _bad(path, "state_dict_metadata is not a mapping")
+    index = _storage_index(top.get("storage_data"), path)
+    sizes: dict[str, int] = {}
+
+    def located(fqn: str, at: tuple[int, ...] | None) -> tuple[str, int, int]:
+        found = index.get((fqn, at))
+        if found is None:
+            raise _bad(path, f"'{fqn}' has a chunk at {at} that storage_data does not place in any file")
+        file, offset, length = found
+        if file not in sizes:
+            sizes[file] = file_size(file)
+        if offset + length > sizes[file]:
+            raise _bad(
+                path,
+                f"'{fqn}' lies at bytes [{offset}, {offset + length}) of '{file}', which holds {sizes[file]} bytes",
+            )
+        return found
+
+    tensors: dict[str, TensorEntry] = {}
+    values: dict[str, BytesEntry] = {}
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise _bad(path, f"a key of state_dict_metadata is a {type(fqn).__name__}")
+        kind = global_name(entry)
+        if kind == _BYTES:
+            file, offset, length = located(fqn, None)
+            values[fqn] = BytesEntry(fqn, file, offset, length)
+            continue
+        fields = _fields(entry, _TENSOR, path, f"the entry of '{fqn}'")
+        dtype = _dtype(fields.get("properties"), path, fqn)
+        shape = _dims(fields.get("size"), path, f"the size of '{fqn}'")
+        raw_chunks = fields.get("chunks")
+        if not isinstance(raw_chunks, list):
+            raise _bad(path, f"the chunks of '{fqn}' are not a list")
+        chunks = []
+        for raw in raw_chunks:
+            c = _fields(raw, f"{_HOME}.ChunkStorageMetadata", path, f"a chunk of '{fqn}'")
+            offsets = _dims(c.get("offsets"), path, f"a chunk offset of '{fqn}'")
+            csizes = _dims(c.get("sizes"), path, f"a chunk size of '{fqn}'")
+            n = 1
+            for s in csizes:
+                n *= s
+            file, offset, length = located(fqn, offsets) if n else ("", 0, 0)
+            if n * dtype.itemsize > length:
+                raise _bad(
+                    path,
+                    f"a chunk of '{fqn}' of {n} {dtype.name} elements is stored in {length} bytes, fewer than it needs",
+                )
+            chunks.append(Chunk(offsets, csizes, file, offset, length))
+        _check_tiling(path, fqn, shape, chunks)
+        tensors[fqn] = TensorEntry(fqn, dtype, shape, tuple(chunks))
+    version = top.get("version")
+    storage_meta = top.get("storage_meta")
+    save_id = None
+    if isinstance(storage_meta, Inert):
+        sid = inert_parts(storage_meta).state.get("save_id")
+        save_id = sid if isinstance(sid, str) else None
+    return DcpMetadata(
+        tensors=tensors,
+        values=values,
+        version=version if isinstance(version, str) else None,
+        save_id=save_id,
+        files=tuple(sorted(sizes)),
+    )

@@ -1,0 +1,1 @@
+"""Plain weight files: consolidated safetensors / torch files and their shard indexes."""

@@ -1,0 +1,1 @@
+"""Optimizer state views: per-rank moments gathered into per-parameter tensors."""

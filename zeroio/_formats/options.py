@@ -1,0 +1,65 @@
+"""How to read a checkpoint, as one value: built once by the public verb from its keywords, then passed down."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tp_rules import Rule, TPRules
+
+__all__ = ["ReadOptions", "read_options", "trusted_names"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """The reading keywords of ``open``, ``load``, ``convert``, ``reshard``, ``verify`` and ``push_to_hub``,
+    validated (see :func:`read_options`): readers and the write engine take this one value, never the keywords."""
+
+    tag: str | None = None
+    """The tag folder to read (None: the one named in ``latest``)."""
+    verify_crc: bool = True
+    """Check every zip record read against its stored CRC-32 (``Checkpoint.verify_crc``)."""
+    trusted_globals: frozenset[str] = frozenset()
+    """Extra pickle globals to accept, rebuilt as inert data (never called)."""
+    tp_rules: dict[str, Rule] | None = None
+    """A tensor-parallel source's split rules, parsed (``{regex: dim or "replicated"}``), or None."""
+    ignore_recorded_tp: bool = False
+    """Set the tensor-parallel partitions recorded in the files aside, so ``tp_rules`` alone decide."""
+    storage_options: Mapping[str, Any] | None = None
+    """Options of a URL source's fsspec filesystem (credentials, endpoint), or None for the defaults."""
+
+
+def trusted_names(trusted_globals: Iterable[str]) -> frozenset[str]:
+    """``trusted_globals=`` as a set of names; one string is refused (its letters would each become a name)."""
+    if isinstance(trusted_globals, str):
+        raise TypeError(f"trusted_globals must be an iterable of names, not a string: [{trusted_globals!r}].")
+    return frozenset(trusted_globals)
+
+
+def read_options(
+    *,
+    tag: str | None = None,
+    verify_crc: bool = True,
+    trusted_globals: Iterable[str] = (),
+    tp_rules: TPRules | None = None,
+    ignore_recorded_tp: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ReadOptions:
+    """Validate the reading keywords a public verb was given, once, into a :class:`ReadOptions`.
+
+    Raises:
+        TypeError, ValueError: ``trusted_globals`` is one string, or ``tp_rules`` is not a mapping, a preset or
+            JSON of one (a bad rule is the caller's error, not a checkpoint's format error).
+    """
+    from .tp_rules import parse_tp_rules  # here: zeroio._formats imports this module
+
+    return ReadOptions(
+        tag=tag,
+        verify_crc=verify_crc,
+        trusted_globals=trusted_names(trusted_globals),
+        tp_rules=parse_tp_rules(tp_rules),
+        ignore_recorded_tp=ignore_recorded_tp,
+        storage_options=storage_options,
+    )

@@ -1,0 +1,210 @@
+"""``zeroio.convert(..., distributed=True)``: torch.distributed plumbing (gloo group, torchrun, SIGTERM) around the
+one write engine, whose processes each write their share of shards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from .._formats import ReadOptions
+from .._messages import get_logger
+from ..errors import OutputError
+from .atomic import AtomicDir
+from .comm import CommLost, Job
+from .options import WriteOptions
+from .phases import WriteOutcome, write_checkpoint
+from .plan import WRITE_FORMATS
+
+__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
+
+logger = get_logger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""How long a process waits for the others at each synchronisation point before failing the job.
+
+The longest wait is at the end of the writes, for the slowest process: it must finish its shards within this
+time of the fastest one. A process that died is noticed at once (its connections close); one that hangs, after
+this timeout."""
+
+TIMEOUT_ENV = "ZEROIO_DISTRIBUTED_TIMEOUT"
+"""Environment variable overriding :data:`DEFAULT_TIMEOUT`, in seconds."""
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""The variables ``torchrun`` sets that ``init_process_group``'s ``env://`` rendezvous reads."""
+
+
+def torchrun_env() -> bool:
+    """True when the process was started by ``torchrun`` (or with its environment variables set by hand)."""
+    return all(os.environ.get(name) for name in TORCHRUN_ENV)
+
+
+def _timeout() -> timedelta:
+    text = os.environ.get(TIMEOUT_ENV)
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}.")
+    return timedelta(seconds=seconds)
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def _gloo_detail(exc: BaseException) -> str:
+    """The gist of a gloo/c10d error: ``Connection closed by peer [127.0.0.1]:6884``, without the source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ")[0].rstrip(".")
+
+
+class _GlooComm:
+    """All-gathers of small JSON documents over a gloo group (CPU tensors only; no pickle crosses processes)."""
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_gather(self, payload: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        data = json.dumps(payload).encode("utf-8")
+        try:
+            length = torch.tensor([len(data)], dtype=torch.int64)
+            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(lengths, length, group=self.group)
+            longest = max(int(n.item()) for n in lengths)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine, group=self.group)
+        except RuntimeError as exc:  # DistBackendError, DistNetworkError: a peer closed its connection or timed out
+            raise CommLost(_gloo_detail(exc)) from exc
+        return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(gathered, lengths)]
+
+
+@contextlib.contextmanager
+def _process_group(dst: Path, timeout: timedelta) -> Iterator[_GlooComm]:
+    """A gloo group with ``timeout`` over every process: a new group inside an initialised job, or one created
+    from torchrun's environment (and destroyed afterwards)."""
+    import torch.distributed as dist
+
+    owned = False
+    if not dist.is_initialized():
+        if not torchrun_env():
+            raise ValueError(
+                "distributed=True needs an initialised torch.distributed process group or torchrun's environment "
+                f"({', '.join(TORCHRUN_ENV)}); launch with `torchrun ... -m zeroio convert SRC DST --distributed` or "
+                "call torch.distributed.init_process_group() first."
+            )
+        try:
+            dist.init_process_group(backend="gloo", timeout=timeout)
+        except RuntimeError as exc:  # DistNetworkError, DistStoreError: rendezvous failed or timed out
+            raise OutputError(
+                f"Cannot write '{dst}': could not join the torch.distributed job ({_gloo_detail(exc)}). Check "
+                "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and that every process was started.",
+                path=dst,
+            ) from exc
+        owned = True
+    group = None
+    try:
+        # Our own gloo group: CPU collectives even when the job's group is NCCL, and our timeout, not the job's.
+        group = None if owned else dist.new_group(backend="gloo", timeout=timeout)
+        yield _GlooComm(group, dist.get_rank(), dist.get_world_size())
+    finally:
+        try:
+            if owned:
+                dist.destroy_process_group()
+            elif group is not None:
+                dist.destroy_process_group(group)
+        except Exception as exc:  # noqa: BLE001 - tearing down after a dead peer must not hide the real error
+            logger.debug("destroying the process group failed: %s", exc)
+
+
+class _SigtermAsInterrupt:
+    """While converting, SIGTERM (what ``torchrun`` sends the other workers when one fails) raises
+    KeyboardInterrupt, so the partial output is removed, except during that removal itself."""
+
+    def __init__(self) -> None:
+        self.cleaning = False
+
+    def start_cleaning(self) -> None:
+        """From now on SIGTERM no longer interrupts: the partial output is being removed."""
+        self.cleaning = True
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.cleaning:
+            raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[_SigtermAsInterrupt]:
+    state = _SigtermAsInterrupt()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield state
+        return
+    previous = signal.signal(signal.SIGTERM, state.handle)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _warn_if_one_host(comm: _GlooComm) -> None:
+    """Say why several processes on one machine gain nothing: they share its one disk (issue 17's measurements)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if (
+        comm.rank == 0
+        and comm.world_size > 1
+        and local is not None
+        and local.isdigit()
+        and int(local) == comm.world_size
+    ):
+        logger.warning(
+            "All %d processes run on this one machine: conversion is bound by its disk, and on one host 2-8 processes "
+            "measured slower than one (docs/benchmarks.md: 1.31B parameters, 11.6 s in one process vs 17.9-18.9 s). "
+            "Use --distributed to spread the work over machines that share a filesystem; on one machine, plain "
+            "`zeroio convert` (with --workers for IO threads) is the faster choice.",
+            comm.world_size,
+        )
+
+
+def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> WriteOutcome:
+    """:func:`zeroio.convert` with ``distributed=True`` (arguments already validated): see ``docs/distributed.md``.
+
+    The write engine (:mod:`zeroio._write.phases`) over a gloo group of every process: each writes the shards
+    :func:`assign_shards` gives it into rank 0's temporary folder (a filesystem shared by all, at the same path);
+    rank 0 writes the index last and renames the folder into place once every process reported success. Any
+    failure fails every process.
+    """
+    if write.fmt not in WRITE_FORMATS:
+        raise ValueError(
+            f"distributed=True writes sharded 'safetensors' or 'torch' folders, not fmt={write.fmt!r} (one file): "
+            "convert it in one process."
+        )
+    timeout = _timeout()
+    out = AtomicDir(dst, overwrite=write.overwrite)
+    lost_advice = (
+        f"A process was killed, crashed or stopped answering (timeout {timeout.total_seconds():g} s, "
+        f"set with {TIMEOUT_ENV}): check the other processes' logs and run the conversion again."
+    )
+    with _sigterm_as_interrupt() as sigterm, _process_group(out.dst, timeout) as comm:
+        _warn_if_one_host(comm)
+        job = Job(comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
+        return write_checkpoint(job, src, read, write)

@@ -1,0 +1,227 @@
+"""The one write engine: plan -> execute -> commit, for one process or the N processes of a torch.distributed job.
+
+Every process opens the source and plans the same files from metadata (:mod:`zeroio._write.plan`); each writes the
+shards :func:`~zeroio._write.sharding.assign_shards` gives it into rank 0's temporary folder (:mod:`zeroio._write.shard_files`);
+rank 0 writes the extra files, the index last, copies the side files and renames the folder into place
+(:class:`~zeroio._write.atomic.AtomicDir`). After each phase every process learns whether all succeeded
+(:class:`~zeroio._write.comm.Job`). With one process (:class:`~zeroio._write.comm.LocalComm`) that exchange is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._formats import Checkpoint, CheckpointMetadata, ReadOptions
+from .._io.fileio import naming, write_new_file
+from .._messages import get_logger
+from ..errors import OutputError
+from .comm import COMMIT, PLAN, TEMP, WRITE, Job
+from .options import WriteOptions
+from .plan import WritePlan, plan_write
+from .shard_files import write_shards
+from .sharding import assign_shards
+from .side_files import copy_side_files
+
+__all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
+
+logger = get_logger(__name__)
+
+ExtraFiles = Callable[[Checkpoint, WritePlan], Callable[[Path], None]]
+"""A hook for more files beside the weights (the optimizer state): called while planning (so it fails before
+anything is created) with the open source and the plan, it returns the writer that rank 0 calls with the
+temporary folder after its shards."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOutcome:
+    """What the engine wrote (the same on every process)."""
+
+    plan: WritePlan
+    """The whole output's plan."""
+    source: CheckpointMetadata
+    """The source checkpoint's metadata (for model-card facts)."""
+    files: tuple[Path, ...]
+    """Weight files in the destination, in shard order."""
+    index_path: Path | None
+    """The index file, or None for a single file."""
+    copied: tuple[Path, ...] = field(default=())
+    """Config and tokenizer files copied from beside the source."""
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    try:
+        inner.resolve().relative_to(outer.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def write_checkpoint(
+    job: Job, src: Path, read: ReadOptions, write: WriteOptions, *, extra_files: ExtraFiles | None = None
+) -> WriteOutcome:
+    """Convert ``src`` into ``job.out``, all-or-nothing on every process.
+
+    ``src`` is the source's one path (for a URL, the :class:`~zeroio._io.remote_path.RemotePath` whose listing
+    the reader and the side files share); ``write.overwrite`` is ``job.out``'s already.
+
+    Raises:
+        OutputError: the destination exists or holds the source, cannot be written, or a process failed.
+        ZeroIOError: the source cannot be read (raised before the destination is touched when found in metadata).
+    """
+    try:
+        return _run(job, src, read, write, extra_files)
+    except BaseException as exc:
+        if job.tmp is not None and job.comm.rank == 0:  # an interrupt between phases: remove the partial output
+            job.raise_own(exc)
+        raise
+
+
+def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_files: ExtraFiles | None) -> WriteOutcome:
+    from .._formats import open_checkpoint
+
+    rank, world_size, out = job.comm.rank, job.comm.world_size, job.out
+    with contextlib.ExitStack() as stack:
+        # 1. Plan. Rank 0 refuses an existing destination (and cleans dead conversions' temporary folders) before
+        #    anything is read; every process then opens the source and plans every file from metadata alone.
+        error: BaseException | None = None
+        fingerprint = None
+        write_extra: Callable[[Path], None] | None = None
+        try:
+            if rank == 0:
+                out.check()
+                if out.overwrite and os.path.lexists(out.dst) and _is_within(src, out.dst):
+                    raise OutputError(
+                        f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
+                        path=out.dst,
+                    )
+            ckpt = stack.enter_context(open_checkpoint(src, read))
+            logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, write.fmt)
+            plan = plan_write(ckpt, write)
+            owners = assign_shards(plan.file_bytes, world_size)
+            share = plan.subset([i for i, owner in enumerate(owners) if owner == rank])
+            if extra_files is not None:
+                write_extra = extra_files(ckpt, plan)
+            fingerprint = plan.fingerprint()
+        except BaseException as exc:  # noqa: BLE001 - reported to every process, then re-raised
+            error = exc
+        fingerprints = job.settle(PLAN, error, fingerprint)
+        if len(set(fingerprints)) != 1:
+            other = next(r for r, f in enumerate(fingerprints) if f != fingerprints[0])
+            raise OutputError(
+                f"Cannot write '{out.dst}': processes 0 and {other} planned different outputs from '{src}', so they "
+                "read different checkpoints. Put the checkpoint on a filesystem shared by every process, at the "
+                "same path, and do not change it during the conversion.",
+                path=out.dst,
+                rank=other,
+            )
+        logger.debug(
+            "process %d of %d writes %d of %d shards (%d bytes)",
+            rank, world_size, len(share.shards.shards), len(plan.shards.shards), share.shards.total_size,
+        )  # fmt: skip
+
+        # 2. Rank 0 creates the temporary folder beside dst; everyone learns its path.
+        error, tmp_text = None, None
+        try:
+            if rank == 0:
+                job.tmp = out.create()
+                tmp_text = str(job.tmp)
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+        tmp = Path(job.settle(TEMP, error, tmp_text)[0])
+        job.tmp = tmp
+        if rank != 0:
+            out.adopt(tmp)  # so a failure here removes the shared folder and names it "partial output"
+
+        # 3. Execute: each process writes its own shards into the shared folder (fsynced), reading only their
+        #    tensors' byte ranges; rank 0 then the extra files. Everyone reports success or failure.
+        error = None
+        try:
+            if not tmp.is_dir():
+                raise OutputError(
+                    f"Cannot write '{out.dst}': process {rank} cannot see the temporary folder '{tmp}' that process "
+                    "0 created. A distributed conversion needs the destination on a filesystem shared by every "
+                    "process, at the same path.",
+                    path=out.dst,
+                    rank=rank,
+                )
+            progress = write.progress
+            shown = progress if (rank == 0 or callable(progress)) else False  # one bar per job, not per process
+            write_shards(
+                ckpt, share, tmp, out.dst, workers=write.workers, chunk_bytes=write.chunk_bytes, progress=shown
+            )
+            if write_extra is not None and rank == 0:
+                write_extra(tmp)
+            ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+        job.settle(WRITE, error)
+
+        # 4. Commit: rank 0 checks every shard is there, writes the index last, copies side files and renames the
+        #    folder into place; the others wait for its word.
+        error, copied = None, []
+        if rank == 0:
+            try:
+                _check_shards(plan, owners, tmp, out.dst)
+                if plan.index is not None:
+                    with naming(out.dst / plan.index_name):
+                        write_new_file(tmp / plan.index_name, plan.index)
+                copied = list(
+                    copy_side_files(src, tmp, dtype=write.dtype)
+                )  # HF Trainer checkpoint-N: config, tokenizer
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+            if error is None:
+                job.tmp = None
+                try:
+                    out.commit()  # fsync, rename; on failure removes the folder and raises
+                except BaseException as exc:  # noqa: BLE001
+                    error = exc
+        else:
+            job.tmp = None  # rank 0 owns the folder from here: it commits it or removes it
+        try:
+            copied = job.settle(COMMIT, error, copied)[0]
+        except OutputError as exc:
+            if rank != 0 or error is not None or not isinstance(exc.__cause__, RuntimeError):
+                raise
+            # The output is complete and in place: every process had reported its shards written.
+            logger.warning("renamed %s into place, then lost contact with the other processes: %s", out.dst, exc)
+        source = ckpt.metadata
+
+    files = tuple(out.dst / filename for filename, _ in plan.shards.shards)
+    if rank == 0:
+        processes = f" with {world_size} processes" if world_size > 1 else ""
+        logger.info(
+            "wrote %d tensors (%d bytes) in %d file(s) to %s%s",
+            plan.num_tensors, plan.shards.total_size, len(files), out.dst, processes,
+        )  # fmt: skip
+    return WriteOutcome(
+        plan=plan,
+        source=source,
+        files=files,
+        index_path=out.dst / plan.index_name if plan.index is not None else None,
+        copied=tuple(out.dst / name for name in copied),
+    )
+
+
+def _check_shards(plan: WritePlan, owners: tuple[int, ...], tmp: Path, dst: Path) -> None:
+    """Every shard is in the shared folder, at its planned size (safetensors), before the index names it."""
+    for i, (filename, _) in enumerate(plan.shards.shards):
+        path = tmp / filename
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = None
+        expected = plan.layouts[i][1].size if plan.layouts else None
+        if size is None or (expected is not None and size != expected):
+            found = "missing" if size is None else f"{size} bytes, not {expected}"
+            raise OutputError(
+                f"Cannot write '{dst}': shard '{filename}' that process {owners[i]} wrote is {found} in "
+                f"'{tmp}' as process 0 sees it. A distributed conversion needs the destination on a filesystem "
+                "shared by every process, at the same path.",
+                path=dst,
+                rank=owners[i],
+            )

@@ -1,0 +1,173 @@
+"""Execute a WritePlan's shards: safetensors files (from stored bytes where possible, else torch) or torch.save."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .._formats import Checkpoint
+from .._io.fileio import ByteBuffers, ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
+from .._io.progress import ByteProgress, Progress
+from .byte_writes import copy_in_kernel, copy_through_memory
+from .plan import WritePlan
+from .safetensors_writer import write_chunks
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["write_shards"]
+
+
+def write_shards(
+    ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, chunk_bytes: int, progress: Progress
+) -> None:
+    """Write every shard of ``plan`` into the folder ``tmp``, fsynced (not the index: the commit writes it last).
+
+    Errors name the files by their final path in ``dst``.
+    """
+    if plan.fmt == "safetensors":
+        _write_safetensors(ckpt, plan, tmp, dst, workers=workers, chunk_bytes=chunk_bytes, progress=progress)
+    else:
+        _write_torch(ckpt, plan, tmp, dst, workers=workers, progress=progress)
+
+
+@contextmanager
+def _pool(workers: int) -> Iterator[cf.ThreadPoolExecutor | None]:
+    if workers == 1:
+        yield None
+        return
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zeroio-io") as pool:
+        yield pool
+
+
+def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]], stop: threading.Event) -> None:
+    """Run tasks (in order when single-threaded); on the first failure or an interrupt, stop the rest and raise."""
+    if pool is None:
+        for task in tasks:
+            task()
+        return
+    futures = [pool.submit(task) for task in tasks]
+    try:
+        cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        for future in futures:  # the earliest failure in submission order, for a deterministic error
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+    except BaseException:
+        stop.set()
+        for future in futures:
+            future.cancel()
+        raise
+
+
+def _write_safetensors(
+    ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, chunk_bytes: int, progress: Progress
+) -> None:
+    # 1. Create and preallocate every file (a full disk fails here, before reading), write the headers.
+    meter = ByteProgress(progress, plan.shards.total_size, "Converting")
+    fds: list[int] = []
+    stop = threading.Event()
+    writeback: WriteBack | None = None
+    try:
+        slot_of = {}
+        left: dict[int, int] = {}  # fd -> tensors not yet written into it
+        for filename, layout in plan.layouts:
+            with naming(dst / filename):
+                fd = create_new(tmp / filename)
+                fds.append(fd)
+                preallocate(fd, layout.size)
+                pwrite_all(fd, layout.header, 0)
+            for slot in layout.slots:
+                slot_of[slot.name] = (fd, slot, dst / filename)
+            left[fd] = len(layout.slots)
+        meter.start()
+        flusher = writeback = WriteBack()
+        left_lock = threading.Lock()
+
+        # 2. Stream tensors in source key order (sequential reads of the rank files), each chunk pwritten to its
+        #    precomputed offset; `workers` threads overlap one tensor's reads with another's writes. Each file is
+        #    flushed in the background as it fills (WriteBack), so durability overlaps the rest of the work.
+        buffers = ChunkBuffers()
+        byte_buffers = ByteBuffers()
+        target = plan.target
+
+        def task(name: str) -> Callable[[], None]:
+            fd, slot, final = slot_of[name]
+
+            def on_bytes(nbytes: int) -> None:
+                meter.update(nbytes)
+                flusher.wrote(fd, nbytes)
+
+            def run() -> None:
+                with naming(final):
+                    # Bytes as stored (in kernel, else through memory, cast with numpy): no torch. Else torch.
+                    if not copy_in_kernel(ckpt, name, target, fd, slot, chunk_bytes, on_bytes, stop) and not (
+                        copy_through_memory(ckpt, name, target, fd, slot, chunk_bytes, on_bytes, stop, byte_buffers)
+                    ):
+                        torch_target = None if target is None else target.torch
+                        chunks = ckpt.chunks(name, torch_target, chunk_bytes, buffers.get)
+                        write_chunks(fd, slot, chunks, on_bytes=on_bytes, stop=stop)
+                with left_lock:
+                    left[fd] -= 1
+                    if left[fd] == 0 and not stop.is_set():
+                        flusher.finished(fd)
+
+            return run
+
+        order = [name for name in ckpt.infos if name in slot_of]
+        with _pool(workers) as pool:
+            _run_all(pool, [task(n) for n in order], stop)
+        writeback = None
+        with naming(dst):
+            flusher.close()
+        # 3. Durable before the index names them (each file was flushed as it filled: little is left).
+        for fd, (filename, _) in zip(fds, plan.layouts):
+            with naming(dst / filename):
+                os.fsync(fd)
+    finally:
+        if writeback is not None:
+            try:
+                writeback.close()
+            except OSError:
+                pass  # the error that stopped the writers is the one to report
+        for fd in fds:
+            os.close(fd)
+        meter.close()
+
+
+def _write_torch(ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, progress: Progress) -> None:
+    meter = ByteProgress(progress, plan.shards.total_size, "Converting")
+    meter.start()
+    stop = threading.Event()
+    ties = plan.ties
+
+    import torch
+
+    def loader(name: str, into: dict[str, torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            if not stop.is_set():
+                tensor = ckpt.get_tensor(name, dtype=None if plan.target is None else plan.target.torch)
+                into[name] = tensor
+                meter.update(tensor.numel() * tensor.element_size())
+
+        return run
+
+    try:
+        with _pool(workers) as pool:
+            for filename, shard_names in plan.shards.shards:
+                # One shard in memory at a time: torch.save needs whole tensors. The planner keeps each tied
+                # alias in its source's shard, so the alias can share the source's tensor.
+                loaded: dict[str, torch.Tensor] = {}
+                _run_all(pool, [loader(n, loaded) for n in shard_names if n not in ties], stop)
+                shard = {n: loaded[ties.get(n, n)] for n in shard_names}
+                with naming(dst / filename), open(tmp / filename, "xb") as fh:
+                    torch.save(shard, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                del shard, loaded
+    finally:
+        meter.close()
