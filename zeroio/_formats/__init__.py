@@ -50,6 +50,7 @@ from .options import ReadOptions, read_options
 from .partition import zero3_partition_numel, zero3_sub_groups
 from .read_plans import FlatPlan, ReadPlan, WholePlan, read_plan_into
 from .tp_rules import TPRules
+from .verl import is_verl, open_verl
 from .zero.file_layout import is_zero_checkpoint
 from .zero.reader import open_zero
 
@@ -124,6 +125,7 @@ def _anything(path: Path) -> bool:
 
 FORMATS: list[Format] = [
     Format("dcp", is_dcp, open_dcp),
+    Format("verl", is_verl, open_verl),
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
     # Pipeline folders hold several mp_rank files too: named layer files tell them apart, so they go first.

@@ -21,8 +21,9 @@ from typing import Any
 from .._dtypes import BY_NAME, BY_STORAGE, QUANTIZED, DType
 from ..errors import CheckpointFormatError, UnsafePickleError
 from .archive import Storage
+from .dtensor import DTENSOR_CLASSES, DTENSOR_TYPES, get_layout, rebuild_wrapper_subclass
 from .limits import MAX_DIMS
-from .standins import ZERO_STAGE_ENUM, Device, Size, ZeroStageEnum, inert_class, inert_dict_class, refuse_build
+from .standins import ZERO_STAGE_ENUM, Device, Inert, Size, ZeroStageEnum, inert_class, inert_dict_class, refuse_build
 
 __all__ = ["ALLOWED", "PendingTensor", "Sealed", "StorageType", "short_repr"]
 
@@ -168,7 +169,10 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
             f"_rebuild_from_type_v2 is given {short_repr(func)}, not one of torch's rebuild functions. The file is "
             "corrupted or was not written by torch.save."
         )
-    return func(*args)
+    result = func(*args)
+    if isinstance(result, Inert):  # a wrapper subclass (DTensor): torch sets its state next (_local_tensor, _spec)
+        result.__setstate__(state)
+    return result
 
 
 def _encode(text: Any, encoding: Any = "latin1") -> bytes:
@@ -249,6 +253,10 @@ def _build_allowlist() -> dict[str, Any]:
         # Named only as _rebuild_from_type_v2's `new_type`; calling them would allocate (torch.Tensor(2**40)).
         "torch.Tensor": _never_called("torch.Tensor"),
         "torch.nn.parameter.Parameter": _never_called("torch.nn.parameter.Parameter"),
+        # FSDP2 state dicts (verl's rank files): DTensors rebuilt as inert records (.dtensor).
+        "torch._utils._rebuild_wrapper_subclass": rebuild_wrapper_subclass,
+        "torch.serialization._get_layout": get_layout,
+        **{name: _never_called(name) for name in DTENSOR_TYPES},
     }
     allowed: dict[str, Any] = {name: Sealed(name, call) for name, call in sealed.items()}
     # C types: Python refuses to set their attributes, and what calling them builds is fresh per call.
@@ -280,6 +288,7 @@ def _build_allowlist() -> dict[str, Any]:
         "datetime.datetime",
         "datetime.date",
         "datetime.timedelta",
+        *DTENSOR_CLASSES,
     ):
         allowed[qualified] = inert_class(qualified)
     # Lightning's client state (hyper_parameters) in framework-written checkpoints.

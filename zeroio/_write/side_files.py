@@ -51,6 +51,8 @@ def find_side_files(src: Path) -> list[Path]:
     is_tag_folder = src.is_dir() and any(p.name.endswith(_ZERO_RANK_SUFFIXES) for p in src.iterdir())
     if is_tag_folder or src.is_file():
         folders.append(src.parent)
+    # verl keeps the model's config and tokenizer in huggingface/ beside its rank files (global_step_N/actor/).
+    folders += [f / "huggingface" for f in folders[:1] + [src / "actor"] if (f / "huggingface").is_dir()]
     found: dict[str, Path] = {}
     for folder in folders:
         for name in SIDE_FILES:
