@@ -20,6 +20,7 @@ from .composite.pipeline import open_pipeline
 from .composite.pipeline_files import is_pipeline
 from .composite.tensor_parallel import is_tensor_parallel, open_tensor_parallel
 from .composite.universal import is_universal, open_universal
+from .dcp.hf_storage import is_dcp_hf, open_dcp_hf
 from .dcp.reader import is_dcp, open_dcp
 from .files.consolidated import is_consolidated, open_consolidated
 from .metadata import (
@@ -125,6 +126,7 @@ def _anything(path: Path) -> bool:
 
 FORMATS: list[Format] = [
     Format("dcp", is_dcp, open_dcp),
+    Format("dcp-safetensors", is_dcp_hf, open_dcp_hf),
     Format("verl", is_verl, open_verl),
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),

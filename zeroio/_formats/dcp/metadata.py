@@ -18,7 +18,7 @@ from ..._dtypes import DType
 from ..._pickles import MAX_DIMS, Inert, global_name, inert_parts, is_inert
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 
-__all__ = ["BytesEntry", "Chunk", "DcpMetadata", "TensorEntry", "parse_dcp_metadata"]
+__all__ = ["BytesEntry", "Chunk", "DcpMetadata", "TensorEntry", "check_tiling", "parse_dcp_metadata"]
 
 _HOME = "torch.distributed.checkpoint.metadata"
 _TENSOR = f"{_HOME}.TensorStorageMetadata"
@@ -208,6 +208,12 @@ def _check_tiling(path: Path, fqn: str, shape: tuple[int, ...], chunks: list[Chu
             owner[cell] = i + 1
     if total != numel or (numel and not all(owner)):
         raise _bad(path, f"the chunks of '{fqn}' hold {total} elements, its shape {shape} has {numel}")
+
+
+def check_tiling(path: Path, fqn: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None:
+    """Chunks lie inside the tensor, do not overlap and together cover it (see ``_check_tiling``); raises
+    CheckpointFormatError naming ``path`` and ``fqn`` otherwise."""
+    _check_tiling(path, fqn, shape, chunks)
 
 
 def _cells(spans: list[range], edges: list[list[int]]) -> Iterator[int]:

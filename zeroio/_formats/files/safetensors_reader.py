@@ -25,7 +25,7 @@ from .shard_index import read_index, shard_paths
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SafetensorsCheckpoint", "open_safetensors"]
+__all__ = ["SafetensorsCheckpoint", "open_safetensors", "parse_safetensors"]
 
 logger = get_logger(__name__)
 
@@ -179,6 +179,12 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
     # Storage order, so iterating the checkpoint reads each file front to back.
     ordered = dict(sorted(entries.items(), key=lambda item: item[1].begin))
     return _SafetensorsFile(path, ordered, metadata)
+
+
+def parse_safetensors(path: Path) -> _SafetensorsFile:
+    """One file's header parsed and checked (entries in storage order, ``__metadata__``), its bytes lazily
+    readable through ``.source``; nothing else read. For readers of layouts made of safetensors files."""
+    return _parse_safetensors(path)
 
 
 def _check_contiguous(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
