@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import Checkpoint
 from ..._dtypes import FLOAT32
 from ..._io.sources import ByteRange, ByteSource
-from ..metadata import CheckpointMetadata, TensorInfo
-from ..._pickles import MAX_DIMS
 from ..._messages import get_logger
+from ..._pickles import MAX_DIMS
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
-from .metadata import Chunk, TensorEntry, check_tiling
-from .chunk_plans import EntryMap, concat_ranges, read_entry_into
+from ..checkpoint import Checkpoint
 from ..files.safetensors_reader import parse_safetensors
+from ..metadata import CheckpointMetadata, TensorInfo
+from .chunk_plans import EntryMap, concat_ranges, read_entry_into
+from .metadata import Chunk, TensorEntry, check_tiling
 
 if TYPE_CHECKING:
     import torch

@@ -11,15 +11,15 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import Checkpoint
 from ..._dtypes import FLOAT32
 from ..._io.integrity import CheckedFile
 from ..._io.sources import ByteRange, ByteSource
-from ..metadata import CheckpointMetadata, TensorInfo, TensorKind
-from ..._pickles import RankFile, TensorRef, inert_parts, load_pickle
 from ..._messages import get_logger
+from ..._pickles import RankFile, TensorRef, inert_parts, load_pickle
 from ...errors import CheckpointFormatError, TensorNotFoundError
+from ..checkpoint import Checkpoint
 from ..dcp.chunk_plans import EntryMap, concat_ranges, read_entry_into
+from ..metadata import CheckpointMetadata, TensorInfo, TensorKind
 from .dtensors import Assembled, assemble, is_dtensor
 from .files import VerlFiles, find_verl_files, verl_folder
 from .optim import read_optimizer
