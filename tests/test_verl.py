@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import zeroio
+import zeroio.errors
 from zeroio.cli import main
 from zeroio.errors import (
     CheckpointFormatError,
@@ -137,6 +138,12 @@ def test_step_folders_and_root(tmp_path):
         assert ckpt.metadata.path == root / "global_step_4" / "actor"
     with pytest.raises(CheckpointNotFoundError, match="no step folder 'global_step_9'"):
         zeroio.open(root, tag="global_step_9")
+    megatron = tmp_path / "megatron"  # verl's Megatron backend: same root and step names, no FSDP rank files
+    (megatron / "global_step_2" / "actor" / "dist_ckpt").mkdir(parents=True)
+    (megatron / "latest_checkpointed_iteration.txt").write_text("2")
+    with pytest.raises(zeroio.errors.ZeroIOError) as info:
+        zeroio.open(megatron)
+    assert "verl" not in str(info.value)
 
 
 def test_fsdp1_is_refused_by_name():

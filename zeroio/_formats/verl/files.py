@@ -51,7 +51,10 @@ def is_verl(path: Path) -> bool:
         return True
     if any(_is_rank_folder(path / role) for role in ROLES if (path / role).is_dir()):
         return True
-    return (path / LATEST).is_file() and bool(_step_folders(path))
+    steps = _step_folders(path) if (path / LATEST).is_file() else {}
+    # verl's Megatron backend uses the same root and step names (global_step_N/actor/dist_ckpt): only a step
+    # holding FSDP rank files is ours.
+    return bool(steps) and any(_is_rank_folder(steps[max(steps)] / role) for role in ROLES)
 
 
 def verl_folder(path: Path, tag: str | None) -> tuple[Path, str | None]:
