@@ -138,3 +138,21 @@ def test_sharded_folder_of_a_step(tmp_path):
     with zeroio.open(tmp_path / "step-3") as ckpt:
         assert ckpt.metadata.tag == "step-3" and ckpt.metadata.path == tmp_path / "step-3" / "sharded"
         assert _same(ckpt["head.weight"], _reference()["head.weight"])
+
+
+def test_from_an_s3_url_equals_local(monkeypatch):
+    """From s3:// (moto on localhost): the same tensors as the local folder."""
+    pytest.importorskip("s3fs")
+    from s3_server import S3Server
+
+    server = S3Server()
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        url = server.upload_tree(STEP, "titan", "step-2")
+        with zeroio.open(STEP) as local, zeroio.open(url) as remote:
+            assert list(remote) == list(local)
+            for key in local:
+                assert _same(remote[key], local[key]), key
+    finally:
+        server.stop()

@@ -232,3 +232,24 @@ def test_manifest_names_the_versions():
         manifest = json.loads((VERL / name / "manifest.json").read_text())
         assert (manifest["torch"], manifest["verl"]) == ("2.13.0", "0.9.1")
         assert manifest["world_size"] == 2
+
+
+def test_from_an_s3_url_equals_local(monkeypatch):
+    """open and optimizer_state from s3:// (moto on localhost) equal the local folder's."""
+    pytest.importorskip("s3fs")
+    from s3_server import S3Server
+
+    server = S3Server()
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        url = server.upload_tree(VERL / "verl_fsdp2_ws2_bf16", "verl", "global_step_2/actor")
+        with zeroio.open(VERL / "verl_fsdp2_ws2_bf16") as local, zeroio.open(url) as remote:
+            assert list(remote) == list(local) and remote.tied == local.tied
+            for key in local:
+                assert _same(remote[key], local[key]), key
+            assert remote.metadata.global_step == 2
+            want = local.optimizer_state("model.norm.weight")["exp_avg_sq"]
+            assert _same(remote.optimizer_state("model.norm.weight")["exp_avg_sq"], want)
+    finally:
+        server.stop()
