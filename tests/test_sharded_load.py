@@ -37,6 +37,7 @@ DCP = FIXTURES / "dcp" / "dcp_fsdp2_ws2_fp32"  # row chunks (FSDP2's Shard(0))
 DCP_TP = FIXTURES / "dcp" / "dcp_tp_ws2"  # column chunks (Rowwise mlp_in), row chunks, replicated tensors
 DCP_BF16 = FIXTURES / "dcp" / "dcp_fsdp2_ws2_bf16"
 DCP_UNEVEN = FIXTURES / "dcp" / "dcp_fsdp2_ws4_uneven"
+DCP_HF = FIXTURES / "dcp_hf" / "dcp_hf_ws2"  # torchtitan's per-rank safetensors (HuggingFaceStorageWriter)
 BIG = {"vocab": 515, "dim": 96, "hidden": 67}  # uneven on 2 and 4 ranks; ~250 KB of fp32
 BIG_BYTES = 4 * (515 * 96 + 96 * 96 + 96 + 67 * 96 + 67 + 96 * 67 + 2 * 96 + 96)  # its tensors, in fp32
 
@@ -147,6 +148,8 @@ def source_cases(sources: dict[str, Path], s3: tuple[str, dict[str, str]]) -> li
         case("tp-dcp-tp", DCP_TP, ref(DCP_TP), shard="tp", build="meta"),
         case("fsdp2-dcp-tp", DCP_TP, ref(DCP_TP), shard="fsdp2"),
         case("tp-dcp-bf16", DCP_BF16, ref(DCP_BF16), shard="tp", build="meta", dtype="bf16"),
+        case("fsdp2-dcp-hf", DCP_HF, ref(DCP_HF), shard="fsdp2", build="meta"),
+        case("tp-dcp-hf", DCP_HF, ref(DCP_HF), shard="tp", build="meta"),
         case("tp-s3-zero3", f"{bucket}/z3", shard="tp", build="meta", **remote),
     ]
 
@@ -240,6 +243,8 @@ LOADS = [
     "tp-dcp-tp",
     "fsdp2-dcp-tp",
     "tp-dcp-bf16",
+    "fsdp2-dcp-hf",
+    "tp-dcp-hf",
     "tp-s3-zero3",
     "fsdp2-dtype-fp16",
     "tp-dtype-fp16",
