@@ -253,3 +253,13 @@ def test_from_an_s3_url_equals_local(monkeypatch):
             assert _same(remote.optimizer_state("model.norm.weight")["exp_avg_sq"], want)
     finally:
         server.stop()
+
+
+def test_huggingface_folder_linked_elsewhere_is_not_copied(tmp_path):
+    """A huggingface/ that links outside the checkpoint folder contributes no side files (they could be anything)."""
+    folder = _copy("verl_fsdp2_ws2_fp32", tmp_path / "actor")
+    outside = tmp_path / "outside"
+    shutil.move(folder / "huggingface", outside)
+    (folder / "huggingface").symlink_to(outside, target_is_directory=True)
+    assert main(["convert", str(folder), str(tmp_path / "out"), "--quiet"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]

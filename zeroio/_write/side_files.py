@@ -52,7 +52,9 @@ def find_side_files(src: Path) -> list[Path]:
     if is_tag_folder or src.is_file():
         folders.append(src.parent)
     # verl keeps the model's config and tokenizer in huggingface/ beside its rank files (global_step_N/actor/).
-    folders += [f / "huggingface" for f in folders[:1] + [src / "actor"] if (f / "huggingface").is_dir()]
+    # The folder itself must stay inside the checkpoint: a link to elsewhere would copy files from there.
+    hf = [f / "huggingface" for f in folders[:1] + [src / "actor"]]
+    folders += [h for h in hf if h.is_dir() and _stays_inside(h, h.parent)]
     found: dict[str, Path] = {}
     for folder in folders:
         for name in SIDE_FILES:
