@@ -1,6 +1,6 @@
 """verl FSDP checkpoints (fixtures/verl/, written by verl 0.9.1's own FSDPCheckpointManager): open, optimizer
-state, convert and load equal the live run's full state bit for bit; FSDP1, missing ranks and crafted files are
-refused with typed errors."""
+state, convert and load equal the live run's full state bit for bit; FSDP1's optimizer, missing ranks and crafted
+files are refused with typed errors."""
 
 from __future__ import annotations
 
@@ -146,16 +146,34 @@ def test_step_folders_and_root(tmp_path):
     assert "verl" not in str(info.value)
 
 
-def test_fsdp1_is_refused_by_name():
-    """verl's FSDP1 checkpoint (ShardedTensor values) gets a typed error naming it and verl's merger."""
+def test_fsdp1_weights_read_and_its_optimizer_refused_by_name(tmp_path):
+    """verl's FSDP1 (strategy fsdp, with its device mesh) saves DTensors too: weights equal FSDP1's own
+    FULL_STATE_DICT bit for bit; its flattened-parameter optimizer state gets a typed error naming it."""
     path = VERL / "verl_fsdp1_ws2"
-    with pytest.raises(UnsupportedCheckpointError) as info:
-        zeroio.open(path)
+    model = torch.load(path / "expected" / "model.pt", weights_only=True)
+    with zeroio.open(path) as ckpt:
+        assert (ckpt.metadata.layout, ckpt.metadata.optimizer) == ("fsdp1", None)
+        assert set(ckpt) == set(model)
+        for key, want in model.items():
+            assert _same(ckpt[key], want), key
+        with pytest.raises(UnsupportedCheckpointError) as info:
+            ckpt.optimizer_state("lm_head.weight")
     assert str(info.value) == (
-        f"'{path}' is a verl FSDP1 checkpoint (fsdp_config.json: FSDP_version 1); zeroio reads verl's FSDP2 "
-        "checkpoints (DTensor shards). Convert it with verl's own model merger (python -m verl.model_merger merge "
-        "--backend fsdp), or train with strategy fsdp2."
+        f"No optimizer state for 'lm_head.weight' in '{path}': verl's FSDP1 optimizer files hold FSDP's "
+        "flattened-parameter state, which zeroio does not map to parameters; zeroio reads an FSDP1 checkpoint's "
+        "weights only. Resume with verl, or train with strategy fsdp2."
     )
+    folder = _copy("verl_fsdp1_ws2", tmp_path / "sharded_tensor")  # FSDP1 without a mesh: ShardedTensor values
+    _rewrite_pickle(
+        folder / "model_world_size_2_rank_0.pt",
+        b"ctorch.distributed.tensor\nDTensor\n",
+        b"ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n",
+    )
+    with pytest.raises(UnsupportedCheckpointError, match="FSDP1 checkpoint whose shards are ShardedTensors"):
+        zeroio.open(folder)
+    (folder / "fsdp_config.json").write_text('{"FSDP_version": 3, "world_size": 2}')
+    with pytest.raises(UnsupportedCheckpointError, match="says FSDP_version 3 in its fsdp_config.json"):
+        zeroio.open(folder)
 
 
 def test_missing_and_mixed_ranks(tmp_path):

@@ -128,13 +128,12 @@ def _positive(value: Any) -> bool:
 
 
 def find_verl_files(folder: Path) -> VerlFiles:
-    """The rank files of ``folder``; refuses FSDP1, mixed world sizes and missing ranks by name."""
+    """The rank files of ``folder``; refuses unknown FSDP versions, mixed world sizes and missing ranks by name."""
     version, world = _read_config(folder)
-    if version != 2:
+    if version not in (1, 2):
         raise UnsupportedCheckpointError(
-            f"'{folder}' is a verl FSDP{version} checkpoint ({FSDP_CONFIG}: FSDP_version {version}); zeroio reads "
-            "verl's FSDP2 checkpoints (DTensor shards). Convert it with verl's own model merger "
-            "(python -m verl.model_merger merge --backend fsdp), or train with strategy fsdp2.",
+            f"'{folder}' says FSDP_version {version} in its {FSDP_CONFIG}; zeroio reads verl's FSDP1 and FSDP2 "
+            "checkpoints. Convert it with verl's own model merger (python -m verl.model_merger merge --backend fsdp).",
             path=folder / FSDP_CONFIG,
             found=version,
         )

@@ -1,8 +1,10 @@
-"""verl FSDP2 checkpoints read lazily: each rank's ``torch.save``'d DTensor shards, reassembled by ``torch.chunk``.
+"""verl FSDP checkpoints read lazily: each rank's ``torch.save``'d DTensor shards, reassembled by ``torch.chunk``.
 
 Every rank file is parsed by zeroio's restricted unpickler, DTensors becoming inert records (no DTensor, mesh or
 placement code runs); tensor bytes are read from the rank files only when asked, piece by piece (the DCP chunk
-arithmetic of :mod:`..dcp_plans`). Names are the Hugging Face model's own; ``huggingface/`` holds its config.
+arithmetic of :mod:`..dcp.chunk_plans`). Names are the Hugging Face model's own; ``huggingface/`` holds its config.
+FSDP2 (``strategy: fsdp2``) is read whole; FSDP1 with a device mesh saves DTensors too, whose weights are read (its
+optimizer files hold flattened-parameter state, refused by name).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ..._io.integrity import CheckedFile
 from ..._io.sources import ByteRange, ByteSource
 from ..._messages import get_logger
 from ..._pickles import RankFile, TensorRef, inert_parts, load_pickle
-from ...errors import CheckpointFormatError, TensorNotFoundError
+from ...errors import CheckpointFormatError, TensorNotFoundError, UnsafePickleError, UnsupportedCheckpointError
 from ..checkpoint import Checkpoint
 from ..dcp.chunk_plans import EntryMap, concat_ranges, read_entry_into
 from ..metadata import CheckpointMetadata, TensorInfo, TensorKind
@@ -53,7 +55,7 @@ def _read(piece: Assembled, start: int, out: torch.Tensor) -> None:
 
 
 class VerlCheckpoint(Checkpoint):
-    """A verl FSDP2 checkpoint folder (``global_step_N/actor``); build it with ``zeroio.open``."""
+    """A verl FSDP checkpoint folder (``global_step_N/actor``); build it with ``zeroio.open``."""
 
     def __init__(
         self,
@@ -99,6 +101,12 @@ class VerlCheckpoint(Checkpoint):
     def _optimizer_state(self, name: str, *, meta: bool) -> dict[str, Any]:
         self._resolve(name)
         name = self._tied.get(name, name)
+        if self._metadata.layout == "fsdp1":
+            raise UnsupportedCheckpointError(
+                f"No optimizer state for '{name}' in '{self._metadata.path}': {FSDP1_OPTIMIZER}",
+                path=self._metadata.path,
+                name=name,
+            )
         if name not in self._hyper:
             owned = ", ".join(list(self._hyper)[:8]) or "none: the folder has no optim_*.pt files"
             raise TensorNotFoundError(
@@ -123,10 +131,31 @@ class VerlCheckpoint(Checkpoint):
         return result
 
 
+FSDP1_OPTIMIZER = (
+    "verl's FSDP1 optimizer files hold FSDP's flattened-parameter state, which zeroio does not map to parameters; "
+    "zeroio reads an FSDP1 checkpoint's weights only. Resume with verl, or train with strategy fsdp2."
+)
+
+
+def _load_rank_file(path: Path, trusted: frozenset[str], fsdp_version: int) -> tuple[Any, RankFile]:
+    try:
+        return load_pickle(path, trusted_globals=trusted)
+    except UnsafePickleError as exc:
+        if fsdp_version != 1 or "sharded_tensor" not in (exc.name or "").lower():
+            raise
+        raise UnsupportedCheckpointError(
+            f"'{path}' is a verl FSDP1 checkpoint whose shards are ShardedTensors (FSDP1 without a device mesh, or "
+            "an older torch); zeroio reads FSDP1 and FSDP2 shards saved as DTensors. Convert it with verl's own "
+            "model merger (python -m verl.model_merger merge --backend fsdp).",
+            path=path,
+            name=exc.name,
+        ) from exc
+
+
 def _model_trees(files: VerlFiles, trusted: frozenset[str], opened: list[RankFile]) -> list[dict[Any, Any]]:
     trees = []
     for rank, path in enumerate(files.model):
-        tree, file = load_pickle(path, trusted_globals=trusted)
+        tree, file = _load_rank_file(path, trusted, files.fsdp_version)
         opened.append(file)
         if not isinstance(tree, dict) or not all(isinstance(k, str) for k in tree):
             raise CheckpointFormatError(
@@ -183,8 +212,8 @@ def _model(
 
 
 def open_verl(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> VerlCheckpoint:
-    """Open a verl FSDP2 checkpoint: every rank file's pickle parsed (inert), no tensor bytes read."""
-    # 1. Which folder and files: FSDP1, mixed world sizes and missing ranks are refused before any parsing.
+    """Open a verl FSDP checkpoint: every rank file's pickle parsed (inert), no tensor bytes read."""
+    # 1. Which folder and files: unknown FSDP versions, mixed world sizes and missing ranks are refused first.
     folder, step_name = verl_folder(path, tag)
     files = find_verl_files(folder)
     opened: list[RankFile] = []
@@ -192,9 +221,10 @@ def open_verl(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> V
         # 2. The model: rank files parsed, DTensors checked against their specs and torch.chunk, ties found.
         trees = _model_trees(files, trusted_globals, opened)
         pieces, tied, params, skipped = _model(files, trees)
-        # 3. The optimizer (if saved): indices mapped to names in parameters() order, shapes checked.
+        # 3. The optimizer (FSDP2, if saved): indices mapped to names in parameters() order, shapes checked.
         shapes = {name: pieces[name].entry.shape for name in params}
-        optim = read_optimizer(files.optim, params, shapes, trusted_globals, opened) if files.optim else ({}, {}, {})
+        read = files.optim and files.fsdp_version == 2
+        optim = read_optimizer(files.optim, params, shapes, trusted_globals, opened) if read else ({}, {}, {})
     except BaseException:
         for file in opened:
             file.close()
@@ -221,7 +251,7 @@ def open_verl(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> V
         train_dtype=train,
         global_step=int(step.group(1)) if step else None,
         has_fp32_master=train == FLOAT32,
-        layout="fsdp2",
+        layout=f"fsdp{files.fsdp_version}",
         parallel={"fsdp": files.world_size},
         optimizer="Adam" if {"exp_avg", "exp_avg_sq"} <= moments else None,
         extra={
