@@ -319,7 +319,7 @@ def test_zeroio_open_reties_the_output(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        pytest.param({"fmt": "gguf"}, "fmt must be 'safetensors', 'torch', 'lightning', 'universal' or 'dcp', got 'gguf'.", id="fmt"),
+        pytest.param({"fmt": "gguf"}, "fmt must be 'safetensors', 'torch', 'lightning', 'universal', 'dcp' or 'peft', got 'gguf'.", id="fmt"),
         pytest.param({"dtype": "int8"}, "Unknown dtype 'int8'; use one of fp32, fp16, bf16 (or a torch.dtype).", id="dtype"),
         pytest.param({"max_shard_size": "5XB"}, "Cannot parse max_shard_size '5XB': use a number with a unit TB, GB, MB or KB (decimal, e.g. '5GB', '500MB') or a byte count.", id="size"),
         pytest.param({"workers": 0}, "workers must be a positive int (IO threads), got 0.", id="workers"),

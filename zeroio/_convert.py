@@ -138,6 +138,8 @@ def convert(
     tp_rules: TPRules | None = None,
     storage_options: Mapping[str, Any] | None = None,
     dcp_layout: DcpLayout = "torchtitan",
+    merge_lora: bool = False,
+    adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -174,6 +176,12 @@ def convert(
     streamed as row blocks of ``chunk_bytes``, and ``include_optimizer`` adds the Adam state (``docs/dcp.md``).
     ``max_shard_size``, ``exclude_frozen``, ``distributed`` and ``workers`` do not apply.
 
+    ``fmt="peft"`` writes the LoRA adapter(s) of a PEFT run as ``PeftModel.save_pretrained`` does:
+    ``adapter_model.safetensors`` (``get_peft_model_state_dict``'s keys: ``base_model.model.`` kept, the adapter
+    name dropped) and ``adapter_config.json`` (copied from beside the source, or from ``adapter_config``); a named
+    adapter other than ``default`` goes to ``dst/<name>/``. ``merge_lora=True`` instead writes, in any other
+    format, the plain base model with the adapter merged in as ``merge_and_unload()`` does (docs/fine-tunes.md).
+
     ``config.json``, ``generation_config.json`` and tokenizer files found beside the source (the HF Trainer's
     ``checkpoint-N/``, or the parent of a tag folder or file) are copied into a ``safetensors``/``torch``
     output folder, so ``transformers`` loads it as it is; a plain DeepSpeed checkpoint has none.
@@ -184,7 +192,7 @@ def convert(
         src: anything :func:`zeroio.open` reads: a DeepSpeed checkpoint (root or tag folder) or a consolidated
             safetensors/torch checkpoint (to re-shard or cast).
         dst: the output folder to create (the ``.ckpt`` file for ``fmt="lightning"``).
-        fmt: ``"safetensors"`` (default), ``"torch"``, ``"lightning"`` or ``"universal"``.
+        fmt: ``"safetensors"`` (default), ``"torch"``, ``"lightning"``, ``"universal"``, ``"dcp"`` or ``"peft"``.
         dtype: cast floating tensors (``"fp32"``, ``"fp16"``, ``"bf16"`` or a torch dtype), with torch's own
             rounding (``tensor.to(dtype)``); integer buffers keep their dtype. Default: as stored (fp32 master
             weights, frozen parameters in their training dtype).
@@ -221,6 +229,13 @@ def convert(
             environment credentials. A URL ``dst`` (``s3://bucket/model``) is written locally, then uploaded,
             the index last; a failed upload removes what it uploaded.
         dcp_layout: with ``fmt="dcp"``, ``"torchtitan"`` (default) or ``"accelerate"``.
+        merge_lora: the source is a PEFT LoRA run: write the base model's weights (``base_model.model.`` and
+            ``.base_layer`` dropped, LoRA tensors left out) with each adapted weight ``W + scale * B @ A``
+            (transposed for ``fan_in_fan_out`` layers; ``scale = lora_alpha / r``, rsLoRA ``lora_alpha / sqrt(r)``),
+            computed and returned in fp32, then cast to ``dtype`` if given (other tensors keep theirs). One weight's rows and
+            its two factors are in memory at a time. DoRA and other variants are refused by name.
+        adapter_config: the run's ``adapter_config.json`` (a file, a folder laid out as ``save_pretrained`` writes
+            it, or a dict) for ``fmt="peft"`` / ``merge_lora`` when it is not in the training output folder.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -251,8 +266,11 @@ def convert(
     )  # fmt: skip
     read = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
-        storage_options=storage_options,
+        storage_options=storage_options, merge_lora=merge_lora, adapter_config=adapter_config,
     )  # fmt: skip
+    if merge_lora and (fmt in ("universal", "peft") or include_optimizer):
+        what = "include_optimizer" if include_optimizer else f"fmt={fmt!r}"
+        raise ValueError(f"merge_lora=True writes merged model weights; {what} does not take them: drop one of them.")
     return convert_with(src, dst, read, write)
 
 
@@ -296,6 +314,8 @@ def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOpti
         return _convert_dcp(source, dst_path, read, write)
     if write.fmt == "universal":
         return _convert_universal(source, dst_path, read, write)
+    if write.fmt == "peft":
+        return _convert_peft(source, dst_path, read, write)
     if write.distributed:
         from ._write.distributed import convert_distributed
 
@@ -316,6 +336,14 @@ def _convert_dcp(source: Path, dst: Path, read: ReadOptions, write: WriteOptions
 
     files, total, count, tied = write_dcp(source, dst, read, write)
     return ConvertResult(files=tuple(files), index_path=None, total_size=total, num_tensors=count, tied=tied)
+
+
+def _convert_peft(source: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
+    """``fmt="peft"``: the LoRA adapter(s) as PEFT loads them (zeroio/_write/peft_writer.py)."""
+    from ._write.peft_writer import write_peft
+
+    out = write_peft(source, dst, read, write)
+    return ConvertResult(files=out.files, index_path=None, total_size=out.total_size, num_tensors=out.num_tensors)
 
 
 def _optimizer_files(write: WriteOptions) -> ExtraFiles:

@@ -23,6 +23,8 @@ from .composite.universal import is_universal, open_universal
 from .dcp.hf_storage import is_dcp_hf, open_dcp_hf
 from .dcp.reader import is_dcp, open_dcp
 from .files.consolidated import is_consolidated, open_consolidated
+from .lora.config import AdapterConfigSource
+from .lora.views import adapter_configs, adapter_view, peft_adapters
 from .metadata import (
     CheckpointMetadata,
     TensorInfo,
@@ -57,6 +59,7 @@ from .zero.reader import open_zero
 
 __all__ = [
     "FORMATS",
+    "AdapterConfigSource",
     "Checkpoint",
     "CheckpointMetadata",
     "ComposedOptimizerState",
@@ -70,6 +73,8 @@ __all__ = [
     "TensorInfo",
     "TensorReader",
     "WholePlan",
+    "adapter_configs",
+    "adapter_view",
     "dtype_name",
     "moment_source",
     "open",
@@ -81,6 +86,7 @@ __all__ = [
     "param_group_of",
     "parse_dtype",
     "parse_dtype_spec",
+    "peft_adapters",
     "read_options",
     "read_plan_into",
     "require",
@@ -148,6 +154,8 @@ def open(
     tp_rules: TPRules | None = None,
     ignore_recorded_tp: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    merge_lora: bool = False,
+    adapter_config: AdapterConfigSource = None,
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -170,6 +178,10 @@ def open(
         storage_options: for a URL path (``s3://``, ``gs://``, ``hf://``, ``https://``), options of its fsspec
             filesystem (credentials, ``endpoint_url``, ...); the standard environment variables apply otherwise
             (docs/remote.md).
+        merge_lora: a PEFT LoRA run read as its plain base model with the adapter merged in (each merged weight
+            computed when read, in fp32, as ``merge_and_unload()`` computes it; docs/fine-tunes.md).
+        adapter_config: with ``merge_lora``, the run's ``adapter_config.json`` (file, folder or dict) when it is
+            not beside the checkpoint.
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -186,7 +198,8 @@ def open(
     """
     options = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
-        ignore_recorded_tp=ignore_recorded_tp, storage_options=storage_options,
+        ignore_recorded_tp=ignore_recorded_tp, storage_options=storage_options, merge_lora=merge_lora,
+        adapter_config=adapter_config,
     )  # fmt: skip
     return open_checkpoint(path, options)
 
@@ -221,4 +234,12 @@ def open_checkpoint(path: StrPath | RemotePath, options: ReadOptions) -> Checkpo
             path=p,
         ) from exc
     ckpt.verify_crc = options.verify_crc
+    if options.merge_lora:
+        from .lora.views import merged_lora_view
+
+        try:
+            return merged_lora_view(ckpt, p, options.adapter_config)
+        except BaseException:
+            ckpt.close()
+            raise
     return ckpt

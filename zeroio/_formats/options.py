@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,10 @@ class ReadOptions:
     """Set the tensor-parallel partitions recorded in the files aside, so ``tp_rules`` alone decide."""
     storage_options: Mapping[str, Any] | None = None
     """Options of a URL source's fsspec filesystem (credentials, endpoint), or None for the defaults."""
+    merge_lora: bool = False
+    """Present a PEFT checkpoint as its base model with the LoRA adapter merged in (``_formats/lora_views.py``)."""
+    adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None
+    """A LoRA adapter's ``adapter_config.json`` (file, folder or dict) where none lies beside the checkpoint."""
 
 
 def trusted_names(trusted_globals: Iterable[str]) -> frozenset[str]:
@@ -46,6 +51,8 @@ def read_options(
     tp_rules: TPRules | None = None,
     ignore_recorded_tp: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    merge_lora: bool = False,
+    adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> ReadOptions:
     """Validate the reading keywords a public verb was given, once, into a :class:`ReadOptions`.
 
@@ -62,4 +69,20 @@ def read_options(
         tp_rules=parse_tp_rules(tp_rules),
         ignore_recorded_tp=ignore_recorded_tp,
         storage_options=storage_options,
+        merge_lora=_flag("merge_lora", merge_lora),
+        adapter_config=_adapter_config(adapter_config),
     )
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {value!r}.")
+    return value
+
+
+def _adapter_config(
+    value: str | os.PathLike[str] | Mapping[str, Any] | None,
+) -> str | os.PathLike[str] | Mapping[str, Any] | None:
+    if value is None or isinstance(value, (str, os.PathLike, Mapping)):
+        return value
+    raise TypeError(f"adapter_config must be a path or a dict, not {type(value).__name__}.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -214,6 +215,8 @@ def load(
     tp_rules: TPRules | None = None,
     storage_options: Mapping[str, Any] | None = None,
     broadcast_from_rank0: bool = False,
+    merge_lora: bool = False,
+    adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -251,6 +254,11 @@ def load(
             ``https://``: keys, endpoint, token; docs/remote.md); default: the backend's environment credentials.
         broadcast_from_rank0: every rank calls ``load``; rank 0 alone reads tensor data and broadcasts it chunk by
             chunk, each rank keeping its slice (docs/loading.md "Sharded models": for storage slow under many readers).
+        merge_lora: the checkpoint is a PEFT LoRA run (``base_model.model.<module>.lora_A.default.weight``, ...):
+            fill a plain base model (``model``) with the adapter merged in, as PEFT's ``merge_and_unload()`` does
+            (``W + lora_alpha / r * B @ A``, computed in fp32; docs/fine-tunes.md).
+        adapter_config: with ``merge_lora``, the run's ``adapter_config.json`` (file, folder or dict) when it is
+            not beside the checkpoint (``checkpoint-N/adapter_config.json``).
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -286,7 +294,10 @@ def load(
     else:
         from .._formats import open_checkpoint
 
-        read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options)
+        read = read_options(
+            tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options, merge_lora=merge_lora,
+            adapter_config=adapter_config,
+        )  # fmt: skip
         ckpt = open_checkpoint(path, read)
     try:
         fill = shard_reads.broadcast_segments if broadcast_from_rank0 else shard_reads.read_segments

@@ -31,10 +31,10 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 """IO threads: reads of one tensor overlap writes of another (reads and writes release the GIL)."""
 
-OutputFormat = Literal["safetensors", "torch", "lightning", "universal", "dcp"]
+OutputFormat = Literal["safetensors", "torch", "lightning", "universal", "dcp", "peft"]
 """What ``convert(fmt=...)`` writes (the formats zeroio *reads* are ``zeroio._formats.FORMATS``)."""
 
-OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("safetensors", "torch", "lightning", "universal", "dcp")
+OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("safetensors", "torch", "lightning", "universal", "dcp", "peft")
 
 DcpLayout = Literal["torchtitan", "accelerate"]
 """Where ``fmt="dcp"`` puts the model and optimizer state (docs/dcp.md)."""
@@ -102,7 +102,7 @@ def write_options(
         TypeError: an argument of the wrong type.
     """
     if fmt not in OUTPUT_FORMATS:
-        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning', 'universal' or 'dcp', got {fmt!r}.")
+        raise ValueError(f"fmt must be 'safetensors', 'torch', 'lightning', 'universal', 'dcp' or 'peft', got {fmt!r}.")
     if dcp_layout not in DCP_LAYOUTS:
         raise ValueError(f"dcp_layout must be one of {', '.join(DCP_LAYOUTS)}, got {dcp_layout!r}.")
     target = parse_dtype_spec(dtype)  # a torch-free DType: converting without a cast never imports torch
@@ -115,8 +115,8 @@ def write_options(
             "include_optimizer=True writes optimizer.safetensors beside model.safetensors (or the DCP optimizer "
             "state): use fmt='safetensors' or fmt='dcp', without distributed=True."
         )
-    if fmt == "dcp" and distributed:
-        raise ValueError("fmt='dcp' is written by one process: drop distributed=True.")
+    if fmt in ("dcp", "peft") and distributed:
+        raise ValueError(f"fmt={fmt!r} is written by one process: drop distributed=True.")
     if fmt == "universal" and (target is not None or exclude_frozen or distributed):
         raise ValueError(
             "fmt='universal' writes the fp32 masters and optimizer state DeepSpeed resumes from, as stored: "

@@ -11,6 +11,8 @@ zeroio's output by its names alone (no marker file), so outputs of earlier zeroi
   (``zero_pp_rank_R_mp_rank_00_model_states.pt``, ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``);
 - ``convert(fmt="universal")``: ``latest_universal`` and tag folders holding only model states files and a ``zero/``
   folder of ``optimizer_state.pt`` and ``<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``;
+- ``convert(fmt="peft")``: ``adapter_model.safetensors`` and ``adapter_config.json``, at the top and in one
+  folder per named adapter holding only those two files;
 - the lock file of a write that was killed while committing (:data:`LOCK_NAME`).
 """
 
@@ -32,8 +34,11 @@ LOCK_NAME = ".zeroio-lock"
 _OUTPUT_FILE = re.compile(
     r"^(?:model(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
     r"|pytorch_model(?:-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json"
-    r"|optimizer(?:-\d{5}-of-\d{5})?\.safetensors|optimizer\.safetensors\.index\.json|optimizer\.json)$"
+    r"|optimizer(?:-\d{5}-of-\d{5})?\.safetensors|optimizer\.safetensors\.index\.json|optimizer\.json"
+    r"|adapter_model\.safetensors|adapter_config\.json)$"
 )
+_ADAPTER_FILES = frozenset({"adapter_model.safetensors", "adapter_config.json"})
+"""``convert(fmt="peft")``: an adapter's files, at the top (``default``) or in ``<name>/`` (a named adapter)."""
 LATEST_UNIVERSAL = "latest_universal"
 _UNIVERSAL_PARAM_FILES = frozenset({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"})
 _TOP_FILES = frozenset({*SIDE_FILES, C.LATEST_FILE, LATEST_UNIVERSAL, LOCK_NAME})
@@ -71,6 +76,12 @@ def _universal_foreign(tag_dir: Path, name: str) -> list[str]:
     return foreign
 
 
+def _is_adapter_folder(path: Path) -> bool:
+    """A named adapter's folder written by ``fmt="peft"``: its two files and nothing else."""
+    names = set(os.listdir(path))
+    return bool(names) and names <= _ADAPTER_FILES and all(_is_file(path / n) for n in names)
+
+
 def foreign_entries(folder: Path) -> list[str]:
     """Entries of ``folder`` (relative paths, sorted; a folder ends with ``/``) that no zeroio writer produces.
 
@@ -87,6 +98,8 @@ def foreign_entries(folder: Path) -> list[str]:
                 foreign.append(name)
         elif path.is_dir() and has_universal and (path / "zero").is_dir():  # convert(fmt="universal")'s tag folder
             foreign += _universal_foreign(path, name)
+        elif path.is_dir() and "adapter_model.safetensors" in entries and _is_adapter_folder(path):
+            continue  # convert(fmt="peft")'s folder of a named adapter
         elif path.is_dir() and has_latest:  # reshard's tag folder: DeepSpeed rank files only
             inner = sorted(os.listdir(path))
             foreign += [

@@ -109,6 +109,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             verify_crc=not args.no_verify_crc,
             tp_rules=args.tp_rules,
             dcp_layout=args.dcp_layout,
+            merge_lora=args.merge_lora,
+            adapter_config=args.adapter_config,
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -259,10 +261,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         default="safetensors",
-        choices=["safetensors", "torch", "lightning", "universal", "dcp"],
+        choices=["safetensors", "torch", "lightning", "universal", "dcp", "peft"],
         help="output format: safetensors (default), torch (pytorch_model.bin), lightning (one .ckpt file for "
         "LightningModule.load_from_checkpoint), universal (a DeepSpeed universal checkpoint to resume at another "
-        "world size or ZeRO stage), or dcp (a PyTorch Distributed Checkpoint that FSDP2 resumes from)",
+        "world size or ZeRO stage), dcp (a PyTorch Distributed Checkpoint that FSDP2 resumes from), or peft (the "
+        "LoRA adapter of a PEFT run: adapter_model.safetensors + adapter_config.json for PeftModel.from_pretrained; "
+        "a named adapter in DST/NAME/)",
+    )
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="the source is a PEFT LoRA run: write the plain base model with the adapter merged in "
+        "(W + lora_alpha/r * B @ A in fp32, as PEFT's merge_and_unload), in any --format but peft/universal",
+    )
+    p.add_argument(
+        "--adapter-config",
+        metavar="PATH",
+        help="with --format peft or --merge-lora: the run's adapter_config.json (or the folder save_pretrained "
+        "wrote) when it is not beside the checkpoint (checkpoint-N/adapter_config.json)",
     )
     p.add_argument(
         "--dcp-layout",

@@ -36,16 +36,20 @@ _VALUE_FLAGS = {
     "revision": "--revision",
     "max_shard_size": "--max-shard-size",
     "sub_group_size": "--sub-group-size",
+    "adapter_config": "--adapter-config",
 }
 _SWITCH_FLAGS = {
     "include_optimizer": "--include-optimizer",
+    "merge_lora": "--merge-lora",
     "exclude_frozen": "--exclude-frozen",
     "distributed": "--distributed",
     "overwrite": "--overwrite",
     "create_pr": "--create-pr",
     "private": "--private",
 }
-_BARE_NAMES = ("max_shard_size", "exclude_frozen", "include_optimizer", "sub_group_size", "output_tag")
+_BARE_NAMES = (
+    "max_shard_size", "exclude_frozen", "include_optimizer", "sub_group_size", "output_tag", "merge_lora",
+)  # fmt: skip
 
 _SWITCH_WITH_FLAG = re.compile(r"\b(" + "|".join(_SWITCH_FLAGS) + r")=True \((--[a-z-]+)\)")
 _SWITCH = re.compile(r"\b(" + "|".join(_SWITCH_FLAGS) + r")=True\b")
