@@ -28,7 +28,7 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 PEFT_FIXTURES = FIXTURES / "peft"
-SINGLE = ["lora_llama_z3_fp32", "lora_llama_z3_bf16", "lora_llama_z2_bf16", "lora_gpt2_z3_fp32"]
+SINGLE = ["lora_llama_z3_fp32", "lora_llama_z3_bf16", "lora_llama_z2_bf16", "lora_gpt2_z3_fp32", "lora_llama_fsdp2_dcp"]
 ALL = [*SINGLE, "lora_llama_z2_two_adapters"]
 
 
@@ -200,7 +200,9 @@ def test_merge_default_dtype_and_formats(name: str, tmp_path: Path) -> None:
         _assert_equal({k: dcp[k] for k in dcp}, want)
 
 
-@pytest.mark.parametrize("name", ["lora_llama_z3_fp32", "lora_gpt2_z3_fp32", "lora_llama_z2_bf16"])
+@pytest.mark.parametrize(
+    "name", ["lora_llama_z3_fp32", "lora_gpt2_z3_fp32", "lora_llama_z2_bf16", "lora_llama_fsdp2_dcp"]
+)
 def test_load_merge_lora_into_base_model(name: str) -> None:
     """zeroio.load(ckpt, base, merge_lora=True) fills a plain fp32 base model with PEFT's fp32 merged weights (a
     bf16 run's frozen weights are bf16 values, exactly representable)."""
