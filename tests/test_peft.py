@@ -256,3 +256,30 @@ def test_cli_format_peft_and_merge_lora(tmp_path: Path, capsys: pytest.CaptureFi
     (src / "adapter_config.json").unlink()
     assert main(["convert", str(src), str(tmp_path / "x"), "--format", "peft", "--quiet"]) == 1
     assert "--adapter-config PATH" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- sources at URLs
+
+
+def test_adapter_and_merge_from_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An s3:// checkpoint-N/: adapter_config.json is found beside the checkpoint at the URL, as locally."""
+    pytest.importorskip("s3fs")
+    import logging
+
+    from s3_server import S3Server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = S3Server()
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        name = "lora_llama_z3_bf16"
+        url = server.upload_tree(_ckpt(name), "runs", "lora/checkpoint-3")
+        zeroio.convert(url, tmp_path / "adapter", fmt="peft", progress=False)
+        _assert_equal(
+            load_file(tmp_path / "adapter" / "adapter_model.safetensors"), _expected(name, "adapter")["default"]
+        )
+        zeroio.convert(url, tmp_path / "merged", merge_lora=True, dtype="fp32", progress=False)
+        _assert_equal(load_file(tmp_path / "merged" / "model.safetensors"), _expected(name, "merged"))
+    finally:
+        server.stop()
