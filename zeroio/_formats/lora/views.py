@@ -118,8 +118,11 @@ class _MergedView(RenamedView):
         raw = out if base == out.dtype else out.new_empty(count, dtype=base)
         self._inner.read_into(self._inner.source_name(stored), start, raw)
         delta = self._delta(stored, done=start + count == numel)
-        # base + delta, elementwise in fp32: any slice of it equals the same slice of PEFT's whole-weight sum.
-        out.copy_(raw.float() + delta[start : start + count])
+        # base + delta, elementwise in fp32, in place: any slice of it equals the same slice of PEFT's whole-weight
+        # sum (`base_layer.weight.data += delta`), and no chunk-sized temporary is made.
+        if raw is not out:
+            out.copy_(raw)
+        out.add_(delta[start : start + count])
 
     def _delta(self, stored: str, *, done: bool) -> torch.Tensor:
         """``transpose(B @ A, fan_in_fan_out) * scaling``, flattened, in fp32: peft 0.21.2's exact expression
