@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import zeroio
 from zeroio.cli import main
-from zeroio.errors import CheckpointNotFoundError, OutputError, UnsupportedCheckpointError
+from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, OutputError, UnsupportedCheckpointError
 
 peft = pytest.importorskip("peft")
 
@@ -225,6 +225,18 @@ def test_merge_refuses_several_adapters_and_dora(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     with pytest.raises(ValueError, match="merge_lora"):
         zeroio.convert(_ckpt("lora_llama_z3_fp32"), tmp_path / "c", merge_lora=True, fmt="peft", progress=False)
+
+
+def test_merge_refuses_a_config_that_does_not_fit(tmp_path: Path) -> None:
+    """GPT-2's Conv1D weights are [in, out]: a config without fan_in_fan_out cannot fit the non-square c_attn
+    (32 x 96); the merge is refused before anything is written, naming the module."""
+    config = json.loads((_ckpt("lora_gpt2_z3_fp32") / "adapter_config.json").read_text())
+    with pytest.raises(CheckpointFormatError, match=r"c_attn.*fan_in_fan_out=False"):
+        zeroio.convert(
+            _ckpt("lora_gpt2_z3_fp32"), tmp_path / "m", merge_lora=True,
+            adapter_config={**config, "fan_in_fan_out": False}, progress=False,
+        )  # fmt: skip
+    assert not (tmp_path / "m").exists()
 
 
 def test_rslora_scale_is_alpha_over_sqrt_r() -> None:

@@ -16,7 +16,7 @@ from ..._dtypes import DType, as_dtype
 from ..._io.byte_map import ByteMap
 from ..._io.remote_path import RemotePath
 from ..._io.sources import ByteRange
-from ...errors import UnsupportedCheckpointError
+from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..checkpoint import Checkpoint
 from ..metadata import TensorInfo
 from .config import AdapterConfig, AdapterConfigSource, read_adapter_configs
@@ -35,7 +35,7 @@ _DELTAS_KEPT = 8
 class RenamedView(Checkpoint):
     """Some tensors of an open checkpoint under other names; reads, byte ranges and CRC checks go to it."""
 
-    def __init__(self, inner: Checkpoint, names: Mapping[str, str], infos: dict[str, TensorInfo] | None = None):
+    def __init__(self, inner: Checkpoint, names: Mapping[str, str], infos: dict[str, TensorInfo] | None = None) -> None:
         self._inner = inner
         self._stored = dict(names)  # view name -> inner stored name
         inner_infos = inner.infos
@@ -91,7 +91,9 @@ class RenamedView(Checkpoint):
 class _MergedView(RenamedView):
     """The base model's names; each LoRA-wrapped weight read as ``W + scale * B @ A`` computed in fp32."""
 
-    def __init__(self, inner: Checkpoint, names: Mapping[str, str], merges: dict[str, tuple[LoraPair, float, bool]]):
+    def __init__(
+        self, inner: Checkpoint, names: Mapping[str, str], merges: dict[str, tuple[LoraPair, float, bool]]
+    ) -> None:
         inner_infos = inner.infos
         infos = {}
         for view_name, stored in names.items():
@@ -201,23 +203,31 @@ def merged_lora_view(ckpt: Checkpoint, source: Path | RemotePath, given: Adapter
         )  # fmt: skip
     adapter = adapters[0]
     config = adapter_configs(ckpt, source, adapters, given)[adapter]
+    config.merge_scale(1)  # refuses DoRA and the other variants by name before anything is planned
     names = list(ckpt.infos)
-    merges: dict[str, tuple[LoraPair, float, bool]] = {}
-    for base, pair in lora_pairs(names, adapter).items():
-        lora_a = ckpt.info(pair.lora_a)
-        if pair.embedding or len(lora_a.shape) != 2:
-            what = "an embedding" if pair.embedding else f"a {len(lora_a.shape)}-D (convolution) layer"
-            raise UnsupportedCheckpointError(
-                f"'{path}': LoRA adapter '{adapter}' targets {what} ('{pair.module}'), which merge_lora does not "
-                "merge yet. Write the adapter with fmt='peft' and merge it with PEFT's merge_and_unload().",
-                path=path, name=pair.module,
-            )  # fmt: skip
-        merges[base] = (pair, config.merge_scale(lora_a.shape[0]), config.fan_in_fan_out)
-    if any(".lora_magnitude_vector." in n for n in names):
-        config.merge_scale(1)  # DoRA tensors without use_dora in the config: refused by the check below
+    if any(".lora_magnitude_vector." in n for n in names):  # DoRA tensors, whatever the config says
         raise UnsupportedCheckpointError(
             f"'{path}': adapter '{adapter}' has DoRA magnitude vectors (lora_magnitude_vector), which merge_lora does "
             "not merge. Write the adapter with fmt='peft' and merge it with PEFT's merge_and_unload().",
             path=path, name=adapter,
         )  # fmt: skip
+    merges: dict[str, tuple[LoraPair, float, bool]] = {}
+    for base, pair in lora_pairs(names, adapter).items():
+        lora_a, lora_b = ckpt.info(pair.lora_a).shape, ckpt.info(pair.lora_b).shape
+        if pair.embedding or len(lora_a) != 2:
+            what = "an embedding" if pair.embedding else f"a {len(lora_a)}-D (convolution) layer"
+            raise UnsupportedCheckpointError(
+                f"'{path}': LoRA adapter '{adapter}' targets {what} ('{pair.module}'), which merge_lora does not "
+                "merge yet. Write the adapter with fmt='peft' and merge it with PEFT's merge_and_unload().",
+                path=path, name=pair.module,
+            )  # fmt: skip
+        delta = (lora_a[1], lora_b[0]) if config.fan_in_fan_out else (lora_b[0], lora_a[1])
+        if len(lora_b) != 2 or lora_b[1] != lora_a[0] or ckpt.info(base).shape != delta:
+            raise CheckpointFormatError(
+                f"'{path}': '{pair.module}' has base weight {ckpt.info(base).shape}, lora_A {lora_a} and lora_B "
+                f"{lora_b}, which do not make W + B @ A with fan_in_fan_out={config.fan_in_fan_out} ({config.where}). "
+                "Check that the adapter_config.json is this run's.",
+                path=path, name=pair.module,
+            )  # fmt: skip
+        merges[base] = (pair, config.merge_scale(lora_a[0]), config.fan_in_fan_out)
     return _MergedView(ckpt, base_names(names, adapter), merges)
