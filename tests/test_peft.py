@@ -28,7 +28,14 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 PEFT_FIXTURES = FIXTURES / "peft"
-SINGLE = ["lora_llama_z3_fp32", "lora_llama_z3_bf16", "lora_llama_z2_bf16", "lora_gpt2_z3_fp32", "lora_llama_fsdp2_dcp"]
+SINGLE = [
+    "lora_llama_z3_fp32",
+    "lora_llama_z3_bf16",
+    "lora_llama_z2_bf16",
+    "lora_llama_z2_fp16",
+    "lora_gpt2_z3_fp32",
+    "lora_llama_fsdp2_dcp",
+]
 ALL = [*SINGLE, "lora_llama_z2_two_adapters"]
 
 
