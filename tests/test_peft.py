@@ -136,6 +136,28 @@ def test_adapter_config_missing_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "adapter_config.json").read_bytes() == given.read_bytes()
 
 
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "is not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"r": 4}', "no numeric lora_alpha"),
+    ],
+    ids=["deep", "list", "no-alpha"],
+)
+def test_bad_adapter_config_is_a_typed_error(tmp_path: Path, text: str, error: str) -> None:
+    """A hostile or wrong adapter_config.json: CheckpointFormatError naming the file, nothing written."""
+    src = tmp_path / "checkpoint-3"
+    shutil.copytree(_ckpt("lora_llama_z3_fp32"), src)
+    (src / "adapter_config.json").write_text(text)
+    with pytest.raises(CheckpointFormatError, match=error):
+        if error == "no numeric lora_alpha":
+            zeroio.convert(src, tmp_path / "out", merge_lora=True, progress=False)
+        else:
+            zeroio.convert(src, tmp_path / "out", fmt="peft", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_not_a_peft_checkpoint() -> None:
     with pytest.raises(UnsupportedCheckpointError, match="holds no LoRA adapter"):
         zeroio.convert(FIXTURES / "z3_ws2_fp32", "/nonexistent/never", fmt="peft", progress=False)

@@ -150,7 +150,7 @@ def _read(path: Path | RemotePath, adapter: str) -> AdapterConfig:
     raw = path.read_bytes()
     try:
         values = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: hostile nesting
         raise CheckpointFormatError(
             f"'{path}' is not JSON ({exc}): it should be the adapter_config.json that PEFT's save_pretrained wrote.",
             path=str(path), name=adapter,
