@@ -247,6 +247,133 @@ def test_upper_layers_import_readers_through_their_face():
     assert offenders == [], f"imports past {READERS_FACE}'s face (export the name there):\n" + "\n".join(offenders)
 
 
+# Inside a layer's package, the same rule one level down: lowest first, a module imports its own sub-layer or lower
+# ones. Entries are module names relative to the package; a family folder (``zero``) stands for every module in it.
+SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
+    "zeroio._formats": [
+        # the face's contracts: what every reader and every layer above relies on; they import no family
+        (
+            "checkpoint",
+            "metadata",
+            "options",
+            "partition",
+            "read_plans",
+            "planned_checkpoint",
+            "validate",
+            "stored_bits",
+            "tp_rules",
+            "name_patterns",
+        ),
+        # the families: each reads one kind of checkpoint, built on the contracts (and on each other)
+        ("zero", "composite", "files", "dcp", "optimizer"),
+        # the registry (FORMATS, open_checkpoint): the only module that knows every family
+        ("__init__",),
+    ],
+    "zeroio._write": [
+        # the engine and what every writer shares
+        (
+            "result",
+            "options",
+            "comm",
+            "atomic",
+            "own_files",
+            "sharding",
+            "byte_writes",
+            "safetensors_writer",
+            "side_files",
+            "plan",
+            "shard_files",
+            "phases",
+            "remote_output",
+        ),
+        # the writers, one module per output format (and the distributed execution of the engine)
+        ("hf_writer", "distributed", "optimizer_files", "lightning_writer", "universal_writer", "dcp_writer"),
+        # the registry (WRITERS, write_output)
+        ("__init__",),
+    ],
+}
+
+
+def _sub_unit(package: str, module: str) -> str | None:
+    """The SUBLAYERS entry of a module inside ``package`` (``__init__`` for the package itself)."""
+    if module == package:
+        return "__init__"
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1 :].split(".")[0]
+
+
+def _sublayer_offenders(package: str, graph: dict[str, set[str]]) -> list[str]:
+    level = {unit: n for n, units in enumerate(SUBLAYERS[package]) for unit in units}
+    offenders = []
+    for module, targets in sorted(graph.items()):
+        source = _sub_unit(package, module)
+        if source is None:
+            continue
+        for target in sorted(targets):
+            unit = _sub_unit(package, target)
+            if unit is not None and unit != source and level[unit] > level[source]:
+                offenders.append(f"{module} imports {target}")
+    return offenders
+
+
+def test_every_module_of_a_layered_package_has_a_sublayer():
+    """Each module of ``_formats/`` and ``_write/`` is placed in SUBLAYERS, so the tables stay complete."""
+    missing = []
+    for package, layers in SUBLAYERS.items():
+        known = {unit for units in layers for unit in units}
+        missing += [m for m in MODULES if (unit := _sub_unit(package, m)) is not None and unit not in known]
+    assert missing == [], f"modules missing from SUBLAYERS in {Path(__file__).name}: {sorted(missing)}"
+
+
+def test_nothing_climbs_back_up_inside_a_package():
+    """Inside ``_formats/`` the contracts import no family and no family imports the registry; inside ``_write/``
+    the engine imports no writer. Imports inside functions and under ``TYPE_CHECKING`` count like any other."""
+    graph = _graph()
+    offenders = [line for package in SUBLAYERS for line in _sublayer_offenders(package, graph)]
+    assert offenders == [], "imports from a higher sub-layer:\n" + "\n".join(offenders)
+
+
+def test_climbing_imports_are_seen_wherever_they_are():
+    """The checker itself: an import inside a function and one under ``if TYPE_CHECKING:`` are both edges."""
+    path = PACKAGE / "_formats" / "_architecture_probe.py"
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from .read_plans import ReadPlan\n"
+        "def f():\n"
+        "    from .zero.reader import open_zero\n"
+    )
+    found = {imp.module for imp in _imports(path, ast.parse(source))}
+    assert {"zeroio._formats.read_plans", "zeroio._formats.zero.reader"} <= found
+    graph = {
+        "zeroio._formats.options": {"zeroio._formats.zero.reader"},
+        "zeroio._formats.zero.reader": {"zeroio._formats"},
+    }
+    assert _sublayer_offenders("zeroio._formats", graph) == [
+        "zeroio._formats.options imports zeroio._formats.zero.reader",
+        "zeroio._formats.zero.reader imports zeroio._formats",
+    ]
+
+
+NEVER_IMPORTS: dict[str, tuple[str, str]] = {
+    "_load": ("_write", "loading writes nothing: what both need (progress reporting) lives below both, in _io/"),
+}
+"""Layers that must not import another layer although the layer order would allow it, with why."""
+
+
+def test_loading_never_imports_the_writers():
+    """``_load`` imports nothing from ``_write`` (see NEVER_IMPORTS)."""
+    offenders = [
+        f"{module} imports {target} ({NEVER_IMPORTS[_unit(module)][1]})"
+        for module, targets in sorted(_graph().items())
+        if _unit(module) in NEVER_IMPORTS
+        for target in sorted(targets)
+        if _unit(target) == NEVER_IMPORTS[_unit(module)][0]
+    ]
+    assert offenders == [], "\n".join(offenders)
+
+
 # --------------------------------------------------------------------------- (c) no private names across modules
 
 
@@ -342,6 +469,41 @@ def test_modules_are_small():
         if lines > MAX_LINES and module not in LONG_MODULES:
             offenders.append(f"{path.relative_to(ROOT)}: {lines} lines")
     assert offenders == [], f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(sorted(offenders))
+
+
+MAX_FUNCTION_LINES = 100
+"""Longest function body, docstring excluded (a public verb's docstring is its documentation, not its logic)."""
+
+
+def _function_lengths(tree: ast.Module) -> Iterator[tuple[str, int, int]]:
+    """(name, first line, lines of code) for every function and method, nested ones included."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and len(body) > 1:
+                if isinstance(first.value.value, str):
+                    body = body[1:]
+            header = node.body[0].lineno - node.lineno  # the signature (decorators not counted)
+            assert body[-1].end_lineno is not None
+            yield node.name, node.lineno, header + body[-1].end_lineno - body[0].lineno + 1
+
+
+def test_functions_are_short():
+    """No function is over MAX_FUNCTION_LINES lines (its signature and code; the docstring does not count)."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {name} ({length} lines)"
+        for path in MODULES.values()
+        for name, line, length in _function_lengths(_parse(path))
+        if length > MAX_FUNCTION_LINES
+    ]
+    assert offenders == [], f"functions over {MAX_FUNCTION_LINES} lines (split them by step):\n" + "\n".join(offenders)
+
+
+def test_function_length_counts_code_not_docstrings():
+    """The checker itself: a docstring is not counted, the signature and every line of code are."""
+    source = 'def f(\n    a,\n):\n    """Doc.\n\n    More.\n    """\n    x = 1\n    return x\n'
+    assert list(_function_lengths(ast.parse(source))) == [("f", 1, 5)]
 
 
 # --------------------------------------------------------------------------- (e) the CLI and tests use the public API

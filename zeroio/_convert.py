@@ -1,35 +1,26 @@
-"""``zeroio.convert``: plan shards from metadata, then stream tensors into Hugging Face-layout files, atomically."""
+"""``zeroio.convert``: validate the keywords once, look the output format's writer up in ``WRITERS``, run it."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._formats import Checkpoint, ReadOptions, output_spec, read_options
+from ._formats import read_options
 from ._io.progress import Progress
-from ._io.remote_path import as_path, is_url
-from ._messages import get_logger
-from ._model_card import card_facts
+from ._model_card import written_card_facts
 from ._types import StrPath
-from ._write.atomic import AtomicDir
-from ._write.comm import Job, LocalComm
-from ._write.options import DEFAULT_CHUNK_BYTES, DcpLayout, OutputFormat, WriteOptions, write_options
-from ._write.phases import ExtraFiles, WriteOutcome, write_checkpoint
-from ._write.plan import WritePlan
-from .errors import OutputError
+from ._write import Written, write_output
+from ._write.options import DEFAULT_CHUNK_BYTES, DcpLayout, OutputFormat, write_options
 
 if TYPE_CHECKING:
     import torch
 
     from ._formats import TPRules
 
-__all__ = ["ConvertResult", "convert", "convert_with"]
-
-logger = get_logger(__name__)
+__all__ = ["ConvertResult", "convert"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,68 +42,6 @@ class ConvertResult:
     ``global_step``, ``train_dtype``, ``output_dtype``, ``format``, ``num_params``, ``excluded_frozen``."""
     copied: tuple[Path, ...] = ()
     """Config and tokenizer files copied from beside the source (an HF Trainer ``checkpoint-N/``), in the output."""
-
-
-# --------------------------------------------------------------------------- the writers besides the engine
-
-
-def _convert_lightning(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
-    """``fmt="lightning"``: one consolidated ``.ckpt`` file, written atomically by ``write_lightning_ckpt``."""
-    from ._formats import open_checkpoint
-    from ._write.lightning_writer import write_lightning_ckpt
-
-    # 1. Refuse an existing file (or a file in the way of a parent folder) before reading anything, as for folders;
-    #    a folder at dst is refused by write_lightning_ckpt, overwrite or not (a Lightning checkpoint is one file).
-    dst = Path(os.path.abspath(dst))
-    overwrite, target = write.overwrite, write.dtype
-    if not dst.is_dir():
-        AtomicDir(dst, overwrite=overwrite).check()
-    if overwrite and dst.is_file() and dst.resolve() == src.resolve():
-        raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
-    with open_checkpoint(src, read) as ckpt:
-        # 2. Missing parent folders are created, as convert creates them for an output folder.
-        if not dst.is_dir():
-            try:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise OutputError(
-                    f"Cannot write '{dst}': cannot create the folder '{dst.parent}' ({exc.strerror or exc}). "
-                    "Check the permissions of the destination's folder or choose another destination.",
-                    path=dst,
-                ) from exc
-        written = write_lightning_ckpt(
-            ckpt,
-            dst,
-            dtype=None if target is None else target.torch,
-            overwrite=overwrite,
-            trusted_globals=read.trusted_globals,
-            loadable=True,
-        )
-        infos = ckpt.infos
-        num_params = sum(info.numel for name, info in infos.items() if name not in ckpt.tied)
-        facts = card_facts(
-            ckpt.metadata, fmt="lightning", target=target, out_dtypes=[output_spec(i, target) for i in infos.values()],
-            excluded=[], num_params=num_params,
-        )  # fmt: skip
-    logger.info("wrote %d tensors (%d bytes) to %s", written.num_tensors, written.total_size, written.path)
-    return ConvertResult(
-        files=(written.path,),
-        index_path=None,
-        total_size=written.total_size,
-        num_tensors=written.num_tensors,
-        tied=written.tied,
-        card_facts=facts,
-    )
-
-
-def _convert_universal(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
-    """``fmt="universal"``: a DeepSpeed universal checkpoint (``zeroio/_write/universal_writer.py``)."""
-    from ._write.universal_writer import write_universal
-
-    out = write_universal(src, dst, read, write)
-    return ConvertResult(
-        files=out.files, index_path=None, total_size=out.total_size, num_tensors=out.num_tensors, tied=out.tied
-    )
 
 
 # --------------------------------------------------------------------------- the public verb
@@ -271,109 +200,17 @@ def convert(
     if merge_lora and (fmt in ("universal", "peft") or include_optimizer):
         what = "include_optimizer" if include_optimizer else f"fmt={fmt!r}"
         raise ValueError(f"merge_lora=True writes merged model weights; {what} does not take them: drop one of them.")
-    return convert_with(src, dst, read, write)
+    return _result(write_output(src, dst, read, write))
 
 
-def convert_with(src: StrPath, dst: StrPath, read: ReadOptions, write: WriteOptions) -> ConvertResult:
-    """:func:`convert` with its keywords already validated (``push_to_hub`` converts through it too).
-
-    ``read.storage_options`` configure ``src`` and/or ``dst``, whichever is a URL, as for :func:`convert`.
-    """
-    if is_url(str(dst)):
-        if write.distributed:
-            raise ValueError(
-                "distributed=True writes local folders (each process its shards): write locally, then upload."
-            )
-        source_read = read if is_url(str(src)) else dataclasses.replace(read, storage_options=None)
-
-        def write_local(local: Path) -> ConvertResult:
-            return convert_with(src, local, source_read, dataclasses.replace(write, overwrite=False))
-
-        from ._write.remote_output import write_file_to_url, write_to_url
-
-        if write.fmt == "lightning":  # one file: the URL names the object
-            result, at = write_file_to_url(
-                str(dst), read.storage_options, overwrite=write.overwrite, write=write_local, source=src
-            )
-            return dataclasses.replace(result, files=(at,))
-        result, uploaded = write_to_url(
-            str(dst), read.storage_options, overwrite=write.overwrite, write=write_local, source=src
-        )
-
-        def remote(path: Path) -> Path:
-            return uploaded[path.resolve()]
-
-        return dataclasses.replace(
-            result, files=tuple(map(remote, result.files)), copied=tuple(map(remote, result.copied)),
-            index_path=remote(result.index_path) if result.index_path is not None else None,
-        )  # fmt: skip
-    # The source's one path: a URL's listing, made once, serves the reader and the side files alike.
-    source = as_path(src, read.storage_options)
-    dst_path = Path(dst)
-    if write.fmt == "dcp":
-        return _convert_dcp(source, dst_path, read, write)
-    if write.fmt == "universal":
-        return _convert_universal(source, dst_path, read, write)
-    if write.fmt == "peft":
-        return _convert_peft(source, dst_path, read, write)
-    if write.distributed:
-        from ._write.distributed import convert_distributed
-
-        return _result(convert_distributed(source, dst_path, read, write))
-    if write.fmt == "lightning":
-        return _convert_lightning(source, dst_path, read, write)
-
-    # 2. The write engine, as one process of one: refuse an existing destination before reading anything, plan
-    #    every file from metadata, stream the tensors into a temporary folder beside dst, rename it into place.
-    extra_files = _optimizer_files(write) if write.include_optimizer else None
-    job = Job(LocalComm(), AtomicDir(dst_path, overwrite=write.overwrite))
-    return _result(write_checkpoint(job, source, read, write, extra_files=extra_files))
-
-
-def _convert_dcp(source: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
-    """``fmt="dcp"``: a PyTorch Distributed Checkpoint FSDP2 resumes from (zeroio/_write/dcp_writer.py)."""
-    from ._write.dcp_writer import write_dcp
-
-    files, total, count, tied = write_dcp(source, dst, read, write)
-    return ConvertResult(files=tuple(files), index_path=None, total_size=total, num_tensors=count, tied=tied)
-
-
-def _convert_peft(source: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> ConvertResult:
-    """``fmt="peft"``: the LoRA adapter(s) as PEFT loads them (zeroio/_write/peft_writer.py)."""
-    from ._write.peft_writer import write_peft
-
-    out = write_peft(source, dst, read, write)
-    return ConvertResult(files=out.files, index_path=None, total_size=out.total_size, num_tensors=out.num_tensors)
-
-
-def _optimizer_files(write: WriteOptions) -> ExtraFiles:
-    """``include_optimizer``: optimizer.safetensors + optimizer.json beside the weights (zeroio/_write/optimizer_files.py),
-    planned with the weights (a source without optimizer state fails before anything is created)."""
-    from ._write.optimizer_files import plan_optimizer_files, write_optimizer_files
-
-    def plan(ckpt: Checkpoint, weights: WritePlan) -> Callable[[Path], None]:
-        optim = plan_optimizer_files(ckpt, list(weights.names), max_shard_size=write.max_shard_size)
-
-        def write_files(tmp: Path) -> None:
-            write_optimizer_files(ckpt, optim, tmp, chunk_bytes=write.chunk_bytes)
-
-        return write_files
-
-    return plan
-
-
-def _result(outcome: WriteOutcome) -> ConvertResult:
-    plan = outcome.plan
-    facts = card_facts(
-        outcome.source, fmt=plan.fmt, target=plan.target, out_dtypes=[plan.dtypes[n] for n in plan.names],
-        excluded=plan.excluded, num_params=plan.num_params,
-    )  # fmt: skip
+def _result(written: Written) -> ConvertResult:
+    """The writer's result, with the model-card facts rendered from what it wrote."""
     return ConvertResult(
-        files=outcome.files,
-        index_path=outcome.index_path,
-        total_size=plan.shards.total_size,
-        num_tensors=plan.num_tensors,
-        tied=dict(plan.ties),
-        card_facts=facts,
-        copied=outcome.copied,
+        files=written.files,
+        index_path=written.index_path,
+        total_size=written.total_size,
+        num_tensors=written.num_tensors,
+        tied=written.tied,
+        card_facts=written_card_facts(written.card),
+        copied=written.copied,
     )

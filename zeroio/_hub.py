@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from ._formats import ReadOptions, read_options
 from ._io.remote_path import as_path, is_url
 from ._messages import get_logger, redact_exception
-from ._model_card import default_commit_message, render_model_card
-from ._write.options import write_options
+from ._model_card import default_commit_message, render_model_card, written_card_facts
+from ._write import write_output
+from ._write.options import WriteOptions, write_options
 from .errors import HubError
 
 if TYPE_CHECKING:
@@ -187,26 +188,8 @@ def push_to_hub(
         with as_hub_error():
             _ensure_repo(api, repo_id, private, revision)
 
-        # 3. The folder to upload: the converted folder itself, or a fresh conversion in a temporary folder.
-        card_facts: dict[str, Any] = {}
-        if converted:
-            weights_dir = src_path
-        else:
-            from ._convert import convert_with
-
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-push-")))
-            weights_dir = tmp / "model"
-            result = convert_with(src_path, weights_dir, read, write)
-            card_facts = dict(result.card_facts)
-
-        # 4. Stage weights + card without touching the user's folder (symlinks, not copies). Config and tokenizer
-        #    files are in weights_dir: convert copies them from beside the checkpoint (_side_files.py).
-        staging = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-stage-")))
-        _link_tree(weights_dir, staging)
-        if model_card and not (staging / "README.md").exists():
-            (staging / "README.md").write_text(
-                render_model_card(repo_id, card_facts, files=_listing(staging)), encoding="utf-8"
-            )
+        # 3-4. The folder to upload (the converted folder itself, or a fresh conversion), staged with the card.
+        staging, card_facts = _stage(stack, src_path, repo_id, converted, read, write, model_card=model_card)
         files = tuple(_listing(staging))
 
         # 5. One upload call: huggingface_hub skips files whose content the Hub already has, and deletes the weight
@@ -240,6 +223,38 @@ def push_to_hub(
         pr_url=info.pr_url,
         files=files,
     )
+
+
+def _stage(
+    stack: ExitStack,
+    src_path: Path,
+    repo_id: str,
+    converted: bool,
+    read: ReadOptions,
+    write: WriteOptions,
+    *,
+    model_card: bool,
+) -> tuple[Path, dict[str, Any]]:
+    """Steps 3-4 of :func:`push_to_hub`: the staging folder to upload (links to the weights, plus the model card)
+    and the card's facts; temporary folders live as long as ``stack``."""
+    # 3. The folder to upload: the converted folder itself, or a fresh conversion in a temporary folder.
+    card_facts: dict[str, Any] = {}
+    if converted:
+        weights_dir = src_path
+    else:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-push-")))
+        weights_dir = tmp / "model"
+        card_facts = written_card_facts(write_output(src_path, weights_dir, read, write).card)
+
+    # 4. Stage weights + card without touching the user's folder (symlinks, not copies). Config and tokenizer
+    #    files are in weights_dir: convert copies them from beside the checkpoint (_side_files.py).
+    staging = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zeroio-stage-")))
+    _link_tree(weights_dir, staging)
+    if model_card and not (staging / "README.md").exists():
+        (staging / "README.md").write_text(
+            render_model_card(repo_id, card_facts, files=_listing(staging)), encoding="utf-8"
+        )
+    return staging, card_facts
 
 
 def create_hub_repo(

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 from ._dtypes import DType
 from ._formats import CheckpointMetadata, dtype_name
 from ._messages import listing
+from ._write import CardInputs
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CARD_TAGS", "card_facts", "default_commit_message", "render_model_card"]
+__all__ = ["CARD_TAGS", "card_facts", "default_commit_message", "render_model_card", "written_card_facts"]
 
 CARD_TAGS = ("deepspeed", "zeroio")
 """Tags every model card carries (``safetensors`` is added for safetensors weights)."""
@@ -197,3 +198,13 @@ def default_commit_message(facts: Mapping[str, Any], *, converted: bool) -> str:
         return "Upload model with zeroio"
     tag = f" {one_line(facts['tag'])}" if facts.get("tag") else ""
     return f"Upload DeepSpeed ZeRO checkpoint{tag} converted with zeroio"
+
+
+def written_card_facts(card: CardInputs | None) -> dict[str, Any]:
+    """:func:`card_facts` of what a writer wrote (``{}`` for a format without card facts)."""
+    if card is None:
+        return {}
+    return card_facts(
+        card.source, fmt=card.fmt, target=card.target, out_dtypes=card.out_dtypes, excluded=card.excluded,
+        num_params=card.num_params,
+    )  # fmt: skip

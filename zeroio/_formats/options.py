@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .tp_rules import Rule, TPRules
+from .tp_rules import Rule, TPRules, parse_tp_rules
 
 __all__ = ["ReadOptions", "read_options", "trusted_names"]
 
@@ -60,8 +59,6 @@ def read_options(
         TypeError, ValueError: ``trusted_globals`` is one string, or ``tp_rules`` is not a mapping, a preset or
             JSON of one (a bad rule is the caller's error, not a checkpoint's format error).
     """
-    from .tp_rules import parse_tp_rules  # here: zeroio._formats imports this module
-
     return ReadOptions(
         tag=tag,
         verify_crc=verify_crc,

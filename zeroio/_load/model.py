@@ -335,45 +335,11 @@ def _load(
     infos = ckpt.infos
     mapped, dropped = apply_key_map(list(infos), key_map)
     mapped = normalise_prefixes(mapped, by_key)
-    plan: dict[int, tuple[_Slot, str]] = {}  # id(slot) -> (slot, checkpoint key), in checkpoint order
-    claimed: dict[str, str] = {}  # model key -> checkpoint key
-    unexpected: list[str] = []
-    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-    for key, name in mapped.items():
-        slot = by_key.get(name)
-        if slot is None:
-            unexpected.append(name)
-            continue
-        if name in claimed:
-            other = claimed[name]
-            if ckpt.tied.get(key, key) == ckpt.tied.get(other, other):
-                continue  # two names of one checkpoint tensor; one of them suffices
-            raise StateDictMismatchError(
-                f"Checkpoint keys '{other}' and '{key}' both map to model key '{name}' in '{where}'. "
-                "Fix key_map so that each model key receives one tensor.",
-                path=where,
-            )
-        claimed[name] = key
-        ckpt_shape = tuple(infos[key].shape)
-        model_shape = sharded.global_shape(slot.tensor)
-        if ckpt_shape != model_shape:
-            mismatched.append((name, ckpt_shape, model_shape))
-            continue
-        plan.setdefault(id(slot), (slot, key))
-    order = {k: i for i, k in enumerate(by_key)}
-    mismatched.sort(key=lambda m: order[m[0]])  # model order, as torch reports them
+    plan, unexpected, mismatched = _match(ckpt, by_key, mapped, where)
     # A tied model tensor is satisfied by any of its names; a size-mismatched one is reported once, as such.
     accounted = set(plan) | {id(by_key[name]) for name, _, _ in mismatched}
     missing = [k for k, slot in by_key.items() if id(slot) not in accounted]
-    failure: ZeroIOError | None = None
-    if strict and (missing or unexpected or mismatched):
-        failure = StateDictMismatchError(
-            _mismatch_message(model, missing, unexpected, mismatched, where, len(plan)),
-            missing_keys=missing,
-            unexpected_keys=unexpected,
-            mismatched_shapes=mismatched,
-            path=where,
-        )
+    failure = _strict_failure(model, (missing, unexpected, mismatched), where, len(plan)) if strict else None
     # A sharded model: each rank plans its slices, and all ranks agree on any failure before anyone writes.
     targets = {id(slot): (slot.tensor, slot.names[0]) for slot, _ in plan.values()}
     shard_plans = sharded.plan_agreed(targets, failure, where, broadcast) if is_sharded else {}
@@ -430,6 +396,88 @@ def _load(
                     _install(entry.slot, new)
 
     # 5. Report.
+    report = _report(ckpt, by_key, all_slots, plan, hooks, (missing, unexpected, mismatched), mapped, dropped)
+    logger.info(
+        "loaded %d tensors (%d bytes) from '%s' into %s: %d missing, %d unexpected, %d shape mismatches",
+        len(plan),
+        total,
+        where,
+        type(model).__name__,
+        len(missing),
+        len(unexpected),
+        len(mismatched),
+    )
+    return report, is_sharded
+
+
+def _strict_failure(
+    model: nn.Module,
+    keys: tuple[list[str], list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]],
+    where: str,
+    matched: int,
+) -> ZeroIOError | None:
+    """``strict=True``: the error that missing or unexpected keys or shape mismatches raise, or None."""
+    missing, unexpected, mismatched = keys
+    if not (missing or unexpected or mismatched):
+        return None
+    return StateDictMismatchError(
+        _mismatch_message(model, missing, unexpected, mismatched, where, matched),
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+        mismatched_shapes=mismatched,
+        path=where,
+    )
+
+
+def _match(
+    ckpt: Checkpoint, by_key: dict[str, _Slot], mapped: dict[str, str], where: str
+) -> tuple[dict[int, tuple[_Slot, str]], list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """Step 3 of :func:`load`: each checkpoint key's model slot (names and shapes only), the unexpected keys and
+    the shape mismatches (in model order, as torch reports them)."""
+    infos = ckpt.infos
+    plan: dict[int, tuple[_Slot, str]] = {}  # id(slot) -> (slot, checkpoint key), in checkpoint order
+    claimed: dict[str, str] = {}  # model key -> checkpoint key
+    unexpected: list[str] = []
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    for key, name in mapped.items():
+        slot = by_key.get(name)
+        if slot is None:
+            unexpected.append(name)
+            continue
+        if name in claimed:
+            other = claimed[name]
+            if ckpt.tied.get(key, key) == ckpt.tied.get(other, other):
+                continue  # two names of one checkpoint tensor; one of them suffices
+            raise StateDictMismatchError(
+                f"Checkpoint keys '{other}' and '{key}' both map to model key '{name}' in '{where}'. "
+                "Fix key_map so that each model key receives one tensor.",
+                path=where,
+            )
+        claimed[name] = key
+        ckpt_shape = tuple(infos[key].shape)
+        model_shape = sharded.global_shape(slot.tensor)
+        if ckpt_shape != model_shape:
+            mismatched.append((name, ckpt_shape, model_shape))
+            continue
+        plan.setdefault(id(slot), (slot, key))
+    order = {k: i for i, k in enumerate(by_key)}
+    mismatched.sort(key=lambda m: order[m[0]])  # model order, as torch reports them
+    return plan, unexpected, mismatched
+
+
+def _report(
+    ckpt: Checkpoint,
+    by_key: dict[str, _Slot],
+    all_slots: list[_Slot],
+    plan: dict[int, tuple[_Slot, str]],
+    hooks: tuple[str, ...],
+    keys: tuple[list[str], list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]],
+    mapped: dict[str, str],
+    dropped: list[str],
+) -> LoadReport:
+    """Step 5 of :func:`load`: the report, warning about tensors the checkpoint left on the meta device."""
+    missing, unexpected, mismatched = keys
+    where = str(ckpt.metadata.path)
     loaded_keys = [k for k, slot in by_key.items() if id(slot) in plan]
     tied = {alias: slot.names[0] for slot in all_slots for alias in slot.names[1:]}
     meta_keys = [n for slot in all_slots if slot.tensor.is_meta for n in slot.names]
@@ -453,14 +501,4 @@ def _load(
         hooks_called=hooks,
         metadata=ckpt.metadata,
     )
-    logger.info(
-        "loaded %d tensors (%d bytes) from '%s' into %s: %d missing, %d unexpected, %d shape mismatches",
-        len(plan),
-        total,
-        where,
-        type(model).__name__,
-        len(missing),
-        len(unexpected),
-        len(mismatched),
-    )
-    return report, is_sharded
+    return report

@@ -34,6 +34,7 @@ from .._io.remote_path import RemotePath
 from ..errors import UnsupportedCheckpointError
 from .atomic import AtomicDir
 from .options import WriteOptions
+from .result import Written
 
 __all__ = ["write_dcp"]
 
@@ -240,10 +241,9 @@ def _write_optimizer(
             folder.value(f"{root}.param_groups.{i}.{key}", (root, "param_groups", str(i), key), value)
 
 
-def write_dcp(
-    src: Path | RemotePath, dst: Path, read: ReadOptions, write: WriteOptions
-) -> tuple[list[Path], int, int, dict[str, str]]:
-    """Write ``src`` as a DCP checkpoint at ``dst``; returns (data files, bytes of model tensors, tensors, tied).
+def write_dcp(src: Path | RemotePath, dst: Path, read: ReadOptions, write: WriteOptions) -> Written:
+    """Write ``src`` as a DCP checkpoint at ``dst`` (the ``WRITERS`` entry of ``fmt="dcp"``): the data files, the
+    bytes of model tensors, the tensors and the ties written.
 
     Honours ``write.dtype``, ``exclude_frozen``, ``max_shard_size`` (per data file), ``chunk_bytes`` (per stored
     chunk), ``workers`` (blocks read ahead) and ``progress`` (bytes of model tensors written).
@@ -290,8 +290,9 @@ def write_dcp(
             finally:
                 for folder in folders:  # after an error: no handle left open on the discarded folder
                     folder.abandon()
-        files = [Path(dst) / f.path.relative_to(tmp) / name for f in folders for name in f.files]
-        return files, total, len(names), {a: t for a, t in ckpt.tied.items() if a in names and t in names}
+        files = tuple(Path(dst) / f.path.relative_to(tmp) / name for f in folders for name in f.files)
+        tied = {a: t for a, t in ckpt.tied.items() if a in names and t in names}
+        return Written(files=files, index_path=None, total_size=total, num_tensors=len(names), tied=tied)
 
 
 def _counted(blocks: Iterable[Block], meter: ByteProgress) -> Iterator[tuple[int, torch.Tensor]]:

@@ -13,13 +13,15 @@ from typing import Any
 
 import torch
 
-from .._formats import Checkpoint, PartitionedCheckpoint
+from .._formats import Checkpoint, PartitionedCheckpoint, ReadOptions, open_checkpoint, output_spec
 from .._io.remote_path import as_path
 from .._messages import get_logger
 from .._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
 from .._types import DTypeLike, StrPath
 from ..errors import OutputError, UnsupportedCheckpointError, ZeroIOError
-from .atomic import clean_stale, fsync_dir, temp_name, try_lock
+from .atomic import AtomicDir, clean_stale, fsync_dir, temp_name, try_lock
+from .options import WriteOptions
+from .result import CardInputs, Written
 
 __all__ = [
     "DEEPSPEED_STATE_KEYS",
@@ -27,6 +29,7 @@ __all__ = [
     "LIGHTNING_PREFIX",
     "LIGHTNING_VERSION_KEY",
     "LightningCheckpointResult",
+    "write_lightning",
     "write_lightning_ckpt",
 ]
 
@@ -300,4 +303,50 @@ def write_lightning_ckpt(
         tied=tied,
         client_state_keys=tuple(client),
         stripped_prefix=LIGHTNING_PREFIX if stripped else None,
+    )
+
+
+def write_lightning(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> Written:
+    """``fmt="lightning"``: one consolidated ``.ckpt`` file at ``dst``, written atomically by
+    :func:`write_lightning_ckpt` (the ``WRITERS`` entry)."""
+    # 1. Refuse an existing file (or a file in the way of a parent folder) before reading anything, as for folders;
+    #    a folder at dst is refused by write_lightning_ckpt, overwrite or not (a Lightning checkpoint is one file).
+    dst = Path(os.path.abspath(dst))
+    overwrite, target = write.overwrite, write.dtype
+    if not dst.is_dir():
+        AtomicDir(dst, overwrite=overwrite).check()
+    if overwrite and dst.is_file() and dst.resolve() == src.resolve():
+        raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
+    with open_checkpoint(src, read) as ckpt:
+        # 2. Missing parent folders are created, as convert creates them for an output folder.
+        if not dst.is_dir():
+            try:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(
+                    f"Cannot write '{dst}': cannot create the folder '{dst.parent}' ({exc.strerror or exc}). "
+                    "Check the permissions of the destination's folder or choose another destination.",
+                    path=dst,
+                ) from exc
+        written = write_lightning_ckpt(
+            ckpt,
+            dst,
+            dtype=None if target is None else target.torch,
+            overwrite=overwrite,
+            trusted_globals=read.trusted_globals,
+            loadable=True,
+        )
+        infos = ckpt.infos
+        card = CardInputs(
+            ckpt.metadata, fmt="lightning", target=target, out_dtypes=[output_spec(i, target) for i in infos.values()],
+            excluded=[], num_params=sum(info.numel for name, info in infos.items() if name not in ckpt.tied),
+        )  # fmt: skip
+    logger.info("wrote %d tensors (%d bytes) to %s", written.num_tensors, written.total_size, written.path)
+    return Written(
+        files=(written.path,),
+        index_path=None,
+        total_size=written.total_size,
+        num_tensors=written.num_tensors,
+        tied=written.tied,
+        card=card,
     )

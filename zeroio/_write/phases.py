@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._dtypes import DType
 from .._formats import Checkpoint, CheckpointMetadata, ReadOptions
 from .._io.fileio import naming, write_new_file
 from .._messages import get_logger
@@ -124,17 +125,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         )  # fmt: skip
 
         # 2. Rank 0 creates the temporary folder beside dst; everyone learns its path.
-        error, tmp_text = None, None
-        try:
-            if rank == 0:
-                job.tmp = out.create()
-                tmp_text = str(job.tmp)
-        except BaseException as exc:  # noqa: BLE001
-            error = exc
-        tmp = Path(job.settle(TEMP, error, tmp_text)[0])
-        job.tmp = tmp
-        if rank != 0:
-            out.adopt(tmp)  # so a failure here removes the shared folder and names it "partial output"
+        tmp = _create_temp(job)
 
         # 3. Execute: each process writes its own shards into the shared folder (fsynced), reading only their
         #    tensors' byte ranges; rank 0 then the extra files. Everyone reports success or failure.
@@ -162,33 +153,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
 
         # 4. Commit: rank 0 checks every shard is there, writes the index last, copies side files and renames the
         #    folder into place; the others wait for its word.
-        error, copied = None, []
-        if rank == 0:
-            try:
-                _check_shards(plan, owners, tmp, out.dst)
-                if plan.index is not None:
-                    with naming(out.dst / plan.index_name):
-                        write_new_file(tmp / plan.index_name, plan.index)
-                copied = list(
-                    copy_side_files(src, tmp, dtype=write.dtype)
-                )  # HF Trainer checkpoint-N: config, tokenizer
-            except BaseException as exc:  # noqa: BLE001
-                error = exc
-            if error is None:
-                job.tmp = None
-                try:
-                    out.commit()  # fsync, rename; on failure removes the folder and raises
-                except BaseException as exc:  # noqa: BLE001
-                    error = exc
-        else:
-            job.tmp = None  # rank 0 owns the folder from here: it commits it or removes it
-        try:
-            copied = job.settle(COMMIT, error, copied)[0]
-        except OutputError as exc:
-            if rank != 0 or error is not None or not isinstance(exc.__cause__, RuntimeError):
-                raise
-            # The output is complete and in place: every process had reported its shards written.
-            logger.warning("renamed %s into place, then lost contact with the other processes: %s", out.dst, exc)
+        copied = _commit(job, plan, owners, src, tmp, write.dtype)
         source = ckpt.metadata
 
     files = tuple(out.dst / filename for filename, _ in plan.shards.shards)
@@ -205,6 +170,55 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         index_path=out.dst / plan.index_name if plan.index is not None else None,
         copied=tuple(out.dst / name for name in copied),
     )
+
+
+def _create_temp(job: Job) -> Path:
+    """Step 2 of :func:`write_checkpoint`: rank 0 creates the temporary folder; every process learns its path."""
+    rank, out = job.comm.rank, job.out
+    error, tmp_text = None, None
+    try:
+        if rank == 0:
+            job.tmp = out.create()
+            tmp_text = str(job.tmp)
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    tmp = Path(job.settle(TEMP, error, tmp_text)[0])
+    job.tmp = tmp
+    if rank != 0:
+        out.adopt(tmp)  # so a failure here removes the shared folder and names it "partial output"
+    return tmp
+
+
+def _commit(job: Job, plan: WritePlan, owners: tuple[int, ...], src: Path, tmp: Path, dtype: DType | None) -> list[str]:
+    """Step 4 of :func:`write_checkpoint`: rank 0 checks the shards, writes the index last, copies the side files
+    and renames the folder into place; every process returns the names of the side files copied."""
+    rank, out = job.comm.rank, job.out
+    error, copied = None, []
+    if rank == 0:
+        try:
+            _check_shards(plan, owners, tmp, out.dst)
+            if plan.index is not None:
+                with naming(out.dst / plan.index_name):
+                    write_new_file(tmp / plan.index_name, plan.index)
+            copied = list(copy_side_files(src, tmp, dtype=dtype))  # HF Trainer checkpoint-N: config, tokenizer
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+        if error is None:
+            job.tmp = None
+            try:
+                out.commit()  # fsync, rename; on failure removes the folder and raises
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+    else:
+        job.tmp = None  # rank 0 owns the folder from here: it commits it or removes it
+    try:
+        copied = job.settle(COMMIT, error, copied)[0]
+    except OutputError as exc:
+        if rank != 0 or error is not None or not isinstance(exc.__cause__, RuntimeError):
+            raise
+        # The output is complete and in place: every process had reported its shards written.
+        logger.warning("renamed %s into place, then lost contact with the other processes: %s", out.dst, exc)
+    return copied
 
 
 def _check_shards(plan: WritePlan, owners: tuple[int, ...], tmp: Path, dst: Path) -> None:

@@ -37,8 +37,9 @@ from .._types import StrPath
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from .atomic import AtomicDir
 from .options import WriteOptions
+from .result import Written
 
-__all__ = ["LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILES", "UniversalOutput", "write_universal"]
+__all__ = ["LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILES", "write_universal"]
 
 logger = get_logger(__name__)
 
@@ -61,24 +62,6 @@ _UC_PATTERN_KEYS = (
 )
 """``universal_checkpoint_info`` entries that change how ``ds_to_universal`` merges a parameter (Megatron-style
 tensor parallelism); zeroio writes the plain form only and refuses a source that sets any of them."""
-
-
-@dataclass(frozen=True, slots=True)
-class UniversalOutput:
-    """What :func:`write_universal` wrote."""
-
-    path: Path
-    """The output root (holds ``latest_universal`` and the tag folder)."""
-    tag: str
-    """The universal tag folder, ``<source tag>_universal``."""
-    files: tuple[Path, ...]
-    """Every file written, in the order written."""
-    total_size: int
-    """Bytes of tensor data written (model states copied as they are)."""
-    num_tensors: int
-    """Trainable parameters written with their optimizer state."""
-    tied: dict[str, str]
-    """The source's tied aliases (``{alias: source}``): DeepSpeed restores them through the shared parameter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,8 +311,9 @@ def _copy_file(src: Path, dst: Path) -> int:
 # --------------------------------------------------------------------------- the verb helper
 
 
-def write_universal(src: StrPath, dst: Path, read: ReadOptions, write: WriteOptions) -> UniversalOutput:
-    """Write ``dst/latest_universal`` and ``dst/<tag>_universal/`` from a ZeRO-1/2/3 checkpoint, atomically.
+def write_universal(src: StrPath, dst: Path, read: ReadOptions, write: WriteOptions) -> Written:
+    """Write ``dst/latest_universal`` and ``dst/<tag>_universal/`` from a ZeRO-1/2/3 checkpoint, atomically (the
+    ``WRITERS`` entry of ``fmt="universal"``).
 
     Raises:
         UnsupportedCheckpointError: not ZeRO-1/2/3, MoE experts, tensor-parallel merge rules, non-Adam state.
@@ -377,4 +361,6 @@ def write_universal(src: StrPath, dst: Path, read: ReadOptions, write: WriteOpti
         tied = dict(ckpt.tied)
     logger.info("wrote universal checkpoint %s/%s (%d parameters) from %s", out.dst, utag, len(planner.trainable),
                 meta.path)  # fmt: skip
-    return UniversalOutput(out.dst, utag, tuple(written), total, len(planner.trainable), tied)
+    return Written(
+        files=tuple(written), index_path=None, total_size=total, num_tensors=len(planner.trainable), tied=tied
+    )

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import zeroio
 
@@ -236,16 +237,8 @@ def _add_tp_rules(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``zeroio`` argument parser (also the source of the CLI reference in docs/)."""
-    parser = argparse.ArgumentParser(
-        prog="zeroio",
-        allow_abbrev=False,  # `--exclude` must not silently mean --exclude-frozen
-        description="Read, convert and publish DeepSpeed ZeRO checkpoints without DeepSpeed.",
-    )
-    parser.add_argument("--version", action="version", version=f"zeroio {zeroio.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_inspect(sub: Any) -> None:
+    """``zeroio inspect``: list tensors and metadata."""
     p = sub.add_parser("inspect", allow_abbrev=False, help="list tensors and metadata (reads no tensor bytes)")
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
@@ -253,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp_rules(p)
     p.set_defaults(func=cmd_inspect)
 
+
+def _add_convert(sub: Any) -> None:
+    """``zeroio convert``: write another format."""
     p = sub.add_parser("convert", allow_abbrev=False, help="write safetensors (or torch) files, streaming and atomic")
     p.add_argument("src", help="checkpoint to read")
     p.add_argument(
@@ -315,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp_rules(p)
     p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
+
+def _add_verify(sub: Any) -> None:
+    """``zeroio verify``: compare two checkpoints."""
     p = sub.add_parser(
         "verify", allow_abbrev=False, help="compare every tensor of two checkpoints (exit 1 on any difference)"
     )
@@ -328,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_verify)
 
+
+def _add_push(sub: Any) -> None:
+    """``zeroio push``: push to the Hub."""
     p = sub.add_parser("push", allow_abbrev=False, help="push to the Hugging Face Hub (converting first if needed)")
     p.add_argument("src", help="checkpoint or converted folder")
     p.add_argument("repo_id", help="e.g. my-org/my-model")
@@ -353,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp_rules(p)
     p.set_defaults(func=cmd_push, validate=_validate_push)
 
+
+def _add_reshard(sub: Any) -> None:
+    """``zeroio reshard``: rewrite for another world size."""
     p = sub.add_parser(
         "reshard",
         allow_abbrev=False,
@@ -368,4 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_reshard)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``zeroio`` argument parser (also the source of the CLI reference in docs/)."""
+    parser = argparse.ArgumentParser(
+        prog="zeroio",
+        allow_abbrev=False,  # `--exclude` must not silently mean --exclude-frozen
+        description="Read, convert and publish DeepSpeed ZeRO checkpoints without DeepSpeed.",
+    )
+    parser.add_argument("--version", action="version", version=f"zeroio {zeroio.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_inspect(sub)
+    _add_convert(sub)
+    _add_verify(sub)
+    _add_push(sub)
+    _add_reshard(sub)
     return parser

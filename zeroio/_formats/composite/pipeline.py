@@ -25,14 +25,13 @@ from ..read_plans import TensorPlans, WholePlan, buffer_plans, casts_to
 from ..tp_rules import Rule, TPRules, describe_rule, parse_tp_rules
 from ..validate import (
     ModelStates,
-    OptimizerPartitions,
     base_optimizer_state,
     config_stage,
-    optimizer_partitions,
     param_shapes,
     tensor_ref,
 )
 from ..zero.file_layout import ZeroLayout, find_tag_dir
+from ..zero.flat_partitions import OptimizerPartitions, optimizer_partitions
 from ..zero.provenance import (
     MIXED_SAVES,
     archive_records,

@@ -20,8 +20,9 @@ from ...errors import CheckpointFormatError, PartitionMismatchError, Unsupported
 from ..metadata import TensorInfo, require, require_dict
 from ..partition import Piece, zero3_partition_numel
 from ..read_plans import FlatPlan, TensorPlans
-from ..validate import OptimizerPartitions, numel_of, shape_of
+from ..validate import numel_of, shape_of
 from .autoep_layers import AUTOEP_LAYERS, AutoEPLayer, autoep_layers
+from .flat_partitions import OptimizerPartitions
 
 __all__ = ["AUTOEP_LAYERS", "AutoEP", "autoep_trainable", "is_autoep"]
 

@@ -23,7 +23,8 @@ from ..._io.confine import confined_path, require_regular_file
 from ..._pickles.archive import RankFile, Storage, TensorRef
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError
 from ..partition import zero3_partition_numel, zero3_sub_groups
-from ..validate import ModelStates, OptimizerPartitions, ParamShapes
+from ..validate import ModelStates, ParamShapes
+from .flat_partitions import OptimizerPartitions
 
 __all__ = ["SwapFiles", "attach_swapped_state", "nvme_path", "swap_rank_folder"]
 

@@ -25,15 +25,14 @@ from ..read_plans import (
 )
 from ..validate import (
     ModelStates,
-    OptimizerPartitions,
     ParamShapes,
     base_optimizer_state,
     model_states,
-    optimizer_partitions,
     param_shapes,
 )
 from .autoep import AutoEP, autoep_trainable, is_autoep
 from .file_layout import ZeroLayout, find_tag_dir, scan_tag_dir
+from .flat_partitions import OptimizerPartitions, optimizer_partitions
 from .mics import check_mics_replicas, mics_shard_group, zero_variant_metadata
 from .moe import Experts, insert_experts, parse_experts
 from .nvme_offload import attach_swapped_state

@@ -11,7 +11,8 @@ from ...errors import PartitionMismatchError, UnsupportedCheckpointError
 from ..metadata import TensorInfo, require_dict
 from ..partition import Piece, zero12_offsets, zero12_plan
 from ..read_plans import FlatPlan, TensorPlans, WholePlan
-from ..validate import ModelStates, OptimizerPartitions, ParamShapes, numel_of, tensor_ref
+from ..validate import ModelStates, ParamShapes, numel_of, tensor_ref
+from .flat_partitions import OptimizerPartitions
 from .moe import Experts, Placement, PlannedParam, expert_group_layouts, is_expert_param, plan_matches_experts
 from .provenance import check_slice_mappings
 

@@ -11,7 +11,8 @@ from ...errors import PartitionMismatchError
 from ..metadata import TensorInfo, require, require_dict
 from ..partition import Piece, zero3_offsets, zero3_partition_numel, zero3_plan
 from ..read_plans import FlatPlan, TensorPlans
-from ..validate import OptimizerPartitions, numel_of, tensor_ref
+from ..validate import numel_of, tensor_ref
+from .flat_partitions import OptimizerPartitions
 
 __all__ = ["zero3_frozen", "zero3_trainable"]
 
