@@ -108,22 +108,20 @@ class Format:
     name: str
     detect: Callable[[Path], bool]
     """True when the path (checked by names only, nothing parsed) holds this layout."""
-    open: Callable[..., Checkpoint]
-    """``open(path, tag, trusted_globals, **options)``: the lazy checkpoint view."""
-    options: tuple[str, ...] = ()
-    """Keyword options of :func:`open` this format's ``open`` takes (e.g. ``tp_rules``); others never reach it."""
+    open: Callable[[Path, ReadOptions], Checkpoint]
+    """``open(path, options)``: the lazy checkpoint view (each reader takes the ``ReadOptions`` it needs)."""
 
 
 def _consolidated_not_zero(path: Path) -> bool:
     return is_consolidated(path) and not is_zero_checkpoint(path)
 
 
-def _open_consolidated(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> Checkpoint:
-    return open_consolidated(path, trusted_globals=trusted_globals)
+def _open_consolidated(path: Path, options: ReadOptions) -> Checkpoint:
+    return open_consolidated(path, trusted_globals=options.trusted_globals)
 
 
-def _open_zero(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> Checkpoint:
-    return open_zero(path, tag, trusted_globals=trusted_globals)
+def _open_zero(path: Path, options: ReadOptions) -> Checkpoint:
+    return open_zero(path, options.tag, trusted_globals=options.trusted_globals)
 
 
 def _anything(path: Path) -> bool:
@@ -137,8 +135,8 @@ FORMATS: list[Format] = [
     Format("consolidated", _consolidated_not_zero, _open_consolidated),
     Format("universal", is_universal, open_universal),
     # Pipeline folders hold several mp_rank files too: named layer files tell them apart, so they go first.
-    Format("pipeline", is_pipeline, open_pipeline, ("tp_rules",)),
-    Format("tensor-parallel", is_tensor_parallel, open_tensor_parallel, ("tp_rules", "ignore_recorded_tp")),
+    Format("pipeline", is_pipeline, open_pipeline),
+    Format("tensor-parallel", is_tensor_parallel, open_tensor_parallel),
     # Last, and takes any path: its errors say what a DeepSpeed checkpoint folder should hold.
     Format("zero", _anything, _open_zero),
 ]
@@ -214,12 +212,11 @@ def open_checkpoint(path: StrPath | RemotePath, options: ReadOptions) -> Checkpo
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
     if not p.is_dir():
         require_regular_file(p)  # a FIFO, /dev/zero or a link to one: reading would block or never end
-    # The first registered format that detects the path opens it, given the options it takes; the last one,
+    # The first registered format that detects the path opens it, given the read options; the last one,
     # ZeRO, takes any path, so its errors say what a DeepSpeed checkpoint folder should hold.
     fmt = next((f for f in FORMATS if f.detect(p)), FORMATS[-1])
-    given = {"tp_rules": options.tp_rules, "ignore_recorded_tp": options.ignore_recorded_tp}
     try:
-        ckpt = fmt.open(p, options.tag, options.trusted_globals, **{k: v for k, v in given.items() if k in fmt.options})
+        ckpt = fmt.open(p, options)
     except ZeroIOError:
         raise
     except (

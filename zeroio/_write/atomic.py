@@ -14,12 +14,13 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
 from .._messages import get_logger, listing
-from ..errors import OutputError
+from ..errors import OutputError, ZeroIOError
 from .own_files import LOCK_NAME, foreign_entries
 
 try:
@@ -27,7 +28,7 @@ try:
 except ImportError:  # Windows: no flock; the process id in the name decides alone
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["AtomicDir", "clean_stale", "fsync_dir", "hold_lock", "temp_name", "try_lock"]
+__all__ = ["AtomicDir", "clean_stale", "fsync_dir", "hold_lock", "temp_name", "try_lock", "write_file_atomically"]
 
 logger = get_logger(__name__)
 
@@ -407,3 +408,29 @@ class AtomicDir:
             pass
         fsync_dir(self.dst)
         fsync_dir(self.dst.parent)
+
+
+def write_file_atomically(dst: Path, write: Callable[[BinaryIO], None]) -> None:
+    """:class:`AtomicDir` for one file: ``write`` fills a temporary file beside ``dst``, locked while written (so no
+    clean-up takes it), which is then fsynced and renamed over ``dst``; on failure it is removed."""
+    tmp = temp_name(dst)
+    try:
+        with open(tmp, "wb") as fh:
+            try_lock(fh.fileno())
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+            os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, ZeroIOError):
+            raise
+        cause = f"{exc.strerror or exc}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        raise OutputError(
+            f"Cannot write '{dst}': {cause}. Removed the partial output. Fix the cause and run the conversion again.",
+            path=dst,
+        ) from exc

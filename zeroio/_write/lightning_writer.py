@@ -18,8 +18,8 @@ from .._io.remote_path import as_path
 from .._messages import get_logger
 from .._pickles import Walk, Where, ZeroStageEnum, inert_parts, is_inert, load_pickle, to_plain, where_text
 from .._types import DTypeLike, StrPath
-from ..errors import OutputError, UnsupportedCheckpointError, ZeroIOError
-from .atomic import AtomicDir, clean_stale, fsync_dir, temp_name, try_lock
+from ..errors import OutputError, UnsupportedCheckpointError
+from .atomic import AtomicDir, clean_stale, write_file_atomically
 from .options import WriteOptions
 from .result import CardInputs, Written
 
@@ -181,32 +181,6 @@ def _state_dict_key(name: str) -> str:
     return name.removeprefix(LIGHTNING_PREFIX)
 
 
-def _save_atomic(obj: dict[str, Any], dst: Path) -> None:
-    """torch.save into a temporary file beside ``dst``, locked while written (so no clean-up takes it), then
-    renamed over ``dst``."""
-    tmp = temp_name(dst)
-    try:
-        with open(tmp, "wb") as fh:
-            try_lock(fh.fileno())
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-            os.replace(tmp, dst)
-        fsync_dir(dst.parent)
-    except BaseException as exc:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        if isinstance(exc, ZeroIOError):
-            raise
-        cause = f"{exc.strerror or exc}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        raise OutputError(
-            f"Cannot write '{dst}': {cause}. Removed the partial output. Fix the cause and run the conversion again.",
-            path=dst,
-        ) from exc
-
-
 def write_lightning_ckpt(
     ckpt: Checkpoint,
     dst_file: StrPath,
@@ -293,7 +267,7 @@ def write_lightning_ckpt(
                     LIGHTNING_FORMAT_VERSION)  # fmt: skip
         obj[LIGHTNING_VERSION_KEY] = LIGHTNING_FORMAT_VERSION
     obj["state_dict"] = state_dict
-    _save_atomic(obj, dst)
+    write_file_atomically(dst, lambda fh: torch.save(obj, fh))
     distinct = [t for k, t in state_dict.items() if k not in tied]
     logger.debug("wrote %s: %d tensors, client state %s", dst, len(state_dict), sorted(client))
     return LightningCheckpointResult(

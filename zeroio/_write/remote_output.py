@@ -7,7 +7,7 @@ files that say an output is complete (``*.index.json``; ``latest`` for a reshard
 ``latest_universal`` for a universal one, which is where DeepSpeed's loader starts): nothing at the destination
 looks complete until everything it names is there. On any failure the files zeroio uploaded (and only those) are
 removed. A destination prefix holding files is refused unless ``overwrite``, and then only zeroio's own output
-names may be there and are replaced (as a local ``overwrite`` does, ``_own_files.py``).
+names may be there and are replaced (as a local ``overwrite`` does, ``_write/own_files.py``).
 
 A destination that is the source, inside it, or holding it is refused before anything is listed or written (an
 ``overwrite`` would delete the objects being read). An object that did not exist at the listing is put with a

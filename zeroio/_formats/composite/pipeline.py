@@ -20,9 +20,10 @@ from ...errors import CheckpointFormatError, CheckpointNotFoundError, PartitionM
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo, require_dict
 from ..optimizer.views import StageView, stage_of, stage_views
+from ..options import ReadOptions
 from ..planned_checkpoint import PlannedCheckpoint
 from ..read_plans import TensorPlans, WholePlan, buffer_plans, casts_to
-from ..tp_rules import Rule, TPRules, describe_rule, parse_tp_rules
+from ..tp_rules import Rule, describe_rule, parse_tp_rules
 from ..validate import (
     ModelStates,
     base_optimizer_state,
@@ -85,15 +86,14 @@ class _Parsed:
         return tree
 
 
-def open_pipeline(
-    path: Path, tag: str | None, trusted_globals: frozenset[str], *, tp_rules: TPRules | None = None
-) -> Checkpoint:
+def open_pipeline(path: Path, options: ReadOptions) -> Checkpoint:
     """Open a pipeline checkpoint; a tag folder without layer files is a plain ZeRO one.
 
     With tensor parallelism (``layer_XX-model_YY`` files) each tp rank's stages are merged as a pipeline, then the
     tp ranks' shards are merged by ``tp_rules``: ``PipelineModule`` records no partition, so the rules decide and a
     tensor they do not describe is refused by name.
     """
+    tag, trusted_globals, tp_rules = options.tag, options.trusted_globals, options.tp_rules
     tag_dir, tag_name = find_tag_dir(path, tag)
     if not has_layer_files(tag_dir):
         return open_zero(path, tag, trusted_globals=trusted_globals)

@@ -28,13 +28,13 @@ from ..metadata import CheckpointMetadata, TensorInfo
 from ..name_patterns import MAX_NAME_CHARS
 from ..optimizer.state import optimizer_state
 from ..optimizer.views import merge_tp_states
+from ..options import ReadOptions
 from ..read_plans import sample_ranges
 from ..tp_rules import (
     REPLICATED,
     UNSUPPORTED,
     PatternError,
     Rule,
-    TPRules,
     describe_rule,
     parse_tp_rules,
     recorded_rule,
@@ -173,19 +173,13 @@ def is_tensor_parallel(path: Path) -> bool:
 # --------------------------------------------------------------------------- opening
 
 
-def open_tensor_parallel(
-    path: Path,
-    tag: str | None,
-    trusted_globals: frozenset[str],
-    *,
-    tp_rules: TPRules | None = None,
-    ignore_recorded_tp: bool = False,
-) -> Checkpoint:
+def open_tensor_parallel(path: Path, options: ReadOptions) -> Checkpoint:
     """Open every tp rank of a tensor-parallel checkpoint and plan each tensor's merge (no tensor bytes read).
 
     ``ignore_recorded_tp`` sets the files' ``universal_checkpoint_info`` aside, so ``tp_rules`` alone decide.
     """
-    rules = parse_tp_rules(tp_rules)
+    tag, trusted_globals, ignore_recorded_tp = options.tag, options.trusted_globals, options.ignore_recorded_tp
+    rules = parse_tp_rules(options.tp_rules)
     tag_dir, tag_name = find_tag_dir(path, tag)
     mp_ranks = model_parallel_ranks(tag_dir)
     if len(mp_ranks) < 2:  # a root whose other tag is tensor parallel: this one is plain ZeRO

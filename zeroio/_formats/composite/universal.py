@@ -20,6 +20,7 @@ from ..._pickles import RankFile, TensorRef, load_pickle, to_plain
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError, TensorNotFoundError
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo, require
+from ..options import ReadOptions
 from ..planned_checkpoint import PlannedCheckpoint
 from ..read_plans import ReadPlan, TensorPlans, WholePlan, buffer_plans
 from ..validate import ModelStates, ParamShapes, config_stage, model_states, numel_of, param_shapes, tensor_ref
@@ -152,12 +153,13 @@ def _stored_ref(tree: Any, path: Path) -> TensorRef:
     return tensor_ref(tree, "the stored value", path)
 
 
-def open_universal(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> Checkpoint:
+def open_universal(path: Path, options: ReadOptions) -> Checkpoint:
     """Open a universal checkpoint lazily: parse the model states and each ``fp32.pt`` pickle, read no tensor bytes.
 
     A root that also holds ``latest`` (a training folder converted in place) opens the ZeRO checkpoint ``latest``
     names unless ``tag`` picks the universal folder.
     """
+    tag, trusted_globals = options.tag, options.trusted_globals
     where = _universal_tag_dir(path, tag)
     if where is None:
         return open_zero(path, tag, trusted_globals=trusted_globals)

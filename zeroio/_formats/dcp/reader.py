@@ -34,6 +34,7 @@ from ...errors import (
 )
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
+from ..options import ReadOptions
 from .chunk_plans import EntryMap, concat_ranges, read_entry_into
 from .metadata import DcpMetadata, TensorEntry, parse_dcp_metadata
 
@@ -428,9 +429,10 @@ def _hyper_parameters(values: dict[str, Any], params: set[str]) -> dict[str, dic
     return hyper
 
 
-def open_dcp(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> DcpCheckpoint:
+def open_dcp(path: Path, options: ReadOptions) -> DcpCheckpoint:
     """Open a DCP checkpoint: metadata and pickled values only, no tensor bytes."""
-    folders, tag, layout = _roots(path, tag)
+    trusted_globals = options.trusted_globals
+    folders, tag, layout = _roots(path, options.tag)
     parts: list[_Part] = []
     values: dict[str, Any] = {}
     for folder in folders:
