@@ -481,9 +481,9 @@ def _function_lengths(tree: ast.Module) -> Iterator[tuple[str, int, int]]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
             first = body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and len(body) > 1:
-                if isinstance(first.value.value, str):
-                    body = body[1:]
+            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if docstring and isinstance(first.value.value, str) and len(body) > 1:  # type: ignore[attr-defined]
+                body = body[1:]
             header = node.body[0].lineno - node.lineno  # the signature (decorators not counted)
             assert body[-1].end_lineno is not None
             yield node.name, node.lineno, header + body[-1].end_lineno - body[0].lineno + 1
