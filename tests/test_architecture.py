@@ -265,7 +265,7 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
             "name_patterns",
         ),
         # the families: each reads one kind of checkpoint, built on the contracts (and on each other)
-        ("zero", "composite", "files", "dcp", "optimizer"),
+        ("zero", "composite", "files", "dcp", "optimizer", "verl"),
         # the registry (FORMATS, open_checkpoint): the only module that knows every family
         ("__init__",),
     ],
@@ -482,7 +482,7 @@ def _function_lengths(tree: ast.Module) -> Iterator[tuple[str, int, int]]:
             body = node.body
             first = body[0]
             docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-            if docstring and isinstance(first.value.value, str) and len(body) > 1:  # type: ignore[attr-defined]
+            if docstring and isinstance(first.value.value, str) and len(body) > 1:
                 body = body[1:]
             header = node.body[0].lineno - node.lineno  # the signature (decorators not counted)
             assert body[-1].end_lineno is not None

@@ -23,6 +23,7 @@ from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ..checkpoint import Checkpoint
 from ..files.safetensors_reader import parse_safetensors
 from ..metadata import CheckpointMetadata, TensorInfo
+from ..options import ReadOptions
 from .chunk_plans import EntryMap, concat_ranges, read_entry_into
 from .metadata import Chunk, TensorEntry, check_tiling
 
@@ -212,9 +213,9 @@ def _check_names(folder: Path, paths: list[Path]) -> None:
         )
 
 
-def open_dcp_hf(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> HfStorageCheckpoint:
+def open_dcp_hf(path: Path, options: ReadOptions) -> HfStorageCheckpoint:
     """Open a HuggingFaceStorageWriter checkpoint: every shard file's header, no tensor bytes."""
-    folder, step = _folder(path, tag)
+    folder, step = _folder(path, options.tag)
     paths = _shard_files(folder)
     _check_names(folder, paths)
     files: list[Any] = []

@@ -22,6 +22,7 @@ from ...errors import CheckpointFormatError, TensorNotFoundError, UnsafePickleEr
 from ..checkpoint import Checkpoint
 from ..dcp.chunk_plans import EntryMap, concat_ranges, read_entry_into
 from ..metadata import CheckpointMetadata, TensorInfo, TensorKind
+from ..options import ReadOptions
 from .dtensors import Assembled, assemble, is_dtensor
 from .files import VerlFiles, find_verl_files, verl_folder
 from .optim import read_optimizer
@@ -211,8 +212,9 @@ def _model(
     return pieces, tied, params, skipped
 
 
-def open_verl(path: Path, tag: str | None, trusted_globals: frozenset[str]) -> VerlCheckpoint:
+def open_verl(path: Path, options: ReadOptions) -> VerlCheckpoint:
     """Open a verl FSDP checkpoint: every rank file's pickle parsed (inert), no tensor bytes read."""
+    tag, trusted_globals = options.tag, options.trusted_globals
     # 1. Which folder and files: unknown FSDP versions, mixed world sizes and missing ranks are refused first.
     folder, step_name = verl_folder(path, tag)
     files = find_verl_files(folder)
