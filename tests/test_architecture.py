@@ -265,7 +265,7 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
             "name_patterns",
         ),
         # the families: each reads one kind of checkpoint, built on the contracts (and on each other)
-        ("zero", "composite", "files", "dcp", "optimizer", "verl"),
+        ("zero", "composite", "files", "dcp", "optimizer", "verl", "lora"),
         # the registry (FORMATS, open_checkpoint): the only module that knows every family
         ("__init__",),
     ],
@@ -287,7 +287,15 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
             "remote_output",
         ),
         # the writers, one module per output format (and the distributed execution of the engine)
-        ("hf_writer", "distributed", "optimizer_files", "lightning_writer", "universal_writer", "dcp_writer"),
+        (
+            "hf_writer",
+            "distributed",
+            "optimizer_files",
+            "lightning_writer",
+            "universal_writer",
+            "dcp_writer",
+            "peft_writer",
+        ),
         # the registry (WRITERS, write_output)
         ("__init__",),
     ],

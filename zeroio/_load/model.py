@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping
 from contextlib import closing
@@ -15,13 +14,14 @@ from torch import nn
 
 from .._formats import Checkpoint, CheckpointMetadata, parse_dtype, read_options
 from .._io.progress import ByteProgress, Progress, check_progress
-from .._messages import SHOWN, get_logger, listing
+from .._messages import get_logger
 from .._types import DTypeLike, InitHook, StrPath
-from ..errors import StateDictMismatchError, ZeroIOError
+from ..errors import StateDictMismatchError
 from . import shard_reads, sharded
 from .device_copy import DeviceFiller, Ranges
 from .init_hooks import run_init_hooks
 from .key_map import KeyMap, apply_key_map, normalise_prefixes
+from .mismatch import strict_failure
 
 if TYPE_CHECKING:
     from .._formats import TPRules
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["KeyMap", "LoadReport", "load"]
 
 logger = get_logger(__name__)
-
-_SHOWN = SHOWN  # list items shown in an error message before "... and N more"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,44 +96,6 @@ def _slots(model: nn.Module) -> tuple[dict[str, _Slot], list[_Slot]]:
             if persistent:
                 by_key[key] = slot
     return by_key, list(by_id.values())
-
-
-def _listing(keys: list[str], notes: Mapping[str, str] | None = None) -> str:
-    notes = notes or {}
-    return listing(keys, limit=_SHOWN, show=lambda k: f'"{k}"{notes.get(k, "")}')
-
-
-def _mismatch_message(
-    model: nn.Module,
-    missing: list[str],
-    unexpected: list[str],
-    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
-    where: str,
-    matching: int,
-) -> str:
-    # torch's wording (Module.load_state_dict), so that searches for the familiar message find this one.
-    lines = [f"Error(s) in loading state_dict for {type(model).__name__}:"]
-    if missing:
-        notes = {}
-        for key in missing[:_SHOWN]:
-            close = difflib.get_close_matches(key, unexpected, n=1, cutoff=0.8)
-            if close:
-                notes[key] = f' (did you mean "{close[0]}"?)'
-        lines.append(f"Missing key(s) in state_dict: {_listing(missing, notes)}.")
-    if unexpected:
-        lines.append(f"Unexpected key(s) in state_dict: {_listing(unexpected)}.")
-    for key, ckpt_shape, model_shape in mismatched[:_SHOWN]:
-        lines.append(
-            f"size mismatch for {key}: copying a param with shape {torch.Size(ckpt_shape)} from checkpoint, "
-            f"the shape in current model is {torch.Size(model_shape)}."
-        )
-    if len(mismatched) > _SHOWN:
-        lines.append(f"... and {len(mismatched) - _SHOWN} more size mismatches.")
-    lines.append(
-        f"Checkpoint: '{where}'. No parameter was modified; pass strict=False to load the {matching} matching "
-        "tensors (the LoadReport lists the rest), or key_map= to rename keys."
-    )
-    return "\n\t".join(lines)
 
 
 # --------------------------------------------------------------------------- loading
@@ -339,7 +299,7 @@ def _load(
     # A tied model tensor is satisfied by any of its names; a size-mismatched one is reported once, as such.
     accounted = set(plan) | {id(by_key[name]) for name, _, _ in mismatched}
     missing = [k for k, slot in by_key.items() if id(slot) not in accounted]
-    failure = _strict_failure(model, (missing, unexpected, mismatched), where, len(plan)) if strict else None
+    failure = strict_failure(model, (missing, unexpected, mismatched), where, len(plan)) if strict else None
     # A sharded model: each rank plans its slices, and all ranks agree on any failure before anyone writes.
     targets = {id(slot): (slot.tensor, slot.names[0]) for slot, _ in plan.values()}
     shard_plans = sharded.plan_agreed(targets, failure, where, broadcast) if is_sharded else {}
@@ -408,25 +368,6 @@ def _load(
         len(mismatched),
     )
     return report, is_sharded
-
-
-def _strict_failure(
-    model: nn.Module,
-    keys: tuple[list[str], list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]],
-    where: str,
-    matched: int,
-) -> ZeroIOError | None:
-    """``strict=True``: the error that missing or unexpected keys or shape mismatches raise, or None."""
-    missing, unexpected, mismatched = keys
-    if not (missing or unexpected or mismatched):
-        return None
-    return StateDictMismatchError(
-        _mismatch_message(model, missing, unexpected, mismatched, where, matched),
-        missing_keys=missing,
-        unexpected_keys=unexpected,
-        mismatched_shapes=mismatched,
-        path=where,
-    )
 
 
 def _match(
