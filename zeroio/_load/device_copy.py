@@ -4,11 +4,15 @@ A plain ``cuda_tensor.copy_(cpu_chunk)`` from pageable memory is synchronous: th
 and the bus waits while the disk reads. Here a ring of page-locked (pinned) host buffers is filled by reader
 threads (several reads in flight, the CRC of each folded in by the reading thread), each full buffer is copied to
 the device with ``non_blocking=True`` and cast there, and a buffer is refilled once the event recorded after its
-copy has passed. Host memory stays ``RING x chunk``; device memory gains the same for staging casts, only when something is cast.
+copy has passed. Host memory stays ``ring x chunk``; device memory gains the same for staging casts, only when something is cast.
+
+The disk gives parallel positioned reads far more than one stream (an H200 host's local disk: docs/benchmarks.md,
+"Read limit"), so the reader threads follow the host's CPUs, shared by the ranks of the host (:func:`read_threads`).
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,14 +23,31 @@ import torch
 from .._formats import Checkpoint
 from .shard_reads import staging_bytes
 
-__all__ = ["RING", "STAGING_CHUNK_BYTES", "DeviceFiller", "Ranges"]
+__all__ = ["HOST_READ_THREADS", "RING", "STAGING_CHUNK_BYTES", "DeviceFiller", "Ranges", "read_threads"]
 
 STAGING_CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes per pinned buffer: large enough that one read and one transfer each run near full speed.
 ``ZEROIO_STAGING_BYTES`` overrides it (tests use tiny chunks to cross chunk boundaries on small fixtures)."""
 
 RING = 6
-"""Pinned buffers: one being copied to the device while the others are read into (``RING - 1`` reader threads)."""
+"""Fewest pinned buffers: one being copied to the device while the others are read into (``ring - 1`` readers)."""
+
+HOST_READ_THREADS = 16
+"""Reads in flight on one host, over all its ranks (``LOCAL_WORLD_SIZE``), capped by its CPUs: each read also
+folds its CRC-32 and copies from the page cache when warm. ``ZEROIO_READ_THREADS`` sets a rank's own count."""
+
+
+def read_threads() -> int:
+    """Reader threads of this rank's :class:`DeviceFiller` (see :data:`HOST_READ_THREADS`)."""
+    override = os.environ.get("ZEROIO_READ_THREADS")
+    if override:
+        return max(1, int(override))
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    host = min(HOST_READ_THREADS, os.cpu_count() or 1)
+    return max(RING - 1, host // local)
 
 
 @dataclass(slots=True)
@@ -58,11 +79,11 @@ class _InFlight:
 class DeviceFiller:
     """Fills contiguous CUDA tensors from a checkpoint through a ring of pinned host buffers."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int | None = None, ring: int = RING) -> None:
+    def __init__(self, device: torch.device, chunk_bytes: int | None = None, ring: int | None = None) -> None:
         self.device = device
         wanted = chunk_bytes or staging_bytes(STAGING_CHUNK_BYTES)
         self.chunk_bytes = max(8, wanted - wanted % 8)  # whole elements of every dtype
-        self.ring = ring
+        self.ring = ring or read_threads() + 1
 
     @staticmethod
     def handles(dest: torch.Tensor) -> bool:
@@ -98,7 +119,8 @@ class DeviceFiller:
         has completed. Chunks are read in the stored dtype and cast on the device: widening to the checkpoint's
         logical dtype first, as the CPU path does, would change no value (stored dtypes are never wider).
         """
-        host = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.ring)]
+        # Pinned lazily, each just before its first read: pinning hundreds of MiB up front delays the first read.
+        host: list[torch.Tensor | None] = [None] * self.ring
         staging: list[torch.Tensor | None] = [None] * self.ring  # device buffers for casts, made when first cast
         copied: list[torch.cuda.Event | None] = [None] * self.ring
         stream = torch.cuda.current_stream(self.device)
@@ -134,7 +156,10 @@ class DeviceFiller:
                     if event is not None:
                         event.synchronize()
                     stored = ckpt.stored_dtype(piece.name)
-                    buffer = host[slot].view(stored)[: piece.numel]
+                    pinned = host[slot]
+                    if pinned is None:
+                        pinned = host[slot] = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+                    buffer = pinned.view(stored)[: piece.numel]
                     ckpt.ensure_open(piece.name)
                     source = ckpt.source_name(piece.name)
                     read: Future[None] = Future()

@@ -1,0 +1,197 @@
+"""Loaders side by side, one run, one safetensors checkpoint, onto one GPU: cold and warm page cache.
+
+Every measurement runs in a fresh process, methods rotated per round, the page cache dropped before each cold run
+(root). In each process torch is imported and the checkpoint's GPT is built on ``meta`` in the files' dtype first;
+the clock starts before the loader's import and stops after ``torch.cuda.synchronize()`` once every weight of the
+model is on the GPU. Methods:
+
+- ``zeroio``: ``zeroio.load(folder, model, device="cuda")`` (``zeroio@tT`` / ``zeroio@tTcC``: with
+  ``ZEROIO_READ_THREADS=T`` and ``ZEROIO_STAGING_BYTES=C`` MiB).
+- ``zeroio-zero3``: the same from the ZeRO-3 checkpoint the files were converted from (``--zero``; its fp32
+  records, cast on the GPU to the files' dtype).
+- ``safetensors``: ``safetensors.torch.load_file(f, device="cuda")`` per file + ``load_state_dict(assign=True)``.
+- ``fastsafetensors``: ``fastsafe_open(files, device="cuda:0", nogds=True)`` + ``load_state_dict(assign=True)``.
+- ``runai``: runai-model-streamer's ``SafetensorsStreamer.stream_files`` to host memory, each tensor ``.to("cuda")``
+  as vLLM does, + ``load_state_dict(assign=True)``.
+- ``read-limit``: 16 threads of 32 MiB positioned reads of the files (benchmarks/read_limit.py), no GPU.
+
+Usage::
+
+    python benchmarks/loaders_side_by_side.py --folder /tmp/zb/st-bf16 --zero /tmp/zb/ck --config manifest.json \\
+        --rounds 2 --json side-by-side-bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import read_limit
+import run as bench
+
+METHODS = ["zeroio", "safetensors", "fastsafetensors", "runai", "read-limit"]
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p) for p in folder.glob("*.safetensors"))
+
+
+def _model(config: Path, dtype: Any) -> Any:
+    import make_checkpoint as make
+    import torch
+
+    cfg = make.GPTConfig(**json.loads(config.read_text())["config"])
+    with torch.device("meta"):
+        return make.build_model(cfg).to(dtype)
+
+
+def _load(method: str, args: argparse.Namespace, model: Any) -> None:
+    import torch
+
+    files = _files(args.folder)
+    if method.startswith("zeroio"):
+        import zeroio
+
+        source = args.zero if method.startswith("zeroio-zero3") else args.folder
+        dtype = next(model.parameters()).dtype
+        zeroio.load(source, model, device="cuda", dtype=dtype, strict=False)
+        return
+    state: dict[str, Any] = {}
+    if method == "safetensors":
+        from safetensors.torch import load_file
+
+        for f in files:
+            state.update(load_file(f, device="cuda"))
+    elif method == "fastsafetensors":
+        from fastsafetensors import fastsafe_open
+
+        with fastsafe_open(filenames=files, device="cuda:0", nogds=True) as f:
+            for key in f.keys():  # noqa: SIM118 (fastsafe_open is no mapping)
+                state[key] = f.get_tensor(key)
+    elif method == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(files)
+            for key, tensor in streamer.get_tensors():
+                state[key] = tensor.to("cuda")
+    else:
+        raise SystemExit(f"unknown method {method}")
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    torch.cuda.synchronize()
+
+
+def child(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    if method == "read-limit":
+        ranges = [(Path(f), 0, Path(f).stat().st_size) for f in _files(args.folder)]
+        r = read_limit.read_parallel(ranges, 16, 32 << 20)
+        return {"seconds": r["seconds"], "bytes": r["bytes"]}
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    model = _model(args.config, dtype)
+    torch.cuda.init()
+    before = set(sys.modules)
+    t0 = time.perf_counter()
+    _load(method, args, model)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    new = set(sys.modules) - before
+    on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda)
+    return {
+        "seconds": seconds,
+        "gpu_bytes": on_gpu,
+        "modules_imported": len(new),
+        "dynamo_imported": "torch._dynamo" in new,
+        "sympy_imported": "sympy" in new,
+        "gpu_peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+    }
+
+
+def _env(method: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+    if "@" in method:  # zeroio@t16c32: reader threads, staging MiB
+        spec = method.split("@", 1)[1]
+        threads, _, chunk = spec.lstrip("t").partition("c")
+        env["ZEROIO_READ_THREADS"] = threads
+        if chunk:
+            env["ZEROIO_STAGING_BYTES"] = str(int(chunk) << 20)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--folder", type=Path, required=True, help="safetensors folder (zeroio convert output)")
+    parser.add_argument("--zero", type=Path, help="the ZeRO checkpoint it came from (zeroio-zero3)")
+    parser.add_argument("--config", type=Path, required=True, help="make_checkpoint's manifest.json")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], required=True, help="the files' dtype")
+    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: stop starting runs after it")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return 0
+    if "cold" in args.cache and not (bench.can_drop_caches() and not os.environ.get("NO_COLD")):
+        args.cache = ["warm"]
+    runs: list[dict[str, Any]] = []
+    base = [sys.executable, __file__, "--folder", str(args.folder), "--config", str(args.config)]
+    base += ["--dtype", args.dtype] + (["--zero", str(args.zero)] if args.zero else [])
+    warm_ranges = [(Path(f), 0, Path(f).stat().st_size) for f in _files(args.folder)]
+    if args.zero:
+        warm_ranges += bench.fp32_ranges(args.zero)
+    for cache in args.cache:
+        for i in range(args.rounds):
+            order = args.methods[i % len(args.methods) :] + args.methods[: i % len(args.methods)]
+            for method in order:
+                if args.deadline and time.time() > args.deadline:
+                    break
+                if cache == "cold":
+                    bench.drop_caches()
+                else:
+                    read_limit.read_parallel(warm_ranges, 16, 32 << 20)
+                t0 = time.perf_counter()
+                proc = subprocess.run(
+                    [*base, "--child", method], env=_env(method), capture_output=True, text=True, check=False
+                )
+                wall = time.perf_counter() - t0
+                if proc.returncode != 0:
+                    result: dict[str, Any] = {"error": proc.stderr[-1500:]}
+                else:
+                    result = json.loads(proc.stdout.strip().splitlines()[-1])
+                run = {"method": method, "cache": cache, "round": i, "process_s": wall, **result}
+                runs.append(run)
+                print(json.dumps({k: v for k, v in run.items() if k != "error"}), flush=True)
+                if "error" in run:
+                    print(run["error"], file=sys.stderr)
+    summary: dict[str, Any] = {}
+    for cache in args.cache:
+        for method in args.methods:
+            times = [r["seconds"] for r in runs if r["method"] == method and r["cache"] == cache and "seconds" in r]
+            if times:
+                summary[f"{method}/{cache}"] = {"median_s": statistics.median(times), "runs_s": times}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        out = {"machine": bench.machine_info(), "dtype": args.dtype, "folder": str(args.folder)}
+        out["bytes"] = sum(r[2] for r in warm_ranges[: len(_files(args.folder))])
+        args.json.write_text(json.dumps({**out, "runs": runs, "summary": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
