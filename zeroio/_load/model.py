@@ -110,6 +110,15 @@ def _target_device(device: str | torch.device | None) -> torch.device | None:
     return target
 
 
+def _prepared_filler(target: torch.device | None) -> DeviceFiller | None:
+    """A :class:`DeviceFiller` for ``target`` already making its CUDA context and pinned ring, or None."""
+    if target is None or target.type != "cuda" or not torch.cuda.is_available():
+        return None
+    filler = DeviceFiller(target)
+    filler.prepare()
+    return filler
+
+
 def _filled(slot: _Slot, meter: ByteProgress, nbytes: int, new: torch.Tensor | None) -> None:
     if new is not None:
         _install(slot, new)
@@ -248,6 +257,8 @@ def load(
     check_progress(progress)
     target_dtype = parse_dtype(dtype)
     target_device = _target_device(device)
+    # The CUDA context and pinned staging are made on a thread while the checkpoint opens and keys are matched.
+    prepared = _prepared_filler(target_device) if not broadcast_from_rank0 else None
     owned = not isinstance(path, Checkpoint)
     if isinstance(path, Checkpoint):
         ckpt = path
@@ -258,14 +269,23 @@ def load(
             tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options, merge_lora=merge_lora,
             adapter_config=adapter_config,
         )  # fmt: skip
-        ckpt = open_checkpoint(path, read)
+        try:
+            ckpt = open_checkpoint(path, read)
+        except BaseException:
+            if prepared is not None:
+                prepared.close()
+            raise
     try:
         fill = shard_reads.broadcast_segments if broadcast_from_rank0 else shard_reads.read_segments
-        report, partial = _load(ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill)
+        report, partial = _load(
+            ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill, prepared
+        )
         if not partial:  # a sharded load reads only this rank's slice: checking whole records would read them all
             ckpt.finish_crc_checks()  # records read in part (flat-group padding)
         return report
     finally:
+        if prepared is not None:
+            prepared.close()
         if owned:
             ckpt.close()
 
@@ -280,6 +300,7 @@ def _load(
     key_map: KeyMap | None,
     progress: Progress,
     fill: shard_reads.Fill,
+    prepared: DeviceFiller | None = None,
 ) -> tuple[LoadReport, bool]:
     """Steps 2-5 of :func:`load`; also says whether the model was sharded (each rank read only its slice)."""
     where = str(ckpt.metadata.path)
@@ -347,9 +368,8 @@ def _load(
             meter.update(infos[key].nbytes)
         fills.finish()
         for device, jobs in on_device.items():
-            DeviceFiller(device).fill(
-                ckpt, [(e.key, e.dest, e.ranges) for e in jobs], lambda k: meter.update(infos[k].nbytes)
-            )
+            filler = prepared if prepared is not None and prepared.device == device else DeviceFiller(device)
+            filler.fill(ckpt, [(e.key, e.dest, e.ranges) for e in jobs], lambda k: meter.update(infos[k].nbytes))
             for entry in jobs:
                 new = entry.dest if entry.target is None else entry.target.finish()
                 if new is not None and new is not entry.slot.tensor:
