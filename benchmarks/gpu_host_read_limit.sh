@@ -59,6 +59,11 @@ if [ "$PHASE" = 1 ]; then
     python3 -X importtime -c 'import torch, zeroio' 2>"$W/importtime.txt"
     note "imports probed"
 fi
+[ "$PHASE" = 1 ] || [ -n "${NO_CUDA_TESTS:-}" ] || {  # the CUDA paths, while the checkpoint builds
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_sharded.py tests/test_load.py \
+        -k cuda >"$OUT/cuda_tests.txt" 2>&1
+    echo "cuda tests exit $?" >>"$OUT/cuda_tests.txt"
+}
 wait $BUILD || { tail -50 "$W/build.log" >>"$OUT/env.txt"; exit 1; }
 note "build done"
 cp $W/ck/manifest.json "$OUT/manifest.json"
@@ -88,16 +93,21 @@ if [ "$PHASE" = 1 ]; then
         --json "$OUT/side-by-side-fp32.json" >>"$OUT/sbs.log" 2>&1
     note "side by side fp32"
 else
-    for dt in bf16 fp32; do
-        $SBS --folder $W/st-$dt --dtype $dt --rounds 2 \
-            --methods zeroio safetensors fastsafetensors runai read-limit zeroio-zero3 \
-            --json "$OUT/side-by-side-$dt.json" >>"$OUT/sbs.log" 2>&1
+    for dt in ${DTYPES:-bf16}; do
+        $SBS --folder $W/st-$dt --dtype $dt --rounds 2 ${BEFORE:+--before $BEFORE} \
+            --methods zeroio ${BEFORE:+zeroio-before} safetensors fastsafetensors runai read-limit zeroio-zero3 \
+            ${BEFORE:+zeroio-zero3-before} --json "$OUT/side-by-side-$dt.json" >>"$OUT/sbs.log" 2>&1
         note "side by side $dt"
     done
     if [ "$(left)" -gt 60 ]; then
-        python3 benchmarks/distributed.py --checkpoint $W/ck --processes 1 2 4 --repeats 1 --cache cold \
+        python3 benchmarks/distributed.py --checkpoint $W/ck --processes 2 4 --repeats 1 --cache cold \
             --work $W/dist --json "$OUT/distributed.json" >"$OUT/distributed.log" 2>&1
         note "distributed"
+    fi
+    if [ -n "${BEFORE:-}" ] && [ "$(left)" -gt 45 ]; then
+        (cd "$BEFORE" && python3 benchmarks/distributed.py --checkpoint $W/ck --processes 4 --repeats 1 --cache cold \
+            --work $W/dist --json "$OUT/distributed-before.json") >"$OUT/distributed-before.log" 2>&1
+        note "distributed before"
     fi
 fi
 grep -v WARNING "$OUT"/*.log | tail -60

@@ -63,6 +63,7 @@ def _load(method: str, args: argparse.Namespace, model: Any) -> None:
         import zeroio
 
         source = args.zero if method.startswith("zeroio-zero3") else args.folder
+        assert Path(zeroio.__file__).parent.parent != HERE.parent or not method.endswith("-before")
         dtype = next(model.parameters()).dtype
         zeroio.load(source, model, device="cuda", dtype=dtype, strict=False)
         return
@@ -119,9 +120,10 @@ def child(method: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _env(method: str) -> dict[str, str]:
+def _env(method: str, before: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+    tree = str(before) if before is not None and method.endswith("-before") else str(HERE.parent)
+    env["PYTHONPATH"] = os.pathsep.join([tree, str(HERE), env.get("PYTHONPATH", "")])
     if "@" in method:  # zeroio@t16c32: reader threads, staging MiB
         spec = method.split("@", 1)[1]
         threads, _, chunk = spec.lstrip("t").partition("c")
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True, help="make_checkpoint's manifest.json")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], required=True, help="the files' dtype")
     parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--before", type=Path, help="another tree: methods ending in -before import its zeroio")
     parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: stop starting runs after it")
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                     read_limit.read_parallel(warm_ranges, 16, 32 << 20)
                 t0 = time.perf_counter()
                 proc = subprocess.run(
-                    [*base, "--child", method], env=_env(method), capture_output=True, text=True, check=False
+                    [*base, "--child", method], env=_env(method, args.before), capture_output=True, text=True, check=False
                 )
                 wall = time.perf_counter() - t0
                 if proc.returncode != 0:

@@ -65,6 +65,7 @@ TEST_ENTRY_POINTS = {"zeroio.cli"}
 PURE_INTERNALS: dict[str, str] = {
     "zeroio._formats.partition": "ZeRO partition arithmetic (plain integers)",
     "zeroio._write.sharding": "shard splitting and HF size/index rules, and which process writes which shard",
+    "zeroio._write.readers": "which processes of a distributed conversion read (one per host by default)",
     "zeroio._write.safetensors_writer": "the safetensors writer's planning (header, slots) and chunk writing",
     "zeroio._io.fileio": "pwrite/preallocate/fsync helpers and chunk buffers",
     "zeroio._io.crc32": "CRC-32 arithmetic (crc32_combine), checked against zlib",

@@ -19,6 +19,7 @@ from fixture_data import FIXTURES
 
 import zeroio
 from zeroio import convert
+from zeroio._write.readers import assign_to_readers, reader_ranks
 from zeroio._write.sharding import assign_shards
 from zeroio.cli import main
 
@@ -41,11 +42,13 @@ def free_port() -> int:
 
 
 def worker_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
-    """The environment torchrun gives a worker, for a job on loopback."""
+    """The environment torchrun gives a worker, for a job on loopback. Every process writes shards (by default one
+    per host does): these jobs exercise the writers' agreement and failures."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra,
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+        ZEROIO_READERS_PER_HOST=str(world_size), **extra,
     )  # fmt: skip
     return env
 
@@ -258,10 +261,54 @@ def test_torchrun_cli_writes_the_single_process_bytes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     # Only rank 0 reports.
     assert done.stdout == f"Wrote 11 tensors (1 tied, 980 B) in 4 file(s) to {tmp_path / 'dist'}\n"
-    # Both processes share one machine (one disk): rank 0 says why that gains nothing (issue 17's measurements).
-    assert done.stderr.count("All 2 processes run on this one machine: conversion is bound by its disk") == 1
     convert(FIXTURES / "z3_ws2_fp32", tmp_path / "single", max_shard_size=300, progress=False)
     assert_same_folder(tmp_path / "single", tmp_path / "dist")
+
+
+@pytest.mark.parametrize(
+    "env, world_size, readers",
+    [
+        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, 4, (0,), id="one-host"),
+        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 8, (0, 4), id="two-hosts"),
+        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "ZEROIO_READERS_PER_HOST": "2"}, 8, (0, 1, 4, 5),
+                     id="two-readers-per-host"),
+        pytest.param({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ZEROIO_READERS_PER_HOST": "9"}, 2, (0, 1),
+                     id="more-readers-than-processes"),
+        pytest.param({"WORLD_SIZE": "3"}, 3, (0, 1, 2), id="hosts-unknown"),
+        pytest.param({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, 6, (0, 1, 2, 3, 4, 5), id="uneven-hosts"),
+        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 1, (0,), id="another-group"),
+    ],
+)  # fmt: skip
+def test_readers_follow_the_hosts_not_the_processes(monkeypatch, env, world_size, readers):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ZEROIO_READERS_PER_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert reader_ranks(world_size) == readers
+    owners = assign_to_readers([5, 4, 3, 2, 1], world_size)
+    assert set(owners) <= set(readers)
+    assert owners == tuple(readers[i] for i in assign_shards([5, 4, 3, 2, 1], len(readers)))
+
+
+def test_torchrun_one_host_process_0_failure_fails_the_others(tmp_path):
+    """On one host process 0 converts alone; when it fails (here: the destination exists), the other process says
+    so and fails too, and the existing folder is untouched."""
+    dst = tmp_path / "dist"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and k != "ZEROIO_READERS_PER_HOST"}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "zeroio", "convert", str(FIXTURES / "z3_ws2_fp32"), str(dst), "--distributed", "--quiet",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, env=env, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False
+    )
+    assert done.returncode != 0
+    assert "already exists" in done.stderr or "exists" in done.stderr, done.stderr[-3000:]
+    assert f"Process 0 of 2 failed, so '{dst}' was not written." in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
 
 
 # --------------------------------------------------------------------------- killed and hung processes
@@ -310,7 +357,7 @@ def test_under_torchrun_a_killed_worker_stops_the_others_mid_write(tmp_path):
         json.dumps({"jobs": [job("z3_ws3_fp32", dst, hooks, max_shard_size=300, chunk_bytes=8, workers=1)]})
     )
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", ZEROIO_READERS_PER_HOST="2")  # both write shards
     command = [
         sys.executable,
         "-m",

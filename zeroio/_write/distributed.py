@@ -12,20 +12,21 @@ import signal
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
-
-import torch
 
 from .._formats import ReadOptions
 from .._messages import get_logger
 from ..errors import OutputError
 from .atomic import AtomicDir
 from .comm import CommLost, Job
+from .one_reader import convert_one_reader
 from .options import WriteOptions
 from .phases import WriteOutcome, write_checkpoint
 from .plan import WRITE_FORMATS
+from .readers import reader_ranks
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "TORCHRUN_ENV", "convert_distributed", "torchrun_env"]
 
@@ -82,6 +83,7 @@ class _GlooComm:
         self.world_size = world_size
 
     def all_gather(self, payload: Any) -> list[Any]:
+        import torch
         import torch.distributed as dist
 
         data = json.dumps(payload).encode("utf-8")
@@ -166,23 +168,12 @@ def _sigterm_as_interrupt() -> Iterator[_SigtermAsInterrupt]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _warn_if_one_host(comm: _GlooComm) -> None:
-    """Say why several processes on one machine gain nothing: they share its one disk (issue 17's measurements)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if (
-        comm.rank == 0
-        and comm.world_size > 1
-        and local is not None
-        and local.isdigit()
-        and int(local) == comm.world_size
-    ):
-        logger.warning(
-            "All %d processes run on this one machine: conversion is bound by its disk, and on one host 2-8 processes "
-            "measured slower than one (docs/benchmarks.md: 1.31B parameters, 11.6 s in one process vs 17.9-18.9 s). "
-            "Use --distributed to spread the work over machines that share a filesystem; on one machine, plain "
-            "`zeroio convert` (with --workers for IO threads) is the faster choice.",
-            comm.world_size,
-        )
+def _group_initialised() -> bool:
+    """Whether this process already belongs to an initialised torch.distributed job (torch not imported: no)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> WriteOutcome:
@@ -204,7 +195,12 @@ def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOpt
         f"A process was killed, crashed or stopped answering (timeout {timeout.total_seconds():g} s, "
         f"set with {TIMEOUT_ENV}): check the other processes' logs and run the conversion again."
     )
+    if not _group_initialised() and torchrun_env():
+        world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if reader_ranks(world_size) == (0,):  # one reader (one host): it converts alone, at once, torch-free
+            with _sigterm_as_interrupt() as sigterm:
+                group = partial(_process_group, out.dst, timeout)
+                return convert_one_reader(src, out, read, write, rank, world_size, group, sigterm.start_cleaning)
     with _sigterm_as_interrupt() as sigterm, _process_group(out.dst, timeout) as comm:
-        _warn_if_one_host(comm)
         job = Job(comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
         return write_checkpoint(job, src, read, write)

@@ -23,8 +23,8 @@ from ..errors import OutputError
 from .comm import COMMIT, PLAN, TEMP, WRITE, Job
 from .options import WriteOptions
 from .plan import WritePlan, plan_write
+from .readers import assign_to_readers
 from .shard_files import write_shards
-from .sharding import assign_shards
 from .side_files import copy_side_files
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
@@ -102,7 +102,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
             ckpt = stack.enter_context(open_checkpoint(src, read))
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, write.fmt)
             plan = plan_write(ckpt, write)
-            owners = assign_shards(plan.file_bytes, world_size)
+            owners = assign_to_readers(plan.file_bytes, world_size)
             share = plan.subset([i for i, owner in enumerate(owners) if owner == rank])
             if extra_files is not None:
                 write_extra = extra_files(ckpt, plan)

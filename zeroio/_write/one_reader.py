@@ -1,0 +1,149 @@
+"""A distributed conversion whose storage gives one reader (all processes on one host): process 0 converts alone,
+as plain ``convert`` does, from its first instant; the others only learn how it ended.
+
+The process group is joined on a background thread (importing torch and gloo's rendezvous take seconds that the
+reads need not wait for), and used once, at the end: process 0 tells every process whether the output is in
+place. The others plan the output from metadata meanwhile, so every process returns the same
+:class:`~zeroio._write.engine.WriteOutcome`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._formats import ReadOptions
+from .._messages import get_logger
+from ..errors import OutputError, ZeroIOError
+from .atomic import AtomicDir
+from .comm import Comm, CommLost, Job, LocalComm
+from .options import WriteOptions
+from .phases import WriteOutcome, write_checkpoint
+from .plan import plan_write
+
+__all__ = ["GroupFactory", "convert_one_reader"]
+
+logger = get_logger(__name__)
+
+GroupFactory = Callable[[], contextlib.AbstractContextManager[Comm]]
+"""Joins the job's process group (a context manager yielding its :class:`~zeroio._write.comm.Comm`)."""
+
+
+class _GroupOnThread:
+    """The process group, joined on a thread from the start; :meth:`comm` waits for it."""
+
+    def __init__(self, factory: GroupFactory) -> None:
+        self._stack = contextlib.ExitStack()
+        self._comm: Comm | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._join, args=(factory,), name="zeroio-group", daemon=True)
+        self._thread.start()
+
+    def _join(self, factory: GroupFactory) -> None:
+        try:
+            self._comm = self._stack.enter_context(factory())
+        except BaseException as exc:  # noqa: BLE001 - raised by comm() in the converting thread
+            self._error = exc
+
+    def comm(self) -> Comm:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._comm is not None
+        return self._comm
+
+    def close(self) -> None:
+        self._thread.join()
+        self._stack.close()
+
+
+def _line(error: BaseException) -> str:
+    return str(error) if isinstance(error, ZeroIOError) else f"{type(error).__name__}: {error}"
+
+
+def convert_one_reader(
+    src: Path,
+    out: AtomicDir,
+    read: ReadOptions,
+    write: WriteOptions,
+    rank: int,
+    world_size: int,
+    group: GroupFactory,
+    before_cleanup: Callable[[], None],
+) -> WriteOutcome:
+    """Process ``rank`` of ``world_size``'s part: process 0 writes ``out`` whole; all return the same outcome.
+
+    Raises:
+        OutputError: process 0 failed (on every process), or, on another process, contact with it was lost.
+        ZeroIOError: this process's own failure (process 0: the output is not in place).
+    """
+    joined = _GroupOnThread(group)
+    try:
+        if rank == 0:
+            return _write_alone(src, out, read, write, joined, before_cleanup)
+        return _wait_for_writer(src, out, read, write, joined)
+    finally:
+        joined.close()
+
+
+def _write_alone(
+    src: Path,
+    out: AtomicDir,
+    read: ReadOptions,
+    write: WriteOptions,
+    joined: _GroupOnThread,
+    cleanup: Callable[[], None],
+) -> WriteOutcome:
+    outcome: WriteOutcome | None = None
+    error: BaseException | None = None
+    try:
+        outcome = write_checkpoint(Job(LocalComm(), out, before_cleanup=cleanup), src, read, write)
+    except BaseException as exc:  # noqa: BLE001 - told to the others, then re-raised
+        error = exc
+    report: dict[str, Any] = {"error": None if error is None else _line(error), "copied": []}
+    if outcome is not None:
+        report["copied"] = [p.name for p in outcome.copied]
+    try:
+        joined.comm().all_gather(report)
+    except (CommLost, ZeroIOError, RuntimeError) as lost:
+        if error is None:  # the output is complete and in place; only the others' word is missing
+            logger.warning("wrote %s, then could not tell the other processes: %s", out.dst, lost)
+    if error is not None:
+        raise error
+    assert outcome is not None
+    return outcome
+
+
+def _wait_for_writer(
+    src: Path, out: AtomicDir, read: ReadOptions, write: WriteOptions, joined: _GroupOnThread
+) -> WriteOutcome:
+    from .._formats import open_checkpoint
+
+    with open_checkpoint(src, read) as ckpt:  # metadata only: the same plan as process 0's
+        plan = plan_write(ckpt, write)
+        source = ckpt.metadata
+    try:
+        reports: list[Any] = joined.comm().all_gather({"error": None, "copied": None})
+    except CommLost as lost:
+        raise OutputError(
+            f"Cannot confirm '{out.dst}': lost contact with process 0, which writes it ({lost}). '{out.dst}' exists "
+            "only if process 0 completed; check it, and process 0's log.",
+            path=out.dst,
+        ) from lost.__cause__
+    failed = reports[0]["error"]
+    if failed is not None:
+        raise OutputError(
+            f"Process 0 of {len(reports)} failed, so '{out.dst}' was not written. Its error: {failed}",
+            path=out.dst,
+            rank=0,
+        )
+    return WriteOutcome(
+        plan=plan,
+        source=source,
+        files=tuple(out.dst / filename for filename, _ in plan.shards.shards),
+        index_path=out.dst / plan.index_name if plan.index is not None else None,
+        copied=tuple(out.dst / name for name in reports[0]["copied"]),
+    )
