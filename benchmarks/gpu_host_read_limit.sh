@@ -12,6 +12,8 @@
 # threads and staging sizes on the ZeRO-3 source; loaders side by side (bf16, then fp32), one round.
 # PHASE 2: checkpoint and conversions again; side by side, two rounds, bf16 and fp32; distributed convert with
 # 1, 2 and 4 processes against one plain process (this tree and, as "before", $BEFORE if set).
+# PHASE 3: read limits by block size and split, zeroio's staging sizes (3 cold, 2 warm rounds), torchrun's own
+# start-up, side by side in fp32.
 # Every step stops by DEADLINE_S (default 570 s after the start) and writes its JSON as it goes.
 set -u
 OUT=${1:?usage: gpu_host_read_limit.sh OUT_DIR [PHASE] [PARAMS]}
@@ -88,6 +90,25 @@ if [ "$PHASE" = 1 ]; then
         --methods zeroio zeroio@t5c32 safetensors fastsafetensors runai read-limit zeroio-zero3 \
         --json "$OUT/side-by-side-bf16.json" >"$OUT/sbs.log" 2>&1
     note "side by side bf16"
+    $SBS --folder $W/st-fp32 --dtype fp32 --rounds 1 \
+        --methods zeroio safetensors fastsafetensors runai read-limit zeroio-zero3 \
+        --json "$OUT/side-by-side-fp32.json" >>"$OUT/sbs.log" 2>&1
+    note "side by side fp32"
+elif [ "$PHASE" = 3 ]; then
+    python3 benchmarks/read_limit.py --files $W/st-bf16/*.safetensors --threads 1 4 16 --block-mib 16 32 64 \
+        --split queue shares --json "$OUT/read-limit-st-bf16.json" >"$OUT/read-limit.log" 2>&1
+    note "read limits"
+    $SBS --folder $W/st-bf16 --dtype bf16 --rounds 3 --cache cold \
+        --methods zeroio zeroio@t16c32 zeroio@t8c32 zeroio@t16c64 fastsafetensors read-limit \
+        --json "$OUT/chunks-cold.json" >"$OUT/sbs.log" 2>&1
+    note "chunks cold"
+    $SBS --folder $W/st-bf16 --dtype bf16 --rounds 2 --cache warm --methods zeroio zeroio@t16c32 zeroio@t8c32 \
+        --json "$OUT/chunks-warm.json" >>"$OUT/sbs.log" 2>&1
+    note "chunks warm"
+    for i in 1 2; do  # torchrun's own cost: a job of 2 workers that do nothing
+        t0=$(date +%s.%N); python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m zeroio --version >/dev/null 2>&1
+        echo "torchrun x2 of 'zeroio --version': $(python3 -c "print(round($(date +%s.%N) - $t0, 2))") s" >>"$OUT/env.txt"
+    done
     $SBS --folder $W/st-fp32 --dtype fp32 --rounds 1 \
         --methods zeroio safetensors fastsafetensors runai read-limit zeroio-zero3 \
         --json "$OUT/side-by-side-fp32.json" >>"$OUT/sbs.log" 2>&1

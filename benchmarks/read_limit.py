@@ -49,10 +49,17 @@ def blocks(ranges: list[Range], block: int, align: int = 1) -> list[Range]:
     return out
 
 
-def read_parallel(ranges: list[Range], threads: int, block: int, direct: bool = False) -> dict[str, Any]:
-    """Read every block once with ``threads`` threads pulling blocks from one queue in storage order."""
+def read_parallel(
+    ranges: list[Range], threads: int, block: int, direct: bool = False, split: str = "queue"
+) -> dict[str, Any]:
+    """Read every block once with ``threads`` threads: pulling blocks from one queue in storage order (``queue``),
+    or each reading its own contiguous 1/threads of the bytes in order (``shares``)."""
     align = 4096 if direct else 1
     pieces = blocks(ranges, block, align)
+    if split == "shares":  # reorder so that queue position k*threads+i is thread i's k-th block of its share
+        per = -(-len(pieces) // threads)
+        parts = [pieces[i * per : (i + 1) * per] for i in range(threads)]
+        pieces = [part[k] for k in range(per) for part in parts if k < len(part)]
     sizes = {p: p.stat().st_size for p in {r[0] for r in ranges}}
     lock = threading.Lock()
     nxt = [0]
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--split", nargs="+", default=["queue"], choices=["queue", "shares"])
     parser.add_argument("--direct", action="store_true", help="also O_DIRECT runs")
     parser.add_argument("--warm", action="store_true", help="also warm runs (page cache filled first)")
     parser.add_argument("--h2d", action="store_true", help="also the pinned host-to-device copy limit")
@@ -166,14 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     for mode in modes:
         for mib in args.block_mib:
-            for threads in args.threads:
+            for threads, split in [(t, s) for t in args.threads for s in args.split if t > 1 or s == "queue"]:
                 for _ in range(args.repeats):
                     if mode == "cold":
                         bench.drop_caches()
                     elif mode == "warm":
                         read_parallel(ranges, 16, 32 << 20)
-                    r = read_parallel(ranges, threads, mib << 20, direct=mode == "direct")
-                    run = {"kind": "read", "mode": mode, "threads": threads, "block_mib": mib, **r}
+                    r = read_parallel(ranges, threads, mib << 20, direct=mode == "direct", split=split)
+                    run = {"kind": "read", "mode": mode, "threads": threads, "block_mib": mib, "split": split, **r}
                     runs.append(run)
                     print(json.dumps(run), flush=True)
     out: dict[str, Any] = {"machine": bench.machine_info(), "bytes": total, "files": len({r[0] for r in ranges})}
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in runs if r["mode"] == mode]
         if mine:
             top = min(mine, key=lambda r: r["seconds"])
-            best[mode] = {k: top[k] for k in ("threads", "block_mib", "seconds", "GBps")}
+            best[mode] = {k: top[k] for k in ("threads", "block_mib", "split", "seconds", "GBps")}
             one = [r["seconds"] for r in mine if r["threads"] == 1]
             if one:
                 best[mode]["one_thread_s"] = min(one)
