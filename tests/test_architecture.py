@@ -279,6 +279,7 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
             "atomic",
             "own_files",
             "sharding",
+            "readers",
             "byte_writes",
             "safetensors_writer",
             "side_files",
@@ -290,6 +291,7 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
         # the writers, one module per output format (and the distributed execution of the engine)
         (
             "hf_writer",
+            "one_reader",
             "distributed",
             "optimizer_files",
             "lightning_writer",
