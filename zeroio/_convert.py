@@ -69,6 +69,7 @@ def convert(
     dcp_layout: DcpLayout = "torchtitan",
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    names: str | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -165,6 +166,8 @@ def convert(
             its two factors are in memory at a time. DoRA and other variants are refused by name.
         adapter_config: the run's ``adapter_config.json`` (a file, a folder laid out as ``save_pretrained`` writes
             it, or a dict) for ``fmt="peft"`` / ``merge_lora`` when it is not in the training output folder.
+        names: ``"hf"`` writes a Megatron GPT of the Llama family under transformers' names, with its
+            ``config.json`` (docs/formats.md).
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -195,7 +198,7 @@ def convert(
     )  # fmt: skip
     read = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
-        storage_options=storage_options, merge_lora=merge_lora, adapter_config=adapter_config,
+        storage_options=storage_options, merge_lora=merge_lora, adapter_config=adapter_config, names=names,
     )  # fmt: skip
     if merge_lora and (fmt in ("universal", "peft") or include_optimizer):
         what = "include_optimizer" if include_optimizer else f"fmt={fmt!r}"

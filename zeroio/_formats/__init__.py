@@ -14,13 +14,14 @@ from typing import Any
 from .._io.confine import require_regular_file
 from .._io.remote_path import RemotePath, as_path
 from .._types import StrPath
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, ZeroIOError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .checkpoint import Checkpoint, PartitionedCheckpoint, TensorReader
 from .composite.pipeline import open_pipeline
 from .composite.pipeline_files import is_pipeline
 from .composite.tensor_parallel import is_tensor_parallel, open_tensor_parallel
 from .composite.universal import is_universal, open_universal
 from .dcp.hf_storage import is_dcp_hf, open_dcp_hf
+from .dcp.megatron import is_megatron, open_megatron
 from .dcp.reader import is_dcp, open_dcp
 from .files.consolidated import is_consolidated, open_consolidated
 from .lora.config import AdapterConfigSource
@@ -129,6 +130,8 @@ def _anything(path: Path) -> bool:
 
 
 FORMATS: list[Format] = [
+    # A Megatron torch_dist folder is a DCP folder too (plus metadata.json and common.pt): it goes first.
+    Format("megatron", is_megatron, open_megatron),
     Format("dcp", is_dcp, open_dcp),
     Format("dcp-safetensors", is_dcp_hf, open_dcp_hf),
     Format("verl", is_verl, open_verl),
@@ -154,6 +157,7 @@ def open(
     storage_options: Mapping[str, Any] | None = None,
     merge_lora: bool = False,
     adapter_config: AdapterConfigSource = None,
+    names: str | None = None,
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -180,6 +184,7 @@ def open(
             computed when read, in fp32, as ``merge_and_unload()`` computes it; docs/fine-tunes.md).
         adapter_config: with ``merge_lora``, the run's ``adapter_config.json`` (file, folder or dict) when it is
             not beside the checkpoint.
+        names: ``"hf"`` reads a Megatron GPT of the Llama family under transformers' names (docs/formats.md).
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -197,7 +202,7 @@ def open(
     options = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
         ignore_recorded_tp=ignore_recorded_tp, storage_options=storage_options, merge_lora=merge_lora,
-        adapter_config=adapter_config,
+        adapter_config=adapter_config, names=names,
     )  # fmt: skip
     return open_checkpoint(path, options)
 
@@ -215,6 +220,11 @@ def open_checkpoint(path: StrPath | RemotePath, options: ReadOptions) -> Checkpo
     # The first registered format that detects the path opens it, given the read options; the last one,
     # ZeRO, takes any path, so its errors say what a DeepSpeed checkpoint folder should hold.
     fmt = next((f for f in FORMATS if f.detect(p)), FORMATS[-1])
+    if options.names and fmt.name != "megatron":
+        raise UnsupportedCheckpointError(
+            f"names={options.names!r} maps Megatron checkpoints only; '{p}' is read as {fmt.name}. Drop names.",
+            path=p,
+        )
     try:
         ckpt = fmt.open(p, options)
     except ZeroIOError:

@@ -33,6 +33,8 @@ class ReadOptions:
     """Present a PEFT checkpoint as its base model with the LoRA adapter merged in (``_formats/lora_views.py``)."""
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None
     """A LoRA adapter's ``adapter_config.json`` (file, folder or dict) where none lies beside the checkpoint."""
+    names: str | None = None
+    """``"hf"``: a Megatron GPT under transformers' names (docs/formats.md); None: the framework's own."""
 
 
 def trusted_names(trusted_globals: Iterable[str]) -> frozenset[str]:
@@ -52,6 +54,7 @@ def read_options(
     storage_options: Mapping[str, Any] | None = None,
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    names: str | None = None,
 ) -> ReadOptions:
     """Validate the reading keywords a public verb was given, once, into a :class:`ReadOptions`.
 
@@ -59,6 +62,9 @@ def read_options(
         TypeError, ValueError: ``trusted_globals`` is one string, or ``tp_rules`` is not a mapping, a preset or
             JSON of one (a bad rule is the caller's error, not a checkpoint's format error).
     """
+    if names not in (None, "hf"):
+        raise ValueError(f"names must be None (the checkpoint's own) or 'hf', not {names!r}.")
+
     return ReadOptions(
         tag=tag,
         verify_crc=verify_crc,
@@ -68,6 +74,7 @@ def read_options(
         storage_options=storage_options,
         merge_lora=_flag("merge_lora", merge_lora),
         adapter_config=_adapter_config(adapter_config),
+        names=names,
     )
 
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .._dtypes import DType
 from .._formats import Checkpoint, CheckpointMetadata, ReadOptions
@@ -25,7 +26,7 @@ from .options import WriteOptions
 from .plan import WritePlan, plan_write
 from .readers import assign_to_readers
 from .shard_files import write_shards
-from .side_files import copy_side_files
+from .side_files import copy_side_files, write_derived_config
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
 
@@ -153,7 +154,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
 
         # 4. Commit: rank 0 checks every shard is there, writes the index last, copies side files and renames the
         #    folder into place; the others wait for its word.
-        copied = _commit(job, plan, owners, src, tmp, write.dtype)
+        copied = _commit(job, plan, owners, src, tmp, write.dtype, ckpt.metadata.extra.get("hf_config"))
         source = ckpt.metadata
 
     files = tuple(out.dst / filename for filename, _ in plan.shards.shards)
@@ -189,7 +190,9 @@ def _create_temp(job: Job) -> Path:
     return tmp
 
 
-def _commit(job: Job, plan: WritePlan, owners: tuple[int, ...], src: Path, tmp: Path, dtype: DType | None) -> list[str]:
+def _commit(
+    job: Job, plan: WritePlan, owners: tuple[int, ...], src: Path, tmp: Path, dtype: DType | None, config: Any = None
+) -> list[str]:
     """Step 4 of :func:`write_checkpoint`: rank 0 checks the shards, writes the index last, copies the side files
     and renames the folder into place; every process returns the names of the side files copied."""
     rank, out = job.comm.rank, job.out
@@ -201,6 +204,7 @@ def _commit(job: Job, plan: WritePlan, owners: tuple[int, ...], src: Path, tmp: 
                 with naming(out.dst / plan.index_name):
                     write_new_file(tmp / plan.index_name, plan.index)
             copied = list(copy_side_files(src, tmp, dtype=dtype))  # HF Trainer checkpoint-N: config, tokenizer
+            copied += write_derived_config(config, tmp, dtype=dtype)  # names="hf": the config the mapping implies
         except BaseException as exc:  # noqa: BLE001
             error = exc
         if error is None:

@@ -16,7 +16,14 @@ if TYPE_CHECKING:
 
     from .._dtypes import DType
 
-__all__ = ["CONFIG_DTYPE_KEYS", "SIDE_FILES", "config_with_dtype", "copy_side_files", "find_side_files"]
+__all__ = [
+    "CONFIG_DTYPE_KEYS",
+    "SIDE_FILES",
+    "config_with_dtype",
+    "copy_side_files",
+    "find_side_files",
+    "write_derived_config",
+]
 
 logger = get_logger(__name__)
 
@@ -96,6 +103,18 @@ def copy_side_files(src: Path, dst: Path, *, dtype: torch.dtype | DType | None =
     if copied:
         logger.debug("copied %s from beside %s", ", ".join(copied), src)
     return tuple(copied)
+
+
+def write_derived_config(config: Any, dst: Path, *, dtype: torch.dtype | DType | None = None) -> tuple[str, ...]:
+    """Write ``config.json`` a reader derived from the checkpoint (a Megatron GPT read with ``names="hf"``) into
+    ``dst``, unless one was copied from beside the source; return the names written."""
+    if not isinstance(config, dict) or (dst / "config.json").exists():
+        return ()
+    from .._io.fileio import write_new_file
+
+    raw = (json.dumps(config, indent=2) + "\n").encode("utf-8")
+    write_new_file(dst / "config.json", config_with_dtype(raw, dtype) if dtype is not None else raw)
+    return ("config.json",)
 
 
 def config_with_dtype(raw: bytes, dtype: torch.dtype | DType) -> bytes:

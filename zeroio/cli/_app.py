@@ -28,7 +28,7 @@ def _human_bytes(n: int) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's tensors and metadata without reading tensor bytes."""
-    with zeroio.open(args.path, tag=args.tag, tp_rules=args.tp_rules) as ckpt:
+    with zeroio.open(args.path, tag=args.tag, tp_rules=args.tp_rules, names=args.names) as ckpt:
         summary = ckpt.describe()
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
@@ -54,6 +54,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("offload", meta.get("offload")),
         ("serialized", meta.get("serialization")),
         ("optimizer", meta.get("optimizer")),
+        ("not read", meta.get("not_read")),
     ]
     if meta.get("serialization") == "legacy":
         facts[-2] = ("serialized", "legacy (no CRC-32 in the files to check)")
@@ -112,6 +113,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             dcp_layout=args.dcp_layout,
             merge_lora=args.merge_lora,
             adapter_config=args.adapter_config,
+            names=args.names,
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -243,6 +245,7 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--names", choices=["hf"], help="hf: a Megatron GPT of the Llama family under transformers' names")
     _add_tp_rules(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -282,6 +285,11 @@ def _add_convert(sub: Any) -> None:
         choices=["torchtitan", "accelerate"],
         help="with --format dcp: torchtitan (DST is the step-N folder; default) or accelerate "
         "(DST/pytorch_model_fsdp_0 + DST/optimizer_0)",
+    )
+    p.add_argument(
+        "--names",
+        choices=["hf"],
+        help="hf: write a Megatron GPT of the Llama family under transformers' names, with config.json",
     )
     p.add_argument("--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors")
     p.add_argument(

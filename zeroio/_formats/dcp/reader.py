@@ -41,7 +41,7 @@ from .metadata import DcpMetadata, TensorEntry, parse_dcp_metadata
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DcpCheckpoint", "is_dcp", "open_dcp"]
+__all__ = ["DcpCheckpoint", "is_dcp", "open_dcp", "read_dcp_part"]
 
 logger = get_logger(__name__)
 
@@ -240,8 +240,8 @@ class DcpCheckpoint(Checkpoint):
 # --------------------------------------------------------------------------- opening
 
 
-def _read_part(folder: Path, trusted: frozenset[str]) -> tuple[_Part, dict[str, Any]]:
-    """Parse and check one DCP folder's ``.metadata``; read its pickled values."""
+def read_dcp_part(folder: Path, trusted: frozenset[str], *, read_values: bool = True) -> tuple[_Part, dict[str, Any]]:
+    """Parse and check one DCP folder's ``.metadata``; read its pickled values (unless ``read_values`` is False)."""
     meta_path = folder / METADATA
     try:
         require_regular_file(meta_path)
@@ -273,8 +273,8 @@ def _read_part(folder: Path, trusted: frozenset[str]) -> tuple[_Part, dict[str, 
 
     part = _Part(folder, parse_dcp_metadata(meta_path, tree, file_size), sizes)
     values: dict[str, Any] = {}
-    spans = _value_spans(part)
-    for fqn, entry in part.meta.values.items():
+    spans = _value_spans(part) if read_values else {}
+    for fqn, entry in part.meta.values.items() if read_values else ():
         if entry.length > MAX_VALUE_BYTES:
             values[fqn] = f"<{entry.length} bytes, not read>"
             continue
@@ -436,7 +436,7 @@ def open_dcp(path: Path, options: ReadOptions) -> DcpCheckpoint:
     parts: list[_Part] = []
     values: dict[str, Any] = {}
     for folder in folders:
-        part, part_values = _read_part(folder, trusted_globals)
+        part, part_values = read_dcp_part(folder, trusted_globals)
         parts.append(part)
         values.update(part_values)
     tensors = [(fqn, part, entry) for part in parts for fqn, entry in part.meta.tensors.items()]

@@ -1,0 +1,120 @@
+"""Megatron's ``common.pt`` (the non-sharded state: run arguments, iteration, optimizer step and param groups)
+parsed by the restricted unpickler into inert data: no class it names is ever called.
+
+Megatron-LM pickles an ``argparse.Namespace`` of its arguments (holding ``torch.dtype`` values and a few
+Megatron enums), plain numbers and dicts, and the optimizer's shared step as a 0-d tensor. A global outside the
+allowlist (``trusted_globals`` extends it) leaves common.pt unread, with a warning: the tensors stay readable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..._dtypes import DType
+from ..._io.confine import require_regular_file
+from ..._messages import get_logger
+from ..._pickles import TensorRef, global_name, inert_parts, is_inert, load_pickle
+from ...errors import UnsafePickleError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MEGATRON_GLOBALS", "MegatronCommon", "read_common"]
+
+logger = get_logger(__name__)
+
+MEGATRON_GLOBALS = frozenset(
+    {
+        # Megatron-LM's args: enums Megatron-Core defines (rebuilt inert, their constructors never run).
+        "megatron.core.transformer.enums.AttnBackend",
+        "megatron.core.transformer.enums.AttnMaskType",
+        "megatron.core.enums.ModelType",
+        "megatron.core.transformer.enums.ModelType",
+        "megatron.core.transformer.enums.LayerType",
+        # .metadata: torch's save plans Megatron keeps beside DCP's Metadata (all_local_plans), and the stand-ins
+        # Megatron-Core 0.15 pickled for them.
+        "torch.distributed.checkpoint.planner.SavePlan",
+        "torch.distributed.checkpoint.planner.WriteItem",
+        "torch.distributed.checkpoint.planner.WriteItemType",
+        "torch.distributed.checkpoint.planner.TensorWriteData",
+        "torch.distributed.checkpoint.planner.BytesIOWriteData",
+        "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata",
+        "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan",
+    }
+)
+"""Globals a Megatron checkpoint's pickles name beyond zeroio's own allowlist, accepted as inert records."""
+
+MAX_NODES = 10_000
+"""Largest value shown in metadata, in nodes (args hold a few hundred)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronCommon:
+    """What common.pt says, as plain data."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    """JSON-friendly copy: ``args`` as a dict (dtypes by name), ``iteration``, ``checkpoint_version``, ..."""
+    step: torch.Tensor | None = None
+    """The optimizer's shared step (``optimizer.state.common_step``, a 0-d tensor), read at open."""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    """The optimizer's param groups without their ``params`` lists."""
+    unread: str | None = None
+    """Why common.pt was not read (a global outside the allowlist), or None."""
+
+    @property
+    def args(self) -> dict[str, Any]:
+        found = self.values.get("args")
+        return found if isinstance(found, dict) else {}
+
+
+def _copy(value: Any, budget: list[int], depth: int = 0) -> Any:
+    """A JSON-friendly copy: dtypes by name, inert objects by their attributes (Namespace) or global's name,
+    tensors by shape; stops at :data:`MAX_NODES` nodes or 20 levels."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 20:
+        return "<not shown: too large>"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, DType):
+        return value.name
+    if isinstance(value, TensorRef):
+        return f"<tensor {list(value.shape)} {value.dtype_spec.name}>"
+    if isinstance(value, (list, tuple)):
+        return [_copy(v, budget, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _copy(v, budget, depth + 1) for k, v in value.items()}
+    if is_inert(value) and global_name(value) == "argparse.Namespace":
+        return {str(k): _copy(v, budget, depth + 1) for k, v in inert_parts(value).state.items()}
+    if is_inert(value):
+        parts = inert_parts(value)
+        return f"<{parts.name}{tuple(_copy(a, budget, depth + 1) for a in parts.args)!r}>"
+    return f"<{global_name(value) or type(value).__name__}>"
+
+
+def read_common(folder: Path, trusted: frozenset[str]) -> MegatronCommon:
+    """Parse ``folder/common.pt``; a global outside the allowlist leaves it unread (logged), never run."""
+    path = folder / "common.pt"
+    require_regular_file(path)
+    try:
+        tree, file = load_pickle(path, trusted_globals=trusted | MEGATRON_GLOBALS)
+    except UnsafePickleError as exc:
+        logger.warning("%s: not reading common.pt: %s", folder, exc)
+        return MegatronCommon(unread=f"it names {exc.name}, which is not on zeroio's allowlist")
+    if not isinstance(tree, dict):
+        file.close()
+        return MegatronCommon(values={"common": _copy(tree, [MAX_NODES])})
+    values = {str(k): _copy(v, [MAX_NODES]) for k, v in tree.items() if k != "optimizer"}
+    optimizer = tree.get("optimizer")
+    step, groups = None, []
+    if isinstance(optimizer, dict):
+        state = optimizer.get("state")
+        found = state.get("common_step") if isinstance(state, dict) else None
+        step = found.materialize().clone() if isinstance(found, TensorRef) and found.numel <= 1 else None
+        raw_groups = optimizer.get("param_groups")
+        for group in raw_groups if isinstance(raw_groups, list) else []:
+            if isinstance(group, dict):
+                groups.append({str(k): _copy(v, [MAX_NODES]) for k, v in group.items() if k != "params"})
+    file.close()
+    return MegatronCommon(values=values, step=step, param_groups=groups)
