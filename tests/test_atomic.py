@@ -99,8 +99,8 @@ def test_overwrite_refuses_a_destination_holding_the_source(tmp_path):
     with pytest.raises(OutputError) as excinfo:
         convert(first / "model.safetensors", first, overwrite=True, progress=False)
     assert str(excinfo.value) == (
-        f"Refusing to overwrite '{first}': the source '{first / 'model.safetensors'}' is inside it. "
-        "Write to another folder."
+        f"Refusing to write '{first}': it holds the source '{first / 'model.safetensors'}', whose files would be "
+        "replaced or deleted while they are read. Write to another path."
     )
     _assert_valid_output(first)
 

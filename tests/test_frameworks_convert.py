@@ -125,7 +125,10 @@ def test_convert_lightning_refuses_its_source_as_destination(tmp_path):
     shutil.copy(FRAMEWORKS / "lightning_z3_fp32" / "expected" / "lightning_fp32.ckpt", src)
     with pytest.raises(OutputError) as info:
         convert(src, src, fmt="lightning", overwrite=True, progress=False)
-    assert str(info.value) == f"Refusing to overwrite '{src}': it is the source. Write to another file."
+    assert str(info.value) == (
+        f"Refusing to write '{src}': it is the source '{src}', whose files would be replaced or deleted while they "
+        "are read. Write to another path."
+    )
     assert src.read_bytes() == (FRAMEWORKS / "lightning_z3_fp32" / "expected" / "lightning_fp32.ckpt").read_bytes()
 
 

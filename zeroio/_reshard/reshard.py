@@ -127,7 +127,7 @@ def reshard(
     target = _Target(world_size, output_tag, sub_group_size, chunk_bytes, progress, str(dst))
     if is_url(str(dst)):
         return _reshard_to_url(src, str(dst), read, target, overwrite=overwrite)
-    return _reshard_into(src, AtomicDir(Path(dst), overwrite=overwrite), read, target)
+    return _reshard_into(src, AtomicDir(Path(dst), source=src, overwrite=overwrite), read, target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +177,7 @@ def _reshard_to_url(src: StrPath, url: str, read: ReadOptions, target: _Target, 
     source_read = read if is_url(str(src)) else dataclasses.replace(read, storage_options=None)
 
     def write_local(local: Path) -> ReshardResult:
-        return _reshard_into(src, AtomicDir(Path(local), overwrite=False), source_read, target)
+        return _reshard_into(src, AtomicDir(Path(local), source=src, overwrite=False), source_read, target)
 
     local, uploaded = write_to_url(url, read.storage_options, overwrite=overwrite, write=write_local, source=src)
     files = tuple(uploaded[p.resolve()] for p in local.files)

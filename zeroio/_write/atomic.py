@@ -21,6 +21,7 @@ from typing import BinaryIO, NoReturn
 
 from .._messages import get_logger, listing
 from ..errors import OutputError, ZeroIOError
+from .overlap import refuse_overlap
 from .own_files import LOCK_NAME, foreign_entries
 
 try:
@@ -243,22 +244,27 @@ class AtomicDir:
 
     Args:
         dst: the folder to create.
+        source: what the writer reads (path, URL or ``RemotePath``); :meth:`check` refuses a ``dst`` that is it,
+            lies inside it or holds it (:func:`~zeroio._write.overlap.refuse_overlap`), whatever ``overwrite``.
         overwrite: replace an existing ``dst`` (an existing *empty* folder is replaced without it) (swapped atomically where the OS supports it; otherwise there
             is a moment between two renames when ``dst`` is absent): a file, a link, or a folder holding only
             zeroio's outputs (:func:`~zeroio._write.own_files.foreign_entries`); any other folder is refused.
     """
 
-    def __init__(self, dst: Path, *, overwrite: bool = False) -> None:
+    def __init__(self, dst: Path, *, source: object, overwrite: bool = False) -> None:
         self.dst = Path(os.path.abspath(dst))
+        self.source = source
         self.overwrite = overwrite
         self.tmp: Path | None = None
         self._lock: int | None = None
 
     def check(self) -> None:
-        """Clean stale temporary folders, then refuse an existing ``dst`` unless ``overwrite``.
+        """Refuse a ``dst`` overlapping the source, clean stale temporary folders, then refuse an existing ``dst``
+        unless ``overwrite``.
 
         Call it before any expensive work; entering the context calls it again.
         """
+        refuse_overlap(self.source, self.dst)
         ancestor = self.dst.parent
         while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
             ancestor = ancestor.parent

@@ -249,7 +249,7 @@ def write_dcp(src: Path | RemotePath, dst: Path, read: ReadOptions, write: Write
     chunk), ``workers`` (blocks read ahead) and ``progress`` (bytes of model tensors written).
     """
     titan = write.dcp_layout == "torchtitan"
-    out = AtomicDir(Path(dst), overwrite=write.overwrite)
+    out = AtomicDir(Path(dst), source=src, overwrite=write.overwrite)
     out.check()
     with open_checkpoint(src, read) as ckpt:
         infos = ckpt.infos

@@ -190,7 +190,7 @@ def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOpt
             "convert it in one process."
         )
     timeout = _timeout()
-    out = AtomicDir(dst, overwrite=write.overwrite)
+    out = AtomicDir(dst, source=src, overwrite=write.overwrite)
     lost_advice = (
         f"A process was killed, crashed or stopped answering (timeout {timeout.total_seconds():g} s, "
         f"set with {TIMEOUT_ENV}): check the other processes' logs and run the conversion again."

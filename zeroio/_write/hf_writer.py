@@ -25,7 +25,7 @@ def write_hf(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> Wr
 
         return written_by_engine(convert_distributed(src, dst, read, write))
     extra_files = _optimizer_files(write) if write.include_optimizer else None
-    job = Job(LocalComm(), AtomicDir(dst, overwrite=write.overwrite))
+    job = Job(LocalComm(), AtomicDir(dst, source=src, overwrite=write.overwrite))
     return written_by_engine(write_checkpoint(job, src, read, write, extra_files=extra_files))
 
 

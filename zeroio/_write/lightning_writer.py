@@ -288,9 +288,7 @@ def write_lightning(src: Path, dst: Path, read: ReadOptions, write: WriteOptions
     dst = Path(os.path.abspath(dst))
     overwrite, target = write.overwrite, write.dtype
     if not dst.is_dir():
-        AtomicDir(dst, overwrite=overwrite).check()
-    if overwrite and dst.is_file() and dst.resolve() == src.resolve():
-        raise OutputError(f"Refusing to overwrite '{dst}': it is the source. Write to another file.", path=dst)
+        AtomicDir(dst, source=src, overwrite=overwrite).check()
     with open_checkpoint(src, read) as ckpt:
         # 2. Missing parent folders are created, as convert creates them for an output folder.
         if not dst.is_dir():

@@ -13,6 +13,9 @@ zeroio's output by its names alone (no marker file), so outputs of earlier zeroi
   folder of ``optimizer_state.pt`` and ``<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``;
 - ``convert(fmt="peft")``: ``adapter_model.safetensors`` and ``adapter_config.json``, at the top and in one
   folder per named adapter holding only those two files;
+- ``convert(fmt="dcp")``: ``.metadata`` and ``__0_N.distcp`` (torchtitan layout, at the top), or the folders
+  ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` holding only those (accelerate layout). A single-process
+  ``dcp.save`` writes the same names, so ``overwrite`` replaces such a folder too;
 - the lock file of a write that was killed while committing (:data:`LOCK_NAME`).
 """
 
@@ -40,6 +43,8 @@ _OUTPUT_FILE = re.compile(
 _ADAPTER_FILES = frozenset({"adapter_model.safetensors", "adapter_config.json"})
 """``convert(fmt="peft")``: an adapter's files, at the top (``default``) or in ``<name>/`` (a named adapter)."""
 LATEST_UNIVERSAL = "latest_universal"
+_DCP_FILE = re.compile(r"^(?:\.metadata|__0_\d+\.distcp)$")
+_DCP_FOLDERS = frozenset({"pytorch_model_fsdp_0", "optimizer_0"})
 _UNIVERSAL_PARAM_FILES = frozenset({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"})
 _TOP_FILES = frozenset({*SIDE_FILES, C.LATEST_FILE, LATEST_UNIVERSAL, LOCK_NAME})
 
@@ -94,8 +99,11 @@ def foreign_entries(folder: Path) -> list[str]:
     for name in entries:
         path = folder / name
         if _is_file(path):
-            if not (_OUTPUT_FILE.match(name) or name in _TOP_FILES):
+            if not (_OUTPUT_FILE.match(name) or name in _TOP_FILES or _DCP_FILE.match(name)):
                 foreign.append(name)
+        elif name in _DCP_FOLDERS and not path.is_symlink() and path.is_dir():  # convert(fmt="dcp", accelerate)
+            inner = sorted(os.listdir(path))
+            foreign += [f"{name}/{n}" for n in inner if not (_DCP_FILE.match(n) and _is_file(path / n))]
         elif path.is_dir() and has_universal and (path / "zero").is_dir():  # convert(fmt="universal")'s tag folder
             foreign += _universal_foreign(path, name)
         elif path.is_dir() and "adapter_model.safetensors" in entries and _is_adapter_folder(path):
@@ -125,7 +133,9 @@ def foreign_names(names: Sequence[str]) -> list[str]:
     for name in sorted(names):
         parts = name.split("/")
         if len(parts) == 1:
-            ok = bool(_OUTPUT_FILE.match(name)) or name in _TOP_FILES
+            ok = bool(_OUTPUT_FILE.match(name) or _DCP_FILE.match(name)) or name in _TOP_FILES
+        elif len(parts) == 2 and parts[0] in _DCP_FOLDERS and _DCP_FILE.match(parts[1]):
+            ok = True
         elif LATEST_UNIVERSAL in top and parts[1] == "zero":  # convert(fmt="universal")'s tag folder
             ok = (len(parts) == 3 and parts[2] == "optimizer_state.pt") or (
                 len(parts) == 4 and parts[3] in _UNIVERSAL_PARAM_FILES

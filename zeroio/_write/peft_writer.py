@@ -54,7 +54,7 @@ def write_peft(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> 
 
     if read.merge_lora:
         raise ValueError("fmt='peft' writes the adapter itself: drop merge_lora (merged weights go to other formats).")
-    out = AtomicDir(dst, overwrite=write.overwrite)
+    out = AtomicDir(dst, source=src, overwrite=write.overwrite)
     out.check()  # 1. refuse an existing destination before reading anything
     with open_checkpoint(src, read) as ckpt:
         # 2. Plan every adapter from metadata: its keys, the config to write beside, its file's layout.

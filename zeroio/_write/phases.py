@@ -10,7 +10,6 @@ rank 0 writes the extra files, the index last, copies the side files and renames
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,14 +53,6 @@ class WriteOutcome:
     """Config and tokenizer files copied from beside the source."""
 
 
-def _is_within(inner: Path, outer: Path) -> bool:
-    try:
-        inner.resolve().relative_to(outer.resolve())
-    except ValueError:
-        return False
-    return True
-
-
 def write_checkpoint(
     job: Job, src: Path, read: ReadOptions, write: WriteOptions, *, extra_files: ExtraFiles | None = None
 ) -> WriteOutcome:
@@ -94,12 +85,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         write_extra: Callable[[Path], None] | None = None
         try:
             if rank == 0:
-                out.check()
-                if out.overwrite and os.path.lexists(out.dst) and _is_within(src, out.dst):
-                    raise OutputError(
-                        f"Refusing to overwrite '{out.dst}': the source '{src}' is inside it. Write to another folder.",
-                        path=out.dst,
-                    )
+                out.check()  # refuses a destination overlapping the source, too
             ckpt = stack.enter_context(open_checkpoint(src, read))
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, write.fmt)
             plan = plan_write(ckpt, write)

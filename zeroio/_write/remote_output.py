@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 
 from .. import _constants as C
 from .._io.remote_file import call_with_retries
-from .._io.remote_path import as_path, filesystem, is_url, url_identity
+from .._io.remote_path import as_path, filesystem
 from .._messages import get_logger, redact_exception
 from ..errors import CheckpointNotFoundError, OutputError
+from .overlap import refuse_overlap
 from .own_files import LATEST_UNIVERSAL, foreign_names
 
 __all__ = ["write_file_to_url", "write_to_url"]
@@ -34,32 +35,6 @@ __all__ = ["write_file_to_url", "write_to_url"]
 logger = get_logger(__name__)
 
 T = TypeVar("T")
-
-
-def refuse_overlap(source: object, url: str) -> None:
-    """Refuse a URL destination that is the URL source, inside it, or holds it (scheme aliases and slashes aside).
-
-    Raises:
-        OutputError: naming both URLs and the fix.
-    """
-    if not is_url(str(source)):
-        return
-    src, dst = url_identity(str(source)), url_identity(url)
-    if src[0] != dst[0]:
-        return
-    if src == dst:
-        why = "it is the source"
-    elif dst[1].startswith(src[1] + "/"):
-        why = "it is inside the source"
-    elif src[1].startswith(dst[1] + "/") or not dst[1]:
-        why = "the source is inside it"
-    else:
-        return
-    raise OutputError(
-        f"Refusing to write '{url}': {why} '{source}', whose objects would be replaced or deleted while they are "
-        "read. Write to another prefix.",
-        path=url,
-    )
 
 
 def _put(fs: Any, local: Path, key: str, *, exclusive: bool) -> None:

@@ -322,7 +322,7 @@ def write_universal(src: StrPath, dst: Path, read: ReadOptions, write: WriteOpti
     """
     if not hasattr(torch.serialization, "skip_data"):
         raise ImportError("convert(fmt='universal') needs torch >= 2.6 (torch.serialization.skip_data)")
-    out = AtomicDir(Path(dst), overwrite=write.overwrite)
+    out = AtomicDir(Path(dst), source=src, overwrite=write.overwrite)
     out.check()
     with open_checkpoint(src, read) as ckpt:
         # 1. The source, checked before anything is written; every file planned from metadata.
