@@ -210,6 +210,12 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         for file in self._checked_files():
             file.verify = self._verify_crc
 
+    def _late_file(self, file: CheckedFile) -> CheckedFile:
+        """``file``, opened after ``zeroio.open`` returned (a DCP data file, a universal optimizer file), checked
+        as the files opened before it are: every reader opening a file late passes it through here."""
+        file.verify = self._verify_crc
+        return file
+
     def finish_crc_checks(self) -> None:
         """Read the unread rest of every record read in part (e.g. a ZeRO flat group's padding) and check its CRC.
 

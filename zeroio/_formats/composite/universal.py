@@ -96,6 +96,7 @@ class UniversalCheckpoint(PlannedCheckpoint):
                 continue
             path = confined_path(self._zero_dir, source, found.name, source=recorded, what="parameter")
             tree, file = load_pickle(path, trusted_globals=self._trusted_globals)
+            self._late_file(file.source)
             try:
                 value = _stored_ref(tree, path).materialize()
             finally:
@@ -127,6 +128,7 @@ class UniversalCheckpoint(PlannedCheckpoint):
         if not path.is_file():
             return [], {}
         tree, file = load_pickle(path, trusted_globals=self._trusted_globals)
+        self._late_file(file.source)
         try:
             groups = tree.get("param_groups") if isinstance(tree, dict) else None
             hyper = [

@@ -95,12 +95,15 @@ class _Part:
     checked: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     """The converter's IO threads read concurrently: one CheckedFile per data file, each chunk parsed once."""
+    opened: Callable[[CheckedFile], CheckedFile] = lambda file: file
+    """Applied to each data file opened: the checkpoint's ``_late_file`` (CRC checks as ``verify_crc`` says)."""
 
     def file(self, name: str) -> CheckedFile:
         with self.lock:
             found = self.files.get(name)
             if found is None:
-                found = self.files[name] = CheckedFile(open_source(self.folder / name, self.sizes[name]))
+                found = CheckedFile(open_source(self.folder / name, self.sizes[name]))
+                found = self.files[name] = self.opened(found)
             return found
 
     def locate(self, entry: TensorEntry, i: int) -> EmbeddedTensor:
@@ -183,6 +186,8 @@ class DcpCheckpoint(Checkpoint):
         self._optim = optim
         self._hyper = hyper
         self._parts = parts
+        for part in parts:  # a data file first read after open is CRC-checked like the ones open already
+            part.opened = self._late_file
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         part, entry = self._entries[name]
