@@ -17,7 +17,7 @@ from .._io.progress import ByteProgress, Progress, check_progress
 from .._messages import get_logger
 from .._types import DTypeLike, InitHook, StrPath
 from ..errors import StateDictMismatchError
-from . import shard_reads, sharded
+from . import rank_agreement, shard_reads, sharded
 from .device_copy import DeviceFiller, Ranges
 from .init_hooks import run_init_hooks
 from .key_map import KeyMap, apply_key_map, normalise_prefixes
@@ -260,34 +260,43 @@ def load(
     # The CUDA context and pinned staging are made on a thread while the checkpoint opens and keys are matched.
     prepared = _prepared_filler(target_device) if not broadcast_from_rank0 else None
     owned = not isinstance(path, Checkpoint)
-    if isinstance(path, Checkpoint):
-        ckpt = path
-    else:
-        from .._formats import open_checkpoint
+    fill = shard_reads.broadcast_segments if broadcast_from_rank0 else shard_reads.read_segments
+    # Any error on this rank, from opening on, reaches the other ranks of a sharded load (rank_agreement.py).
+    with rank_agreement.LoadSteps(str(path), partial(_in_collectives, model, broadcast_from_rank0)):
+        if isinstance(path, Checkpoint):
+            ckpt = path
+        else:
+            from .._formats import open_checkpoint
 
-        read = read_options(
-            tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options, merge_lora=merge_lora,
-            adapter_config=adapter_config,
-        )  # fmt: skip
+            read = read_options(
+                tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options,
+                merge_lora=merge_lora, adapter_config=adapter_config,
+            )  # fmt: skip
+            try:
+                ckpt = open_checkpoint(path, read)
+            except BaseException:
+                if prepared is not None:
+                    prepared.close()
+                raise
         try:
-            ckpt = open_checkpoint(path, read)
-        except BaseException:
+            report, sharded_load = _load(
+                ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill, prepared
+            )
+            if not sharded_load:  # a sharded load reads only its slice: checking whole records would read them all
+                ckpt.finish_crc_checks()  # records read in part (flat-group padding)
+            return report
+        finally:
             if prepared is not None:
                 prepared.close()
-            raise
-    try:
-        fill = shard_reads.broadcast_segments if broadcast_from_rank0 else shard_reads.read_segments
-        report, partial = _load(
-            ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill, prepared
-        )
-        if not partial:  # a sharded load reads only this rank's slice: checking whole records would read them all
-            ckpt.finish_crc_checks()  # records read in part (flat-group padding)
-        return report
-    finally:
-        if prepared is not None:
-            prepared.close()
-        if owned:
-            ckpt.close()
+            if owned:
+                ckpt.close()
+
+
+def _in_collectives(model: nn.Module, broadcast: bool) -> bool:
+    """Whether this load's ranks meet in collectives (so an error on one must be sent to the others)."""
+    if not rank_agreement.in_process_group():
+        return False
+    return broadcast or any(sharded.is_sharded(t) for t in [*model.parameters(), *model.buffers()])
 
 
 def _load(
@@ -323,7 +332,10 @@ def _load(
     failure = strict_failure(model, (missing, unexpected, mismatched), where, len(plan)) if strict else None
     # A sharded model: each rank plans its slices, and all ranks agree on any failure before anyone writes.
     targets = {id(slot): (slot.tensor, slot.names[0]) for slot, _ in plan.values()}
-    shard_plans = sharded.plan_agreed(targets, failure, where, broadcast) if is_sharded else {}
+    shard_plans: dict[int, sharded.ShardPlan] = {}
+    if is_sharded:  # every rank must have opened the same checkpoint (tag, files) before any reads
+        agreed = rank_agreement.fingerprint(ckpt) if rank_agreement.in_process_group() and failure is None else None
+        shard_plans = sharded.plan_agreed(targets, failure, where, broadcast, agreed)
     if failure is not None:
         raise failure
 
@@ -374,6 +386,8 @@ def _load(
                 new = entry.dest if entry.target is None else entry.target.finish()
                 if new is not None and new is not entry.slot.tensor:
                     _install(entry.slot, new)
+    if is_sharded:  # every rank filled its part: none returns while another failed
+        rank_agreement.agree(None, where)
 
     # 5. Report.
     report = _report(ckpt, by_key, all_slots, plan, hooks, (missing, unexpected, mismatched), mapped, dropped)

@@ -13,6 +13,7 @@ import torch
 
 from .._io.byte_map import ByteMap, read_strided
 from .._io.sources import tensor_bytes
+from .rank_agreement import broadcast_checked
 from .shard_slices import Strided
 
 if TYPE_CHECKING:
@@ -156,14 +157,15 @@ def broadcast_segments(
         local += length
     placed.sort()
     first = 0  # the first placed range that may still overlap the next chunk
-    rank = dist.get_rank()
     for lo in range(0, info.numel, step):
         n = min(step, info.numel - lo)
-        if rank == 0:
+
+        def read(lo: int = lo, n: int = n) -> None:
             ckpt.read_into(source, lo, host[:n])
             if host is not buffer:
                 buffer[:n].copy_(host[:n])
-        dist.broadcast(buffer[:n], src=0)
+
+        broadcast_checked(read, buffer[:n], str(ckpt.metadata.path), name)  # a read error on 0 reaches every rank
         hi = lo + n
         while first < len(placed) and placed[first][0] + placed[first][1] <= lo:
             first += 1

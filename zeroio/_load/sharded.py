@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardedModelError, ZeroIOError
+from . import rank_agreement
 from .shard_slices import Placement, Strided, local_indices, strided_runs
 
 __all__ = [
@@ -149,42 +150,29 @@ def plan_shard(tensor: torch.Tensor, name: str, where: str) -> ShardPlan:
     return ShardPlan(list(strided_runs(shape, held)), local_shape)
 
 
-def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False) -> None:
-    """Raise on every rank if any rank failed to plan its load, before any rank writes (one small all_gather).
-
-    A rank whose own check passed raises :class:`ShardedModelError` naming the failing rank, so none is left
-    waiting in a later collective. Without an initialised process group, ``error`` is simply raised (and
-    ``broadcast``, which needs one, is refused).
+def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False, checkpoint: Any = None) -> None:
+    """Raise on every rank if any rank failed to plan its load, or ranks opened different checkpoints
+    (``checkpoint``: this rank's ``rank_agreement.fingerprint``), before any rank reads or writes: one
+    all_gather (:func:`zeroio._load.rank_agreement.agree`). Without an initialised process group, ``error`` is
+    simply raised (and ``broadcast``, which needs one, is refused).
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        if broadcast:
-            raise ShardedModelError(
-                f"broadcast_from_rank0=True needs an initialised torch.distributed process group to load '{where}'. "
-                "Call torch.distributed.init_process_group first (torchrun sets its variables), or drop the option.",
-                path=where,
-            )
-        return
-    mine = None if error is None else (type(error).__name__, str(error))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if error is not None:
-        raise error
-    for rank, failed in enumerate(gathered):
-        if failed is not None:
-            kind, message = failed
-            raise ShardedModelError(
-                f"Rank {rank} could not load '{where}' ({kind}), so no rank loaded anything: {message}",
-                path=where,
-                rank=rank,
-            )
+    if broadcast and error is None and not (dist.is_available() and dist.is_initialized()):
+        raise ShardedModelError(
+            f"broadcast_from_rank0=True needs an initialised torch.distributed process group to load '{where}'. "
+            "Call torch.distributed.init_process_group first (torchrun sets its variables), or drop the option.",
+            path=where,
+        )
+    rank_agreement.agree(error, where, checkpoint)
 
 
 def plan_agreed(
-    targets: dict[int, tuple[torch.Tensor, str]], failure: ZeroIOError | None, where: str, broadcast: bool
+    targets: dict[int, tuple[torch.Tensor, str]],
+    failure: ZeroIOError | None,
+    where: str,
+    broadcast: bool,
+    checkpoint: Any = None,
 ) -> dict[int, ShardPlan]:
     """Plan each sharded target (``{key: (tensor, name)}``) unless ``failure`` already stopped the load; then all
     ranks agree (:func:`agree`), so an error on any rank is raised on every rank before anything is written."""
@@ -195,7 +183,7 @@ def plan_agreed(
                 plans[key] = plan_shard(tensor, name, where)
     except ZeroIOError as exc:
         failure = exc
-    agree(failure, where, broadcast=broadcast)
+    agree(failure, where, broadcast=broadcast, checkpoint=checkpoint)
     return plans
 
 

@@ -95,15 +95,13 @@ class _Part:
     checked: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     """The converter's IO threads read concurrently: one CheckedFile per data file, each chunk parsed once."""
-    opened: Callable[[CheckedFile], CheckedFile] = lambda file: file
-    """Applied to each data file opened: the checkpoint's ``_late_file`` (CRC checks as ``verify_crc`` says)."""
+    opened: Callable[[CheckedFile], CheckedFile] = lambda file: file  # the checkpoint's _late_file: CRC checks
 
     def file(self, name: str) -> CheckedFile:
         with self.lock:
             found = self.files.get(name)
             if found is None:
-                found = CheckedFile(open_source(self.folder / name, self.sizes[name]))
-                found = self.files[name] = self.opened(found)
+                found = self.files[name] = self.opened(CheckedFile(open_source(self.folder / name, self.sizes[name])))
             return found
 
     def locate(self, entry: TensorEntry, i: int) -> EmbeddedTensor:

@@ -1,0 +1,111 @@
+"""Every failure of a sharded load reaches every rank as a ``ZeroIOError`` within seconds, and ranks agree on one
+checkpoint before reading (issue 30, item 3). Two gloo ranks run every case in one spawn (tests/agreement_worker.py)
+with a 20 s process-group timeout: before, a rank left in ``all_gather_object`` or ``broadcast`` reported the
+backend's timeout (or, for a save landing between the ranks' opens, loaded rows from two steps)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixture_data import FIXTURES
+from test_distributed import finish, free_port, worker_env
+
+import zeroio
+
+WORKER = Path(__file__).with_name("agreement_worker.py")
+DCP = FIXTURES / "dcp" / "dcp_fsdp2_ws2_fp32"  # chunk 0 of each tensor in __0_0.distcp (rank 0's rows), 1 in __1_0
+Z3 = FIXTURES / "z3_ws2_fp32"  # global_step1 and global_step2
+TIMEOUT = 20
+
+
+def _flipped_dcp(root: Path, chunk: int) -> Path:
+    """The DCP fixture with one bit of ``emb.weight``'s chunk ``chunk`` flipped (its CRC then fails)."""
+    folder = root / f"dcp_flipped_{chunk}"
+    shutil.copytree(DCP, folder, ignore=shutil.ignore_patterns("expected", "manifest.json"))
+    with zeroio.open(folder) as ckpt:
+        ranges = ckpt.byte_ranges("emb.weight")
+    assert ranges is not None
+    source, offset, _ = ranges[chunk]
+    data = bytearray(Path(source.name).read_bytes())
+    data[offset + 20] ^= 0x10
+    Path(source.name).write_bytes(bytes(data))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("ranks")
+    moving = root / "z3"
+    shutil.copytree(Z3, moving, ignore=shutil.ignore_patterns("expected", "manifest.json"))
+    rank0_rows, rank1_rows = _flipped_dcp(root, 0), _flipped_dcp(root, 1)
+    cases = [
+        {"id": "open_fails_on_rank_1", "src": [str(DCP), str(root / "missing")], "shard": "fsdp2"},
+        {"id": "broadcast_read_fails_on_rank_0", "src": [str(rank0_rows)] * 2, "shard": "fsdp2", "broadcast": True},
+        {"id": "fill_fails_on_rank_1", "src": [str(rank1_rows)] * 2, "shard": "fsdp2"},
+        {"id": "save_lands_between_opens", "src": [str(moving)] * 2, "shard": "fsdp2",
+         "move_latest": str(root / "moved")},
+        {"id": "healthy", "src": [str(DCP)] * 2, "shard": "fsdp2"},
+    ]  # fmt: skip
+    spec = root / "spec.json"
+    spec.write_text(json.dumps({"cases": cases, "timeout": TIMEOUT}))
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(spec)], env=worker_env(rank, 2, port),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    by_case: dict[str, list[dict[str, Any]]] = {c["id"]: [] for c in cases}
+    for rank, (_, records, err) in enumerate(finish(procs, timeout=len(cases) * TIMEOUT + 60)):
+        assert len(records) == len(cases), f"rank {rank} stopped early:\n{err[-3000:]}"
+        for record in records:
+            by_case[record["id"]].append(record)
+    return by_case
+
+
+def _fast(records: list[dict[str, Any]]) -> None:
+    assert all(r["seconds"] < 10 for r in records), [(r["rank"], r["seconds"], r["error"]) for r in records]
+
+
+def test_open_failure_on_one_rank_reaches_the_other(results):
+    rank0, rank1 = results["open_fails_on_rank_1"]
+    assert rank1["error"] == "CheckpointNotFoundError"
+    assert rank0["error"] == "ShardedModelError"
+    assert rank0["message"].startswith("Rank 1 could not load '") and "(CheckpointNotFoundError)" in rank0["message"]
+    _fast([rank0, rank1])
+
+
+def test_read_error_on_rank_0_under_broadcast_reaches_rank_1(results):
+    rank0, rank1 = results["broadcast_read_fails_on_rank_0"]
+    assert rank0["error"] == "CheckpointFormatError" and "fails its CRC-32 check" in rank0["message"]
+    assert rank1["error"] == "ShardedModelError"
+    assert "Rank 0 could not read 'emb.weight'" in rank1["message"] and "fails its CRC-32 check" in rank1["message"]
+    _fast([rank0, rank1])
+
+
+def test_fill_error_on_one_rank_reaches_the_other(results):
+    """Rank 1's rows of emb.weight fail their CRC; rank 0's read fine, and rank 0 no longer returns as if loaded."""
+    rank0, rank1 = results["fill_fails_on_rank_1"]
+    assert rank1["error"] == "CheckpointFormatError" and "fails its CRC-32 check" in rank1["message"]
+    assert rank0["error"] == "ShardedModelError" and rank0["message"].startswith("Rank 1 could not load")
+    _fast([rank0, rank1])
+
+
+def test_ranks_that_opened_different_steps_refuse_to_load(results):
+    rank0, rank1 = results["save_lands_between_opens"]
+    for record in (rank0, rank1):
+        assert record["error"] == "ShardedModelError"
+        assert "opened different checkpoints" in record["message"]
+        assert "tag 'global_step2' vs 'global_step1'" in record["message"]
+    _fast([rank0, rank1])
+
+
+def test_a_healthy_load_still_loads_on_both_ranks(results):
+    assert [r["error"] for r in results["healthy"]] == [None, None]
