@@ -6,8 +6,8 @@ front of it. zeroio (through s3fs, over HTTP) talks only to the proxy, which
 * counts the body bytes and requests of every GET it relays (the server-side accounting the tests assert on);
 * checks credentials as S3 does (moto's server accepts any): a request signed with another access key gets
   ``403 InvalidAccessKeyId``, an unsigned one ``403 AccessDenied``;
-* injects faults on the next GETs when told: a connection reset, HTTP 500 or 503, a slow response, or a body cut
-  short of its Content-Length.
+* injects faults on the next GETs when told: a connection reset, HTTP 500 or 503, a slow response, a body cut
+  short of its Content-Length, or an endless chunked body (no Content-Length) after the true headers.
 
 Uploads go straight to moto (boto3), never through the proxy.
 """
@@ -101,6 +101,8 @@ class S3Server:
                 response = upstream.getresponse()
                 data = response.read()
                 upstream.close()
+                if fault == "endless":
+                    return self._endless(response)
                 self.send_response(response.status)
                 for key, value in response.getheaders():
                     if key.lower() not in ("connection", "transfer-encoding", "content-length", "keep-alive"):
@@ -124,6 +126,22 @@ class S3Server:
                         server.accounting.ranges.append((self.path, self.headers.get("Range") or ""))
                 self.wfile.write(data)
                 return None
+
+            def _endless(self, response: http.client.HTTPResponse) -> None:
+                """The true status and headers, then a chunked body of zeros that never ends (up to 8 GiB)."""
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("connection", "transfer-encoding", "content-length", "keep-alive"):
+                        self.send_header(key, value)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.close_connection = True
+                block = b"%x\r\n" % (1 << 20) + bytes(1 << 20) + b"\r\n"
+                try:
+                    for _ in range(8 << 10):
+                        self.wfile.write(block)
+                except OSError:  # the client stopped reading: what a bounded reader does
+                    pass
 
             def _error(self, status: int, code: str, message: str) -> None:
                 body = (

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fixture_data import FIXTURES
+from hostile_dcp import DCP_ATTACKS
 from hostile_files import ATTACKS
 from hostile_folders import FOLDER_ATTACKS
 from hypothesis import HealthCheck, given, settings
@@ -246,9 +247,10 @@ def test_damaged_attack_files_only_raise_zeroio_errors(tmp_path_factory, attack,
 
 @pytest.fixture(scope="module")
 def hostile_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
-    """Each folder attack of tests/hostile_folders.py, built once: ``{name: (where, root, edited)}``."""
+    """Each folder attack of tests/hostile_folders.py and tests/hostile_dcp.py, built once: ``{name: (where, root,
+    edited)}``."""
     built = {}
-    for name, build in FOLDER_ATTACKS.items():
+    for name, build in {**FOLDER_ATTACKS, **DCP_ATTACKS}.items():
         where = tmp_path_factory.mktemp(name)
         built[name] = (where, *build(where))
     return built
@@ -256,7 +258,7 @@ def hostile_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
 
 @settings(max_examples=30, deadline=20000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    attack=st.sampled_from(sorted(FOLDER_ATTACKS)),
+    attack=st.sampled_from(sorted({**FOLDER_ATTACKS, **DCP_ATTACKS})),
     position=st.integers(0, 10**6),
     mode=st.sampled_from(["as crafted", "flip", "truncate"]),
     value=st.integers(0, 255),

@@ -150,8 +150,10 @@ def test_absurd_sizes(folder):
 
 
 def test_many_chunks_are_checked_in_linear_time(folder):
-    """10,000 one-element chunks side by side along dim 1 (each naming the same stored bytes): the overlap and
-    coverage check is linear, where comparing chunk pairs would take 5 * 10**7 steps (a minute)."""
+    """10,000 one-element chunks side by side along dim 1 (each naming its own 4 bytes, appended to the data file:
+    items never share bytes): the overlap and coverage check is linear, where comparing chunk pairs would take
+    5 * 10**7 steps (a minute)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = _metadata(folder)
@@ -163,8 +165,13 @@ def test_many_chunks_are_checked_in_linear_time(folder):
     for key in [k for k in meta.storage_data if k.fqn == "model.scale"]:
         del meta.storage_data[key]
     template = _storage(meta, "model.emb.weight")
+    data = folder / info.relative_path
+    base = data.stat().st_size
+    with open(data, "ab") as fh:
+        fh.write(bytes(4 * n))
     for j in range(n):
-        meta.storage_data[dataclasses.replace(template, fqn="model.scale", offset=torch.Size([0, j]))] = info
+        own = _StorageInfo(info.relative_path, base + 4 * j, 4)
+        meta.storage_data[dataclasses.replace(template, fqn="model.scale", offset=torch.Size([0, j]))] = own
     _save(folder, meta)
     start = time.monotonic()
     with zeroio.open(folder) as ckpt:

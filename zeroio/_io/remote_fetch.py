@@ -200,6 +200,19 @@ def _check_version(headers: Mapping[str, str], version: str | None) -> None:
         raise ObjectChanged(f"its {name} is {seen!r}, {version!r} at open")
 
 
+async def _bounded_read(body: Any, limit: int, start: int) -> bytes:
+    """Up to ``limit`` bytes of an async stream (``read(n)``); :class:`RangeError` once it sends more."""
+    data = bytearray()
+    while len(data) <= limit:
+        chunk = await body.read(min(_CHUNK, limit + 1 - len(data)))
+        if not chunk:
+            break
+        data += chunk
+    if len(data) > limit:
+        raise RangeError(f"sends more than the {limit} bytes asked (bytes {start}..{start + limit})")
+    return bytes(data)
+
+
 def _s3(fs: Any, path: str, size: int, etag: str | None, limit_s: float) -> Callable[[int, int], bytes]:
     from fsspec.asyn import sync
 
@@ -233,7 +246,9 @@ def _s3(fs: Any, path: str, size: int, etag: str | None, limit_s: float) -> Call
             length = int(response.get("ContentLength") or 0)
             if length > end - start:
                 raise RangeError(f"announces a {length}-byte body for {end - start} bytes asked")
-            return bytes(sync(fs.loop, body.read, timeout=limit_s))  # aiohttp's stream: read on s3fs's loop
+            # aiohttp's stream, read on s3fs's loop, never more than one byte past the range: a chunked body with
+            # no Content-Length was read whole (2.1 GB for a 184-byte object) before.
+            return bytes(sync(fs.loop, _bounded_read, body, end - start, start, timeout=limit_s))
         finally:
             body.close()
 

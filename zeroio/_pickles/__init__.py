@@ -9,6 +9,7 @@ written chunk by chunk).
 
 from __future__ import annotations
 
+from .allowed import short_repr
 from .archive import RankFile, TensorRef
 from .dcp_metadata_unpickler import load_dcp_metadata
 from .embedded import EmbeddedTensor
@@ -55,6 +56,7 @@ __all__ = [
     "load_embedded",
     "load_pickle",
     "read_tensor",
+    "short_repr",
     "to_plain",
     "where_text",
     "writable",

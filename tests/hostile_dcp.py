@@ -1,0 +1,140 @@
+"""Hostile DCP folders (issue 30): tiny ``.metadata`` files whose references, not their bytes, ask for gigabytes or
+minutes. Each builder copies the genuine fixture ``fixtures/dcp/dcp_fsdp2_ws2_fp32`` into ``where``, rewrites its
+``.metadata`` with torch's own classes (pickle's memo makes every repeated object one reference), and returns
+``(root, edited)`` as tests/hostile_folders.py's builders do (the fuzz corpus in tests/test_errors.py damages
+``edited`` too)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fixture_data import FIXTURES
+from hostile_folders import copy_fixture
+
+DCP = FIXTURES / "dcp" / "dcp_fsdp2_ws2_fp32"
+
+
+def _edit(where: Path, edit: Callable[[Any, Path], None]) -> tuple[Path, Path]:
+    root = copy_fixture(DCP, where / "ckpt")
+    with open(root / ".metadata", "rb") as fh:
+        meta = pickle.load(fh)  # our own genuine fixture, read to be rewritten
+    edit(meta, root)
+    with open(root / ".metadata", "wb") as fh:
+        pickle.dump(meta, fh)
+    return root, root / ".metadata"
+
+
+def shared_list_offsets(where: Path, depth: int = 40) -> tuple[Path, Path]:
+    """A chunk offset that is a list of lists, each level holding the one below twice: ``str()`` of it (an error
+    message's ``str(value)[:60]``) would write 2**depth leaves; the file is about 7 KB."""
+
+    def edit(meta: Any, root: Path) -> None:
+        dag: list[Any] = []
+        for _ in range(depth):
+            dag = [dag, dag]
+        chunk = meta.state_dict_metadata["model.scale"].chunks[0]
+        meta.state_dict_metadata["model.scale"].chunks[0] = dataclasses.replace(chunk, offsets=[dag])
+
+    return _edit(where, edit)
+
+
+def values_on_one_range(where: Path, count: int = 150, size: int = 16 << 20) -> tuple[Path, Path]:
+    """``count`` pickled values all stored at one ``size``-byte range of a (sparse) data file: each was read and held
+    (150 x 16 MiB = 2.4 GB)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    def edit(meta: Any, root: Path) -> None:
+        with open(root / "__9_0.distcp", "wb") as fh:
+            fh.truncate(size)  # a hole: no disk used
+        info = _StorageInfo(relative_path="__9_0.distcp", offset=0, length=size)
+        for i in range(count):
+            meta.state_dict_metadata[f"value{i}"] = BytesStorageMetadata()
+            meta.storage_data[MetadataIndex(f"value{i}")] = info
+
+    return _edit(where, edit)
+
+
+def chunk_references(where: Path, references: int = 1_000_000) -> tuple[Path, Path]:
+    """``model.scale`` listing its one chunk ``references`` times (1.9 MB for a million references: a chunk object
+    per reference took 37-80 s and 0.8 GB at open)."""
+
+    def edit(meta: Any, root: Path) -> None:
+        entry = meta.state_dict_metadata["model.scale"]
+        entry.chunks[:] = [entry.chunks[0]] * references
+
+    return _edit(where, edit)
+
+
+def shared_chunk_lists(where: Path, tensors: int = 50) -> tuple[Path, Path]:
+    """``tensors`` new tensors all holding the one chunk list of ``model.emb.weight`` (a pickle reference each)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def edit(meta: Any, root: Path) -> None:
+        entry = meta.state_dict_metadata["model.emb.weight"]
+        for i in range(tensors):
+            meta.state_dict_metadata[f"copy{i}"] = dataclasses.replace(entry, chunks=entry.chunks)
+            for chunk in entry.chunks:
+                meta.storage_data[MetadataIndex(f"copy{i}", chunk.offsets)] = meta.storage_data[
+                    MetadataIndex("model.emb.weight", chunk.offsets)
+                ]
+
+    return _edit(where, edit)
+
+
+def _padded_archive(entries: int) -> bytes:
+    """A torch.save-like zip archive of one 1-element float tensor and ``entries`` empty records besides."""
+    from hostile_files import Ops
+
+    pkl = Ops().tensor((1,), (1,), numel=1).stop()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr(zipfile.ZipInfo("archive/data.pkl"), pkl)
+        zf.writestr(zipfile.ZipInfo("archive/data/0"), bytes(4))
+        for i in range(entries):
+            zf.writestr(zipfile.ZipInfo(f"archive/pad/{i}"), b"")
+    return buf.getvalue()
+
+
+def one_archive_many_chunks(where: Path, chunks: int = 1000, entries: int = 200_000) -> tuple[Path, Path]:
+    """A tensor of ``chunks`` one-element chunks all stored in one archive whose zip directory has ``entries``
+    records: the directory was parsed once per chunk (200k entries: 22 minutes for one tensor)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def edit(meta: Any, root: Path) -> None:
+        blob = _padded_archive(entries)
+        (root / "__9_0.distcp").write_bytes(blob)
+        info = _StorageInfo(relative_path="__9_0.distcp", offset=0, length=len(blob))
+        boxes = [ChunkStorageMetadata(offsets=torch.Size([i]), sizes=torch.Size([1])) for i in range(chunks)]
+        meta.state_dict_metadata["model.big"] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size([chunks]), chunks=boxes
+        )
+        for box in boxes:
+            meta.storage_data[MetadataIndex("model.big", box.offsets)] = info
+
+    return _edit(where, edit)
+
+
+DCP_ATTACKS: dict[str, Callable[[Path], tuple[Path, Path]]] = {
+    "dcp_shared_list_offsets": shared_list_offsets,
+    "dcp_values_on_one_range": lambda where: values_on_one_range(where, count=20, size=1 << 20),
+    "dcp_chunk_references": lambda where: chunk_references(where, 100_000),
+    "dcp_shared_chunk_lists": shared_chunk_lists,
+    "dcp_one_archive_many_chunks": lambda where: one_archive_many_chunks(where, 50, 2_000),
+}
+"""Every hostile DCP folder, by name, at a size the fuzz corpus (tests/test_errors.py) builds in well under a second."""
+
+__all__ = ["DCP_ATTACKS"]
