@@ -22,7 +22,7 @@ from .._messages import listing
 from ..errors import ShardedModelError, ZeroIOError
 
 if TYPE_CHECKING:
-    from .._checkpoint import TensorReader
+    from .._formats import TensorReader
 
 __all__ = ["MAX_FINGERPRINT_FILES", "LoadSteps", "agree", "broadcast_checked", "fingerprint", "in_process_group"]
 
