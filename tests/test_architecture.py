@@ -278,6 +278,7 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
             "comm",
             "atomic",
             "own_files",
+            "overlap",
             "sharding",
             "readers",
             "byte_writes",
