@@ -332,10 +332,7 @@ def _load(
     failure = strict_failure(model, (missing, unexpected, mismatched), where, len(plan)) if strict else None
     # A sharded model: each rank plans its slices, and all ranks agree on any failure before anyone writes.
     targets = {id(slot): (slot.tensor, slot.names[0]) for slot, _ in plan.values()}
-    shard_plans: dict[int, sharded.ShardPlan] = {}
-    if is_sharded:  # every rank must have opened the same checkpoint (tag, files) before any reads
-        agreed = rank_agreement.fingerprint(ckpt) if rank_agreement.in_process_group() and failure is None else None
-        shard_plans = sharded.plan_agreed(targets, failure, where, broadcast, agreed)
+    shard_plans = sharded.plan_agreed(targets, failure, where, broadcast, ckpt) if is_sharded else {}
     if failure is not None:
         raise failure
 

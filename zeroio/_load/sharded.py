@@ -172,18 +172,22 @@ def plan_agreed(
     failure: ZeroIOError | None,
     where: str,
     broadcast: bool,
-    checkpoint: Any = None,
+    ckpt: Any = None,
 ) -> dict[int, ShardPlan]:
     """Plan each sharded target (``{key: (tensor, name)}``) unless ``failure`` already stopped the load; then all
-    ranks agree (:func:`agree`), so an error on any rank is raised on every rank before anything is written."""
+    ranks agree (:func:`agree`), so an error on any rank is raised on every rank before anything is written, and
+    ranks that opened different checkpoints (``ckpt``'s fingerprint: tag, files) refuse before any reads."""
     plans: dict[int, ShardPlan] = {}
+    seen = None
     try:
         for key, (tensor, name) in targets.items() if failure is None else ():
             if is_sharded(tensor):
                 plans[key] = plan_shard(tensor, name, where)
+        if ckpt is not None and failure is None and rank_agreement.in_process_group():
+            seen = rank_agreement.fingerprint(ckpt)
     except ZeroIOError as exc:
         failure = exc
-    agree(failure, where, broadcast=broadcast, checkpoint=checkpoint)
+    agree(failure, where, broadcast=broadcast, checkpoint=seen)
     return plans
 
 

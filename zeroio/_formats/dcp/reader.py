@@ -93,16 +93,14 @@ class _Part:
     files: dict[str, CheckedFile] = field(default_factory=dict)
     located: dict[tuple[str, int], EmbeddedTensor] = field(default_factory=dict)
     checked: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    """The converter's IO threads read concurrently: one CheckedFile per data file, each chunk parsed once."""
+    lock: threading.Lock = field(default_factory=threading.Lock)  # IO threads: one CheckedFile per file, chunks once
     opened: Callable[[CheckedFile], CheckedFile] = lambda file: file  # the checkpoint's _late_file: CRC checks
 
     def file(self, name: str) -> CheckedFile:
         with self.lock:
-            found = self.files.get(name)
-            if found is None:
-                found = self.files[name] = self.opened(CheckedFile(open_source(self.folder / name, self.sizes[name])))
-            return found
+            if name not in self.files:
+                self.files[name] = self.opened(CheckedFile(open_source(self.folder / name, self.sizes[name])))
+            return self.files[name]
 
     def locate(self, entry: TensorEntry, i: int) -> EmbeddedTensor:
         """Chunk ``i`` of ``entry``: its archive parsed (once), checked against the metadata, its CRC registered."""
