@@ -70,6 +70,7 @@ def convert(
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     names: str | None = None,
+    dcp_keys: str = "auto",
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -159,6 +160,7 @@ def convert(
             environment credentials. A URL ``dst`` (``s3://bucket/model``) is written locally, then uploaded,
             the index last; a failed upload removes what it uploaded.
         dcp_layout: with ``fmt="dcp"``, ``"torchtitan"`` (default) or ``"accelerate"``.
+        dcp_keys: which tensors of a DCP source are the model's, as for :func:`zeroio.open`.
         merge_lora: the source is a PEFT LoRA run: write the base model's weights (``base_model.model.`` and
             ``.base_layer`` dropped, LoRA tensors left out) with each adapted weight ``W + scale * B @ A``
             (transposed for ``fan_in_fan_out`` layers; ``scale = lora_alpha / r``, rsLoRA ``lora_alpha / sqrt(r)``),
@@ -199,6 +201,7 @@ def convert(
     read = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
         storage_options=storage_options, merge_lora=merge_lora, adapter_config=adapter_config, names=names,
+        dcp_keys=dcp_keys,
     )  # fmt: skip
     if merge_lora and (fmt in ("universal", "peft") or include_optimizer):
         what = "include_optimizer" if include_optimizer else f"fmt={fmt!r}"

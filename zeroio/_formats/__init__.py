@@ -158,6 +158,7 @@ def open(
     merge_lora: bool = False,
     adapter_config: AdapterConfigSource = None,
     names: str | None = None,
+    dcp_keys: str = "auto",
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -185,6 +186,11 @@ def open(
         adapter_config: with ``merge_lora``, the run's ``adapter_config.json`` (file, folder or dict) when it is
             not beside the checkpoint.
         names: ``"hf"`` reads a Megatron GPT of the Llama family under transformers' names (docs/formats.md).
+        dcp_keys: for a DCP checkpoint, which tensors are the model's: ``"auto"`` strips ``model.`` when every
+            other tensor is optimizer or training state (``dcp.save({"model": ..., "optim": ...})``) and keeps
+            every name as stored otherwise (a Hugging Face-style ``model.embed_tokens.weight`` beside
+            ``lm_head.weight``); ``"model"`` keeps only ``model.`` tensors, prefix stripped; ``"all"`` every tensor
+            but optimizer state, as stored. ``metadata.extra["dcp_keys"]`` says what was done.
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -202,7 +208,7 @@ def open(
     options = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
         ignore_recorded_tp=ignore_recorded_tp, storage_options=storage_options, merge_lora=merge_lora,
-        adapter_config=adapter_config, names=names,
+        adapter_config=adapter_config, names=names, dcp_keys=dcp_keys,
     )  # fmt: skip
     return open_checkpoint(path, options)
 

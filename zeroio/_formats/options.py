@@ -35,6 +35,8 @@ class ReadOptions:
     """A LoRA adapter's ``adapter_config.json`` (file, folder or dict) where none lies beside the checkpoint."""
     names: str | None = None
     """``"hf"``: a Megatron GPT under transformers' names (docs/formats.md); None: the framework's own."""
+    dcp_keys: str = "auto"
+    """Which tensors of a DCP checkpoint are the model's, under which names (``_formats/dcp/keys.py``)."""
 
 
 def trusted_names(trusted_globals: Iterable[str]) -> frozenset[str]:
@@ -55,6 +57,7 @@ def read_options(
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     names: str | None = None,
+    dcp_keys: str = "auto",
 ) -> ReadOptions:
     """Validate the reading keywords a public verb was given, once, into a :class:`ReadOptions`.
 
@@ -64,6 +67,8 @@ def read_options(
     """
     if names not in (None, "hf"):
         raise ValueError(f"names must be None (the checkpoint's own) or 'hf', not {names!r}.")
+    if dcp_keys not in ("auto", "model", "all"):
+        raise ValueError(f"dcp_keys must be one of 'auto', 'model', 'all', got {dcp_keys!r}.")
 
     return ReadOptions(
         tag=tag,
@@ -75,6 +80,7 @@ def read_options(
         merge_lora=_flag("merge_lora", merge_lora),
         adapter_config=_adapter_config(adapter_config),
         names=names,
+        dcp_keys=dcp_keys,
     )
 
 

@@ -4,7 +4,7 @@
 pickled values (``train_state``, optimizer ``param_groups``); tensor chunks, each its own ``torch.save`` archive
 inside a ``.distcp`` file, are located on first read and read by byte range. Layouts (see docs/dcp.md):
 
-* plain ``dcp.save({"model": ..., "optim": ...})`` (and FSDP1's sharded state dict): ``model.`` is stripped;
+* plain ``dcp.save({"model": ..., "optim": ...})`` (and FSDP1's sharded state dict): ``model.`` is stripped (keys.py);
 * torchtitan: a ``step-N/`` folder (or the folder holding them: the largest N, or ``tag``), model keys at the top;
 * accelerate: a folder holding ``pytorch_model_fsdp_0/`` (``model.``) and ``optimizer_0/`` is one checkpoint.
 """
@@ -36,6 +36,7 @@ from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
 from ..options import ReadOptions
 from .chunk_plans import EntryMap, concat_ranges, read_entry_into
+from .keys import OPTIM_ROOTS, split_keys
 from .metadata import DcpMetadata, TensorEntry, parse_dcp_metadata
 
 if TYPE_CHECKING:
@@ -49,8 +50,6 @@ METADATA = ".metadata"
 ACCELERATE_MODEL = "pytorch_model_fsdp_0"
 ACCELERATE_OPTIM = "optimizer_0"
 _STEP = re.compile(r"^step-(\d+)$")
-_OPTIM_ROOTS = ("optim.", "optimizer.")
-_NOT_MODEL = ("optim.", "optimizer.", "train_state.", "lr_scheduler.", "dataloader.", "lr_schedulers.")
 MAX_VALUE_BYTES = 16 << 20
 """Largest pickled value read at open (16 MiB); larger ones are listed, not read."""
 ARCHIVE_ENDS = 16 << 10
@@ -399,7 +398,7 @@ def _trainer_step(root: Path) -> Any:
 def _split_optimizer(
     fqn: str, entry: TensorEntry, part: _Part, optim: dict[str, dict[str, tuple[_Part, TensorEntry]]]
 ) -> bool:
-    for root in _OPTIM_ROOTS:
+    for root in OPTIM_ROOTS:
         if fqn.startswith(root + "state."):
             param, _, key = fqn[len(root) + len("state.") :].rpartition(".")
             if param and key:
@@ -414,7 +413,7 @@ def _hyper_parameters(values: dict[str, Any], params: set[str]) -> dict[str, dic
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     hyper: dict[str, dict[str, Any]] = {}
     for fqn, value in values.items():
-        for root in _OPTIM_ROOTS:
+        for root in OPTIM_ROOTS:
             prefix = root + "param_groups."
             if fqn.startswith(prefix):
                 owner, _, key = fqn[len(prefix) :].rpartition(".")
@@ -444,18 +443,9 @@ def open_dcp(path: Path, options: ReadOptions) -> DcpCheckpoint:
     prefixed = any(fqn.startswith("model.") for fqn, _, _ in tensors)
     titan = not prefixed and any(k.startswith("train_state.") for k in values)
     layout = layout or ("torchtitan" if titan else "dcp")
-    entries: dict[str, tuple[_Part, TensorEntry]] = {}
     optim: dict[str, dict[str, tuple[_Part, TensorEntry]]] = {}
-    skipped: list[str] = []
-    for fqn, part, entry in tensors:
-        if _split_optimizer(fqn, entry, part, optim):
-            continue
-        if prefixed and fqn.startswith("model."):
-            entries[fqn[len("model.") :]] = (part, entry)
-        elif not prefixed and not fqn.startswith(_NOT_MODEL):
-            entries[fqn] = (part, entry)
-        else:
-            skipped.append(fqn)
+    rest = [(fqn, (part, entry)) for fqn, part, entry in tensors if not _split_optimizer(fqn, entry, part, optim)]
+    entries, skipped, split = split_keys(rest, options.dcp_keys)  # never a tensor dropped silently: said, chosen
     if not entries:
         raise CheckpointFormatError(
             f"'{path}' is a DCP checkpoint without model tensors (keys: {', '.join(list(values)[:5])}).", path=path
@@ -494,6 +484,7 @@ def open_dcp(path: Path, options: ReadOptions) -> DcpCheckpoint:
             "files": sorted({f for p in parts for f in p.meta.files}),
             "values": values,
             "other_tensors": skipped,
+            "dcp_keys": split,
         },
     )
     logger.debug("opened %s: dcp (%s), %d tensors", root, layout, len(infos))

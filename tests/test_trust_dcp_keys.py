@@ -1,0 +1,69 @@
+"""A DCP whose keys include ``model.``-prefixed names beside others (issue 30, item 5): a Hugging Face-style
+``dcp.save`` (``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``) converted without
+``lm_head.weight``. Now no tensor is dropped silently, the split is said, and ``dcp_keys`` chooses."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch import nn
+
+import zeroio
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(11, 4)
+        self.norm = nn.LayerNorm(4)
+
+
+class _HFStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Inner()
+        self.lm_head = nn.Linear(4, 11, bias=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A DCP written by torch's own ``dcp.save`` (one process) from a Hugging Face-style state dict."""
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in _HFStyle().state_dict().items()}
+    folder = tmp_path_factory.mktemp("hf_dcp") / "ckpt"
+    with warnings.catch_warnings():  # torch warns that no process group is initialised: one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return folder, state
+
+
+def test_hf_style_dcp_converts_every_tensor_under_its_own_name(saved, tmp_path):
+    folder, state = saved
+    zeroio.convert(folder, tmp_path / "out", progress=False)
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(out) == sorted(state)  # lm_head.weight included
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    with zeroio.open(folder) as ckpt:
+        assert ckpt.metadata.extra["other_tensors"] == []
+        assert ckpt.metadata.extra["dcp_keys"] == (
+            "names kept as stored: 1 tensor(s) outside 'model.' (first: 'lm_head.weight') are model tensors too "
+            "(dcp_keys='auto')."
+        )
+
+
+def test_dcp_keys_model_strips_and_says_what_it_left_out(saved):
+    folder, state = saved
+    with zeroio.open(folder, dcp_keys="model") as ckpt:
+        assert sorted(ckpt.keys()) == sorted(k[len("model.") :] for k in state if k.startswith("model."))
+        assert ckpt.metadata.extra["other_tensors"] == ["lm_head.weight"]
+        assert "1 tensor(s) left out as non-model state (first: 'lm_head.weight')" in ckpt.metadata.extra["dcp_keys"]
+
+
+def test_bad_dcp_keys_is_a_value_error(saved):
+    with pytest.raises(ValueError, match="dcp_keys must be one of 'auto', 'model', 'all'"):
+        zeroio.open(saved[0], dcp_keys="strip")
