@@ -14,7 +14,9 @@ def test_all_is_sorted_and_complete():
     assert zeroio.__all__ == sorted(zeroio.__all__)
     for name in zeroio.__all__:
         assert hasattr(zeroio, name), name
-    public = {n for n in vars(zeroio) if not n.startswith("_") and n not in ("annotations", "errors", "cli")}
+    public = {
+        n for n in vars(zeroio) if not n.startswith("_") and n not in ("annotations", "errors", "cli", "zero_to_fp32")
+    }
     assert public <= set(zeroio.__all__)
 
 
@@ -23,6 +25,32 @@ def test_errors_all_is_sorted_and_complete():
     assert errors.__all__ == sorted(errors.__all__)
     defined = {n for n, v in vars(errors).items() if isinstance(v, type) and v.__module__ == errors.__name__}
     assert defined == set(errors.__all__)
+
+
+def test_zero_to_fp32_is_the_one_public_module_besides():
+    """zeroio.zero_to_fp32 (the drop-in for deepspeed.utils.zero_to_fp32) has a sorted __all__ of what it defines,
+    and every DeepSpeed 0.19.8 function it replaces keeps its name, parameters and defaults."""
+    import inspect
+
+    from deepspeed.utils import zero_to_fp32 as deepspeed_module
+
+    from zeroio import zero_to_fp32
+
+    assert zero_to_fp32.__all__ == sorted(zero_to_fp32.__all__)
+    defined = {
+        n
+        for n, v in vars(zero_to_fp32).items()
+        if not n.startswith("_") and getattr(v, "__module__", "") == zero_to_fp32.__name__
+    }
+    assert defined == set(zero_to_fp32.__all__)
+    for name in set(zero_to_fp32.__all__) - {"LazyTensor"}:
+        ours, theirs = (
+            inspect.signature(getattr(zero_to_fp32, name)),
+            inspect.signature(getattr(deepspeed_module, name)),
+        )
+        assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == [
+            (p.name, p.default, p.kind) for p in theirs.parameters.values()
+        ], name
 
 
 def test_import_does_not_load_heavy_optional_modules():

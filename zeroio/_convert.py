@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._every_rank import convert_destination, once_per_job
 from ._formats import read_options
 from ._io.progress import Progress
 from ._model_card import written_card_facts
@@ -46,7 +47,10 @@ class ConvertResult:
 
 # --------------------------------------------------------------------------- the public verb
 
+_SAME_ON_EVERY_RANK = ("src", "fmt", "dtype", "max_shard_size", "tag", "exclude_frozen", "include_optimizer")
 
+
+@once_per_job("convert", convert_destination, ConvertResult, _SAME_ON_EVERY_RANK)  # docs/distributed.md
 def convert(
     src: StrPath,
     dst: StrPath,
@@ -143,7 +147,9 @@ def convert(
         distributed: run as one process of a ``torch.distributed`` job (an initialised process group, or
             ``torchrun``'s environment): every process must call ``convert`` with the same arguments; each writes
             its share of the shards into one folder on a filesystem shared by all, and every process returns the
-            same result. See ``docs/distributed.md``.
+            same result. See ``docs/distributed.md``. Without it, when a process group is initialised and several
+            ranks call ``convert`` with the same ``dst`` (code written for DeepSpeed's ``zero_to_fp32``), the first
+            writes, the others wait and return its result or raise its error.
         include_optimizer: also write the consolidated optimizer state of a DeepSpeed ZeRO-1/2/3 checkpoint:
             ``optimizer.safetensors`` (keys ``<param>.exp_avg``, ``<param>.exp_avg_sq``; sharded like the
             weights) and ``optimizer.json`` (param groups, steps), or, with ``fmt="dcp"``, the ``optimizer`` state

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._every_rank import once_per_job, push_destination
 from ._formats import ReadOptions, read_options
 from ._io.remote_path import as_path, is_url
 from ._messages import get_logger, redact_exception
@@ -71,6 +72,7 @@ class PushResult:
     """Paths in the repo that the push contained, sorted (files unchanged since the last push included)."""
 
 
+@once_per_job("push_to_hub", push_destination, PushResult, ("src", "repo_id", "dtype", "max_shard_size", "tag"))
 def push_to_hub(
     src: StrPath,
     repo_id: str,
