@@ -78,6 +78,7 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._load.shard_slices": "which global elements a DTensor placement gives a rank, checked against torch's",
     "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
     "zeroio._formats.name_patterns": "bounded regex matching: which patterns are refused, and match results equal re's",
+    "zeroio.cli._progress": "when progress lines print (every 10 % or 10 s, at 100 %), against an injected clock",
 }
 
 

@@ -12,6 +12,7 @@ import zeroio
 
 from .. import errors
 from . import _args
+from ._progress import MODES, PROGRESS_ENV, choose_mode, progress_for
 
 
 def _human_bytes(n: int) -> str:
@@ -105,7 +106,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             exclude_frozen=args.exclude_frozen,
             overwrite=args.overwrite,
             workers=args.workers,
-            progress=not args.quiet,
+            progress=progress_for(choose_mode(args.progress, args.quiet), "zeroio convert"),
             distributed=args.distributed,
             include_optimizer=args.include_optimizer,
             verify_crc=not args.no_verify_crc,
@@ -135,7 +136,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"{_human_bytes(result.total_size)}) in {len(result.files)} file(s) to {args.dst}"
         )
     if getattr(args, "push_to_hub", None):
-        pushed = zeroio.push_to_hub(args.dst, args.push_to_hub, progress=not args.quiet)
+        pushed = zeroio.push_to_hub(
+            args.dst, args.push_to_hub, progress=progress_for(choose_mode(args.progress, args.quiet), "zeroio push")
+        )
         if not args.quiet:
             print(f"Pushed to {pushed.commit_url}")
     return 0
@@ -193,7 +196,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         tag=args.tag,
         endpoint=args.endpoint,
         model_card=not args.no_model_card,
-        progress=not args.quiet,
+        progress=progress_for(choose_mode(args.progress, args.quiet), "zeroio push"),
         verify_crc=not args.no_verify_crc,
         tp_rules=args.tp_rules,
     )
@@ -211,7 +214,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         output_tag=args.output_tag,
         sub_group_size=args.sub_group_size,
         overwrite=args.overwrite,
-        progress=not args.quiet,
+        progress=progress_for(choose_mode(args.progress, args.quiet), "zeroio reshard"),
         verify_crc=not args.no_verify_crc,
     )
     if not args.quiet:
@@ -228,6 +231,15 @@ def _validate_push(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 # --------------------------------------------------------------------------- parser
+
+
+def _add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        choices=MODES,
+        help=f"auto (default, or {PROGRESS_ENV}): a bar on a terminal, a line every 10%% or 10 s (percent, bytes, "
+        "rate, time left) when stderr is a file; bar, lines or none to force one",
+    )
 
 
 def _add_tp_rules(p: argparse.ArgumentParser) -> None:
@@ -308,7 +320,8 @@ def _add_convert(sub: Any) -> None:
     )
     p.add_argument("--workers", type=int, help="IO threads (default: chosen from the CPU count)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="push the result to this Hub repo afterwards")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress and no summary line")
+    _add_progress(p)
     p.add_argument(
         "--distributed",
         action="store_true",
@@ -359,6 +372,7 @@ def _add_push(sub: Any) -> None:
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_progress(p)
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     _add_tp_rules(p)
     p.set_defaults(func=cmd_push, validate=_validate_push)
@@ -379,6 +393,7 @@ def _add_reshard(sub: Any) -> None:
     p.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size of the run that will load it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_progress(p)
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_reshard)
 
