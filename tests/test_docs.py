@@ -147,6 +147,27 @@ def servers(tmp_path_factory):
     gcs.stop()
 
 
+_OUT_PATH = re.compile(r"(?<![\w/.-])out/[\w./-]*")
+
+
+def test_each_page_writes_its_own_output_folders():
+    """A reader runs the pages in order in one checkout: each page's examples write under ``out/<page>/`` (README
+    under ``out/<name>`` of no page), so no page's output collides with an earlier page's (issue 32)."""
+    pages = {doc.stem for doc in DOCS if doc.name != "README.md"}
+    problems = []
+    for doc in RUNNABLE_DOCS:
+        for block in _runnable(doc):
+            for path in {m.group(0).rstrip("/") for m in _OUT_PATH.finditer(block.text)}:
+                parts = path.split("/")
+                if doc.name == "README.md":
+                    bad = len(parts) > 1 and parts[1] in pages
+                else:
+                    bad = len(parts) < 3 or parts[1] != doc.stem
+                if bad:
+                    problems.append(f"{block.where}: {path}")
+    assert problems == []
+
+
 # Documents whose examples reach s3:// or the Hub: they run with the local servers' variables set.
 NEEDS_SERVERS = {"remote.md", "hub.md"}
 RUNNABLE_DOCS = [d for d in DOCS if _runnable(d)]

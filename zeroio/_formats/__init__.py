@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._io.confine import require_regular_file
+from .._io.nearest import did_you_mean
 from .._io.remote_path import RemotePath, as_path
 from .._types import StrPath
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
@@ -220,7 +221,7 @@ def open_checkpoint(path: StrPath | RemotePath, options: ReadOptions) -> Checkpo
     """
     p = as_path(path, options.storage_options)
     if not p.exists():
-        raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.", path=p)
+        raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.{did_you_mean(p)}", path=p)
     if not p.is_dir():
         require_regular_file(p)  # a FIFO, /dev/zero or a link to one: reading would block or never end
     # The first registered format that detects the path opens it, given the read options; the last one,

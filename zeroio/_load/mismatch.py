@@ -47,6 +47,13 @@ def _mismatch_message(
         )
     if len(mismatched) > _SHOWN:
         lines.append(f"... and {len(mismatched) - _SHOWN} more size mismatches.")
+    if matching == 0 and not mismatched:  # an entirely different model: strict=False would load nothing (issue 32)
+        lines.append(
+            f"Checkpoint: '{where}'. No parameter was modified: no key of the checkpoint matches the model (it holds "
+            f"{len(unexpected)} tensors, listed above as unexpected; the model expects {len(missing)}). Check that "
+            "this is the checkpoint of this model, or pass key_map= to rename keys."
+        )
+        return "\n\t".join(lines)
     lines.append(
         f"Checkpoint: '{where}'. No parameter was modified; pass strict=False to load the {matching} matching "
         "tensors (the LoadReport lists the rest), or key_map= to rename keys."

@@ -232,6 +232,31 @@ def _fix(exc: BaseException) -> str:
     return "Fix the cause and run the conversion again."
 
 
+def _refusal(dst: Path, foreign: list[str]) -> str:
+    """Why ``overwrite`` refuses ``dst``: files zeroio did not write, and/or folders that are earlier zeroio
+    outputs (``out/`` holding ``out/model/`` and ``out/model-bf16/``: a folder of outputs, not one output)."""
+
+    def is_output(entry: str) -> bool:
+        try:
+            return entry.endswith("/") and not foreign_entries(dst / entry.rstrip("/"))
+        except OSError:
+            return False
+
+    outputs = [e for e in foreign if is_output(e)]
+    others = [e for e in foreign if e not in outputs]
+    if not outputs:
+        return (
+            f"Refusing to overwrite '{dst}': it holds files zeroio did not write ({listing(others)}), and overwrite "
+            "replaces only a folder of zeroio's outputs. Move them away or choose another destination."
+        )
+    held = f"files zeroio did not write ({listing(others)}) and " if others else ""
+    return (
+        f"Refusing to overwrite '{dst}': it holds {held}earlier zeroio outputs in folders of their own "
+        f"({listing(outputs)}), and overwrite replaces one output, not a folder of outputs. Give this output a "
+        f"folder of its own (e.g. '{dst / 'new'}'), or move them away."
+    )
+
+
 class AtomicDir:
     """A destination folder that appears complete or not at all.
 
@@ -299,12 +324,7 @@ class AtomicDir:
             except OSError as exc:
                 raise self.error(exc) from exc
             if foreign:
-                raise OutputError(
-                    f"Refusing to overwrite '{self.dst}': it holds files zeroio did not write ({listing(foreign)}), "
-                    "and overwrite replaces only a folder of zeroio's outputs. Move them away or choose another "
-                    "destination.",
-                    path=self.dst,
-                )
+                raise OutputError(_refusal(self.dst, foreign), path=self.dst)
 
     def create(self) -> Path:
         """Check again, then create the empty temporary folder beside ``dst`` (what entering the context does).

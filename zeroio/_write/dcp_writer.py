@@ -292,7 +292,8 @@ def write_dcp(src: Path | RemotePath, dst: Path, read: ReadOptions, write: Write
                     folder.abandon()
         files = tuple(Path(dst) / f.path.relative_to(tmp) / name for f in folders for name in f.files)
         tied = {a: t for a, t in ckpt.tied.items() if a in names and t in names}
-        return Written(files=files, index_path=None, total_size=total, num_tensors=len(names), tied=tied)
+        # DCP stores a tied alias as a key of its own: counted once, as every other format counts it (issue 32).
+        return Written(files=files, index_path=None, total_size=total, num_tensors=len(names) - len(tied), tied=tied)
 
 
 def _counted(blocks: Iterable[Block], meter: ByteProgress) -> Iterator[tuple[int, torch.Tensor]]:

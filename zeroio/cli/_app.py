@@ -106,7 +106,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             exclude_frozen=args.exclude_frozen,
             overwrite=args.overwrite,
             workers=args.workers,
-            progress=progress_for(choose_mode(args.progress, args.quiet), "zeroio convert"),
+            progress=progress_for(_progress_mode(args), "zeroio convert"),
             distributed=args.distributed,
             include_optimizer=args.include_optimizer,
             verify_crc=not args.no_verify_crc,
@@ -142,6 +142,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"Pushed to {pushed.commit_url}")
     return 0
+
+
+def _progress_mode(args: argparse.Namespace) -> str:
+    """``--distributed``: rank 0 reports (its own bytes), as it prints the summary; the others print nothing."""
+    if args.distributed and os.environ.get("RANK", "0") != "0":
+        return "none"
+    return choose_mode(args.progress, args.quiet)
 
 
 def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ... import _constants as C
 from ..._io.confine import require_regular_file
+from ..._io.nearest import did_you_mean
 from ..._messages import listing
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, WorldSizeMismatchError
 
@@ -57,7 +58,7 @@ def find_tag_dir(path: Path, tag: str | None, *, latest_file: str = C.LATEST_FIL
     Returns the folder and the tag name (``None`` when ``path`` already was the tag folder).
     """
     if not path.exists():
-        raise CheckpointNotFoundError(f"Checkpoint path '{path}' does not exist.", path=path)
+        raise CheckpointNotFoundError(f"Checkpoint path '{path}' does not exist.{did_you_mean(path)}", path=path)
     if path.is_file():
         if not path.name.endswith(C.STATES_SUFFIX):
             raise CheckpointNotFoundError(
@@ -75,6 +76,18 @@ def find_tag_dir(path: Path, tag: str | None, *, latest_file: str = C.LATEST_FIL
                 expected=tag,
             )
         tag_dir = path / tag
+        if not tag_dir.is_dir() and _has_states(path):  # a tag folder given, with --tag (issue 32)
+            if tag == path.name:
+                return path, tag
+            siblings = _candidate_tags(path.parent)
+            raise CheckpointNotFoundError(
+                f"'{path}' is itself a tag folder ('{path.name}'), so it holds no tag '{tag}'. Pass the checkpoint "
+                f"root '{path.parent}' with tag='{tag}' (available there: {_truncate(siblings) or 'none'}), or drop "
+                "the tag to read this folder.",
+                path=tag_dir,
+                expected=tag,
+                found=siblings,
+            )
         if not tag_dir.is_dir():
             available = _candidate_tags(path)
             close = difflib.get_close_matches(tag, available, n=1)
