@@ -81,3 +81,18 @@ def test_a_path_with_nothing_near_suggests_nothing(tmp_path):
     with pytest.raises(errors.CheckpointNotFoundError) as info:
         zeroio.open(tmp_path / "nothing" / "here")
     assert str(info.value) == f"Checkpoint path '{tmp_path / 'nothing' / 'here'}' does not exist."
+
+
+def test_remote_extras_are_pinned_together():
+    """`pip install -e '.[test]'` must not backtrack through aiobotocore: the test extra pins s3fs, aiobotocore,
+    botocore, boto3, fsspec, moto and gcsfs to versions that agree (the ones installed), and the s3 extra bounds
+    s3fs and aiobotocore to the same compatible releases."""
+    from importlib.metadata import version
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = FIXTURES.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = {req.split("==")[0].split("[")[0]: req.split("==")[1] for req in extras["test"] if "==" in req}
+    for name in ("fsspec", "s3fs", "aiobotocore", "botocore", "boto3", "moto", "gcsfs"):
+        assert pins[name] == version(name), name
+    assert extras["s3"] == ["fsspec~=2026.9.0", "s3fs~=2026.9.0", "aiobotocore~=3.10.0"]
