@@ -8,6 +8,8 @@ Copied from deepspeedai/DeepSpeed at commit edaa7221267243c7be7fb49c5d5f5c4fb97b
 - ``tests/unit/checkpoint/test_shared_weights.py``: ``TestCheckpointSharedWeights.test_checkpoint_shared_weights``
 - ``tests/unit/v1/zero/test_zero.py``: ``TestZeroToFP32.test_1_param_group`` and ``test_2_param_groups``, for
   ``zero_stage`` in (2, 3) and ``freeze_params`` in (True, False)
+- ``tests/unit/checkpoint/test_universal_checkpoint.py``: 4 cases of ``test_dp_world_size_2to2``
+  (tests/deepspeed_unit_universal.py)
 
 Changes, each the least that runs them here: the import line (``zeroio.zero_to_fp32`` for
 ``deepspeed.utils.zero_to_fp32``); DeepSpeed's ``DistributedTest`` harness (a process per rank per test) is one
@@ -338,6 +340,11 @@ def cases():
             for freeze_params in (True, False):
                 name = f"TestZeroToFP32.{test.__name__}[{zero_stage}-{freeze_params}]"
                 yield name, lambda d, t=test, z=zero_stage, f=freeze_params: t(d, z, f)
+    from deepspeed_unit_universal import test_dp_world_size_2to2
+
+    for zero_stage, load_optim, sub_group_size in ((1, True, -1), (1, False, -1), (3, True, -1), (3, True, 100)):
+        name = f"TestZeROUniversalCheckpointDP.test_dp_world_size_2to2[fp32-{zero_stage}-torch_adam-{load_optim}-{sub_group_size}]"
+        yield name, lambda d, z=zero_stage, o=load_optim, g=sub_group_size: test_dp_world_size_2to2(d, z, o, g)
 
 
 def main() -> None:

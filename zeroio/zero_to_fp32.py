@@ -1,4 +1,5 @@
-"""A drop-in for ``deepspeed.utils.zero_to_fp32`` (DeepSpeed 0.19.8): the same functions, thin calls into zeroio.
+"""A drop-in for ``deepspeed.utils.zero_to_fp32`` (DeepSpeed 0.19.8): the same functions, thin calls into zeroio;
+and :func:`ds_to_universal` for ``deepspeed.checkpoint.ds_to_universal.main``.
 
 ``from zeroio.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint`` replaces
 ``from deepspeed.utils.zero_to_fp32 import ...``: same names, signatures, defaults, return types, output file names
@@ -34,6 +35,7 @@ __all__ = [
     "LazyTensor",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict",
+    "ds_to_universal",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "to_torch_tensor",
@@ -250,3 +252,31 @@ def load_state_dict_from_zero_checkpoint(
     model = model.cpu()
     model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=False)
     return model
+
+
+def ds_to_universal(args: Any) -> None:
+    """DeepSpeed's ``deepspeed.checkpoint.ds_to_universal.main(args)``: the ZeRO checkpoint in ``args.input_folder``
+    (a tag folder) as a universal checkpoint in ``args.output_folder``, named in ``latest_universal`` beside it.
+
+    Reads ``args.input_folder`` and ``args.output_folder`` only: zeroio streams in IO threads and writes no temporary
+    slice files, so ``num_extract_workers``, ``num_merge_workers``, ``keep_temp_folder``, ``strict`` and
+    ``inject_missing_state`` have nothing to set. ``output_folder`` must not exist or be empty.
+
+    Example:
+        >>> ds_to_universal(SimpleNamespace(input_folder="ckpt/global_step2", output_folder="ckpt/step2_universal"))
+        ... # doctest: +SKIP
+    """
+    out = Path(os.path.abspath(args.output_folder))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise zeroio.errors.OutputError(
+            f"Output folder '{out}' already exists and is not empty. Remove it or choose another output_folder.",
+            path=out,
+        )
+    staging = out.parent / f".{out.name}.zeroio-universal"  # zeroio's layout: staging/<tag>_universal + latest
+    zeroio.convert(args.input_folder, staging, fmt="universal", overwrite=True, progress=False)
+    (tag_dir,) = [p for p in staging.iterdir() if p.is_dir()]  # the one <tag>_universal folder
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(tag_dir, out)
+    shutil.rmtree(staging)
+    (out.parent / "latest_universal").write_text(out.name)
