@@ -165,8 +165,15 @@ def _write(store: Any, base: str, rank: int, args: str, call: Callable[[], R]) -
 
 
 def _publish(store: Any, base: str, outcome: dict[str, Any]) -> None:
+    """Publish the outcome, then give the ranks already waiting up to :func:`stale_seconds` to read it: a writer on
+    rank 0 hosts the store, and a script that exits right after ``convert`` would take the outcome with it."""
     try:
         store.set(f"{base}/outcome", json.dumps(outcome))
+        deadline = time.monotonic() + stale_seconds()
+        while int(store.add(f"{base}/read", 0)) < int(store.add(f"{base}/claim", 0)) - 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_POLL)
     except Exception as exc:  # noqa: BLE001 - the store's host died: the waiters raise on their own
         logger.debug("publishing the outcome failed: %s", exc)
 
@@ -213,6 +220,7 @@ def _wait(store: Any, base: str, what: str, dst: str, args: str, result_type: ty
         if writer is None:  # the outcome came before this rank looked: the claim was published before it
             writer = _check_claim(store, base, what, dst, args)
         outcome = json.loads(store.get(f"{base}/outcome"))
+        store.add(f"{base}/read", 1)  # the writer may go now
     except errors.ZeroIOError:
         raise
     except RuntimeError as exc:  # DistStoreError, DistNetworkError: the store's host (rank 0) is gone
@@ -274,7 +282,11 @@ def once_per_job(
                 count = _calls[f"{what}\0{dst}"] = _calls.get(f"{what}\0{dst}", 0) + 1
             base = f"zeroio/{what}/{hashlib.sha256(dst.encode()).hexdigest()[:32]}/{count}"
             fingerprint = ", ".join(f"{k}={bound.arguments[k]!r}" for k in compared if k in bound.arguments)
-            if int(store.add(f"{base}/claim", 1)) == 1:
+            try:
+                claimed = int(store.add(f"{base}/claim", 1))
+            except RuntimeError as exc:  # DistStoreError, DistNetworkError: the store's host (rank 0) is gone
+                raise _lost(what, dst, None, f"the job's store does not answer ({str(exc).splitlines()[0]})") from exc
+            if claimed == 1:
                 return _write(store, base, rank, fingerprint, lambda: verb(*args, **kwargs))
             logger.info("rank %d: another rank writes %s for every rank; waiting for it", rank, dst)
             return _wait(store, base, what, dst, fingerprint, result_type)
