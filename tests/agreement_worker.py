@@ -51,10 +51,14 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 time.sleep(0.05)
     start = time.monotonic()
     error, message = None, None
+    if case.get("staging"):
+        os.environ["ZEROIO_STAGING_BYTES"] = case["staging"]
     try:
         zeroio.load(src, model, init_hook=hook, broadcast_from_rank0=bool(case.get("broadcast")))
     except Exception as exc:  # noqa: BLE001 - reported: the test asserts on its type and message
         error, message = type(exc).__name__, str(exc)
+    finally:
+        os.environ.pop("ZEROIO_STAGING_BYTES", None)
     return {"id": case["id"], "rank": rank, "error": error, "message": message, "seconds": time.monotonic() - start}
 
 

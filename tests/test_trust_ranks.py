@@ -51,6 +51,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
         {"id": "save_lands_between_opens", "src": [str(moving)] * 2, "shard": "fsdp2",
          "move_latest": str(root / "moved")},
         {"id": "healthy", "src": [str(DCP)] * 2, "shard": "fsdp2"},
+        {"id": "staging_abc", "src": [str(DCP)] * 2, "shard": "fsdp2", "staging": "abc"},
+        {"id": "staging_16mib", "src": [str(DCP)] * 2, "shard": "fsdp2", "staging": "16MiB"},
     ]  # fmt: skip
     spec = root / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "timeout": TIMEOUT}))
@@ -109,3 +111,11 @@ def test_ranks_that_opened_different_steps_refuse_to_load(results):
 
 def test_a_healthy_load_still_loads_on_both_ranks(results):
     assert [r["error"] for r in results["healthy"]] == [None, None]
+
+
+def test_staging_bytes_variable_is_checked_by_name(results):
+    """``ZEROIO_STAGING_BYTES=abc`` (or ``1e6``) was a bare ``int()`` ValueError; sizes like 16MiB are accepted."""
+    for record in results["staging_abc"]:
+        assert record["error"] == "ValueError"
+        assert record["message"].startswith("ZEROIO_STAGING_BYTES='abc' is not a byte count")
+    assert [r["error"] for r in results["staging_16mib"]] == [None, None]
