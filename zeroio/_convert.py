@@ -19,7 +19,7 @@ from ._write.options import DEFAULT_CHUNK_BYTES, DcpLayout, OutputFormat, write_
 if TYPE_CHECKING:
     import torch
 
-    from ._formats import TPRules
+    from ._formats import QuantizedMode, TPRules
 
 __all__ = ["ConvertResult", "convert"]
 
@@ -75,6 +75,7 @@ def convert(
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     names: str | None = None,
     dcp_keys: str = "auto",
+    quantized: QuantizedMode = "dequantize",
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -176,6 +177,9 @@ def convert(
             it, or a dict) for ``fmt="peft"`` / ``merge_lora`` when it is not in the training output folder.
         names: ``"hf"`` writes a Megatron GPT of the Llama family under transformers' names, with its
             ``config.json`` (docs/formats.md).
+        quantized: block-scaled FP8 weights are written dequantized (``"dequantize"``, DeepSeek's algorithm; the
+            output's ``config.json`` loses ``quantization_config`` and names the dtype written) or as stored
+            (``"raw"``), as for :func:`zeroio.open`.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -208,6 +212,7 @@ def convert(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
         storage_options=storage_options, merge_lora=merge_lora, adapter_config=adapter_config, names=names,
         dcp_keys=dcp_keys,
+        quantized=quantized,
     )  # fmt: skip
     if merge_lora and (fmt in ("universal", "peft") or include_optimizer):
         what = "include_optimizer" if include_optimizer else f"fmt={fmt!r}"

@@ -17,6 +17,8 @@ from ._types import StrPath
 if TYPE_CHECKING:
     import torch
 
+    from ._formats import QuantizedMode
+
 __all__ = ["Mismatch", "VerifyReport", "verify"]
 
 logger = get_logger(__name__)
@@ -172,6 +174,7 @@ def verify(
     max_report: int = 10,
     verify_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    quantized: QuantizedMode = "dequantize",
 ) -> VerifyReport:
     """Compare every tensor of two checkpoints of any kinds :func:`zeroio.open` reads, streaming.
 
@@ -190,6 +193,8 @@ def verify(
         verify_crc: check every record read from a torch zip file (``.pt``/``.bin``) against its stored CRC-32 and
             raise CheckpointFormatError on a mismatch (see ``Checkpoint.verify_crc``); False skips the check.
         storage_options: options of the fsspec filesystem of whichever of ``a`` and ``b`` is a URL (docs/remote.md).
+        quantized: block-scaled FP8 weights of either side are compared dequantized (``"dequantize"``) or as
+            stored (``"raw"``), as for :func:`zeroio.open`.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when everything matches.
@@ -210,7 +215,7 @@ def verify(
         b = with_storage_options(b, storage_options) if is_url(b) else b
     if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:
         raise ValueError(f"max_report must be a non-negative int, got {max_report!r}.")
-    read_a = read_options(tag=tag, verify_crc=verify_crc)
+    read_a = read_options(tag=tag, verify_crc=verify_crc, quantized=quantized)
     read_b = dataclasses.replace(read_a, tag=None)
     with open_checkpoint(a, read_a) as ca, open_checkpoint(b, read_b) as cb:
         infos_a, infos_b = ca.infos, cb.infos

@@ -25,6 +25,7 @@ from .dcp.hf_storage import is_dcp_hf, open_dcp_hf
 from .dcp.megatron import is_megatron, open_megatron
 from .dcp.reader import is_dcp, open_dcp
 from .files.consolidated import is_consolidated, open_consolidated
+from .files.quantization import QuantizedMode, dequantized_dtype, present_quantized
 from .lora.config import AdapterConfigSource
 from .lora.views import adapter_configs, adapter_view, peft_adapters
 from .metadata import (
@@ -69,6 +70,7 @@ __all__ = [
     "Format",
     "OptimizerLayout",
     "PartitionedCheckpoint",
+    "QuantizedMode",
     "ReadOptions",
     "ReadPlan",
     "TPRules",
@@ -77,6 +79,7 @@ __all__ = [
     "WholePlan",
     "adapter_configs",
     "adapter_view",
+    "dequantized_dtype",
     "dtype_name",
     "moment_source",
     "open",
@@ -160,6 +163,7 @@ def open(
     adapter_config: AdapterConfigSource = None,
     names: str | None = None,
     dcp_keys: str = "auto",
+    quantized: QuantizedMode = "dequantize",
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -192,6 +196,11 @@ def open(
             every name as stored otherwise (a Hugging Face-style ``model.embed_tokens.weight`` beside
             ``lm_head.weight``); ``"model"`` keeps only ``model.`` tensors, prefix stripped; ``"all"`` every tensor
             but optimizer state, as stored. ``metadata.extra["dcp_keys"]`` says what was done.
+        quantized: block-scaled FP8 weights (``config.json``'s ``quantization_config`` ``quant_method: fp8``
+            with ``weight_block_size``, or ``X`` / ``X_scale_inv`` pairs): ``"dequantize"`` (default) presents each
+            as its dequantized tensor, exactly as DeepSeek's ``fp8_cast_bf16.py`` computes it, with no
+            ``*_scale_inv`` key; ``"raw"`` reads every tensor as stored (float8 values and scales). Any other
+            quantized layout, and a float8 tensor without a scale, is refused unless ``"raw"`` (docs/fine-tunes.md).
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -209,7 +218,7 @@ def open(
     options = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
         ignore_recorded_tp=ignore_recorded_tp, storage_options=storage_options, merge_lora=merge_lora,
-        adapter_config=adapter_config, names=names, dcp_keys=dcp_keys,
+        adapter_config=adapter_config, names=names, dcp_keys=dcp_keys, quantized=quantized,
     )  # fmt: skip
     return open_checkpoint(path, options)
 
@@ -247,6 +256,11 @@ def open_checkpoint(path: StrPath | RemotePath, options: ReadOptions) -> Checkpo
             "is corrupted or was written by an unsupported version; please report it with `zeroio inspect --json`.",
             path=p,
         ) from exc
+    try:
+        ckpt = present_quantized(ckpt, options.quantized)
+    except BaseException:
+        ckpt.close()
+        raise
     ckpt.verify_crc = options.verify_crc
     if options.merge_lora:
         from .lora.views import merged_lora_view

@@ -68,13 +68,15 @@ def parse_dtype_spec(value: str | torch.dtype | DType | None) -> DType | None:
 
 
 def output_dtype(info: TensorInfo, target: torch.dtype | DType | None) -> torch.dtype:
-    """Floating tensors take the requested dtype; integer and bool tensors keep theirs (DeepSpeed does the same)."""
+    """Floating tensors take the requested dtype; integer and bool tensors keep theirs (DeepSpeed does the same),
+    and so do float8 ones: quantized values (read ``quantized="raw"``) mean nothing cast without their scales."""
     return output_spec(info, target).torch
 
 
 def output_spec(info: TensorInfo, target: torch.dtype | DType | None) -> DType:
     """:func:`output_dtype` as a torch-free :class:`DType`."""
-    return as_dtype(target) if (target is not None and info.dtype_spec.is_floating_point) else info.dtype_spec
+    castable = info.dtype_spec.is_floating_point and not info.dtype_spec.name.startswith("float8")
+    return as_dtype(target) if (target is not None and castable) else info.dtype_spec
 
 
 def dtype_name(dtype: torch.dtype | DType) -> str:

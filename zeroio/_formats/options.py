@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .tp_rules import Rule, TPRules, parse_tp_rules
 
@@ -37,6 +37,8 @@ class ReadOptions:
     """``"hf"``: a Megatron GPT under transformers' names (docs/formats.md); None: the framework's own."""
     dcp_keys: str = "auto"
     """Which tensors of a DCP checkpoint are the model's, under which names (``_formats/dcp/keys.py``)."""
+    quantized: Literal["dequantize", "raw"] = "dequantize"
+    """Block-scaled FP8 weights: ``dequantize`` them (DeepSeek's algorithm) or read them ``raw``, as stored."""
 
 
 def trusted_names(trusted_globals: Iterable[str]) -> frozenset[str]:
@@ -58,18 +60,22 @@ def read_options(
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     names: str | None = None,
     dcp_keys: str = "auto",
+    quantized: Literal["dequantize", "raw"] = "dequantize",
 ) -> ReadOptions:
     """Validate the reading keywords a public verb was given, once, into a :class:`ReadOptions`.
 
     Raises:
         TypeError, ValueError: ``trusted_globals`` is one string, or ``tp_rules`` is not a mapping, a preset or
-            JSON of one (a bad rule is the caller's error, not a checkpoint's format error).
+            JSON of one (a bad rule is the caller's error, not a checkpoint's format error), or ``quantized``
+            is neither ``"dequantize"`` nor ``"raw"``.
     """
     if names not in (None, "hf"):
         raise ValueError(f"names must be None (the checkpoint's own) or 'hf', not {names!r}.")
     if dcp_keys not in ("auto", "model", "all"):
         raise ValueError(f"dcp_keys must be one of 'auto', 'model', 'all', got {dcp_keys!r}.")
 
+    if quantized not in ("dequantize", "raw"):
+        raise ValueError(f"quantized must be 'dequantize' or 'raw', not {quantized!r}.")
     return ReadOptions(
         tag=tag,
         verify_crc=verify_crc,
@@ -81,6 +87,7 @@ def read_options(
         adapter_config=_adapter_config(adapter_config),
         names=names,
         dcp_keys=dcp_keys,
+        quantized=quantized,
     )
 
 

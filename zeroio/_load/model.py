@@ -24,7 +24,7 @@ from .key_map import KeyMap, apply_key_map, normalise_prefixes
 from .mismatch import strict_failure
 
 if TYPE_CHECKING:
-    from .._formats import TPRules
+    from .._formats import QuantizedMode, TPRules
 
 __all__ = ["KeyMap", "LoadReport", "load"]
 
@@ -146,15 +146,19 @@ def _fill_target(
 
 
 def _fill(ckpt: Checkpoint, name: str, dest: torch.Tensor) -> None:
-    """Copy checkpoint tensor ``name`` into ``dest`` chunk by chunk (casting and moving as ``copy_`` does)."""
+    """Copy checkpoint tensor ``name`` into ``dest`` chunk by chunk (casting and moving as ``copy_`` does).
+
+    Read straight in ``dest``'s floating dtype: one rounding from what is stored, as the sharded and device paths
+    do (a dequantized FP8 weight reaches an fp32 parameter as its fp32 products, not rounded to bf16 first)."""
+    dtype = dest.dtype if dest.is_floating_point() else None
     if dest.is_contiguous():
         flat = dest.view(-1)
         offset = 0
-        for chunk in ckpt.iter_chunks(name):
+        for chunk in ckpt.iter_chunks(name, dtype=dtype):
             flat[offset : offset + chunk.numel()].copy_(chunk)
             offset += chunk.numel()
     else:
-        dest.copy_(ckpt.get_tensor(name).view(dest.shape))
+        dest.copy_(ckpt.get_tensor(name, dtype=dtype).view(dest.shape))
 
 
 def _install(slot: _Slot, tensor: torch.Tensor) -> None:
@@ -186,6 +190,7 @@ def load(
     broadcast_from_rank0: bool = False,
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    quantized: QuantizedMode = "dequantize",
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -228,6 +233,8 @@ def load(
             (``W + lora_alpha / r * B @ A``, computed in fp32; docs/fine-tunes.md).
         adapter_config: with ``merge_lora``, the run's ``adapter_config.json`` (file, folder or dict) when it is
             not beside the checkpoint (``checkpoint-N/adapter_config.json``).
+        quantized: block-scaled FP8 weights are loaded dequantized (``"dequantize"``, DeepSeek's algorithm, cast
+            into each parameter's dtype) or as stored (``"raw"``), as for :func:`zeroio.open`.
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -270,7 +277,7 @@ def load(
 
             read = read_options(
                 tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options,
-                merge_lora=merge_lora, adapter_config=adapter_config,
+                merge_lora=merge_lora, adapter_config=adapter_config, quantized=quantized,
             )  # fmt: skip
             try:
                 ckpt = open_checkpoint(path, read)

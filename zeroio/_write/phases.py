@@ -74,7 +74,7 @@ def write_checkpoint(
 
 
 def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_files: ExtraFiles | None) -> WriteOutcome:
-    from .._formats import open_checkpoint
+    from .._formats import dequantized_dtype, open_checkpoint
 
     rank, world_size, out = job.comm.rank, job.comm.world_size, job.out
     with contextlib.ExitStack() as stack:
@@ -140,7 +140,10 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
 
         # 4. Commit: rank 0 checks every shard is there, writes the index last, copies side files and renames the
         #    folder into place; the others wait for its word.
-        copied = _commit(job, plan, owners, src, tmp, write.dtype, ckpt.metadata.extra.get("hf_config"))
+        dequantized = dequantized_dtype(ckpt.metadata.extra)  # FP8 in, plain weights out
+        dtype = write.dtype if write.dtype is not None else dequantized
+        hf_config = ckpt.metadata.extra.get("hf_config")
+        copied = _commit(job, plan, owners, src, tmp, dtype, hf_config, dequantized=dequantized is not None)
         source = ckpt.metadata
 
     files = tuple(out.dst / filename for filename, _ in plan.shards.shards)
@@ -177,10 +180,19 @@ def _create_temp(job: Job) -> Path:
 
 
 def _commit(
-    job: Job, plan: WritePlan, owners: tuple[int, ...], src: Path, tmp: Path, dtype: DType | None, config: Any = None
+    job: Job,
+    plan: WritePlan,
+    owners: tuple[int, ...],
+    src: Path,
+    tmp: Path,
+    dtype: DType | None,
+    config: Any = None,
+    *,
+    dequantized: bool = False,
 ) -> list[str]:
     """Step 4 of :func:`write_checkpoint`: rank 0 checks the shards, writes the index last, copies the side files
-    and renames the folder into place; every process returns the names of the side files copied."""
+    and renames the folder into place; every process returns the names of the side files copied. ``dequantized``:
+    the source's quantized weights were written dequantized (``config.json`` loses ``quantization_config``)."""
     rank, out = job.comm.rank, job.out
     error, copied = None, []
     if rank == 0:
@@ -189,7 +201,7 @@ def _commit(
             if plan.index is not None:
                 with naming(out.dst / plan.index_name):
                     write_new_file(tmp / plan.index_name, plan.index)
-            copied = list(copy_side_files(src, tmp, dtype=dtype))  # HF Trainer checkpoint-N: config, tokenizer
+            copied = list(copy_side_files(src, tmp, dtype=dtype, dequantized=dequantized))  # config, tokenizer
             copied += write_derived_config(config, tmp, dtype=dtype)  # names="hf": the config the mapping implies
         except BaseException as exc:  # noqa: BLE001
             error = exc

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_DTYPE_KEYS",
     "SIDE_FILES",
+    "config_dequantized",
     "config_with_dtype",
     "copy_side_files",
     "find_side_files",
@@ -83,17 +84,23 @@ def _stays_inside(path: Path, folder: Path) -> bool:
     return False
 
 
-def copy_side_files(src: Path, dst: Path, *, dtype: torch.dtype | DType | None = None) -> tuple[str, ...]:
+def copy_side_files(
+    src: Path, dst: Path, *, dtype: torch.dtype | DType | None = None, dequantized: bool = False
+) -> tuple[str, ...]:
     """Copy the side files found for ``src`` into the folder ``dst`` (new files, fsynced); return their names.
 
     Used while ``dst`` is still the temporary folder of an atomic output, so the copies appear with the weights.
     ``dtype`` is the dtype the weights were cast to: ``config.json`` then says it (``dtype`` / ``torch_dtype``,
     whichever it has), so ``from_pretrained(dtype="auto")`` loads them as written; every other byte is kept.
+    ``dequantized``: the weights were quantized and are written dequantized, so ``config.json`` loses its
+    ``quantization_config`` (transformers would otherwise quantize-load plain weights) (:func:`config_dequantized`).
     """
     copied: list[str] = []
     for path in find_side_files(src):
         with path.open("rb") as fin, open(dst / path.name, "xb") as fout:
-            if path.name == "config.json" and dtype is not None:
+            if path.name == "config.json" and dequantized and dtype is not None:
+                fout.write(config_with_dtype(config_dequantized(fin.read(), dtype), dtype))
+            elif path.name == "config.json" and dtype is not None:
                 fout.write(config_with_dtype(fin.read(), dtype))
             else:
                 shutil.copyfileobj(fin, fout)
@@ -134,6 +141,24 @@ def config_with_dtype(raw: bytes, dtype: torch.dtype | DType) -> bytes:
     if json.loads(after) != _set_dtype(before, name):  # a key the pattern cannot see safely: rewrite the JSON
         after = json.dumps(_set_dtype(before, name), indent=2, ensure_ascii=False) + "\n"
     return after.encode("utf-8")
+
+
+def config_dequantized(raw: bytes, dtype: torch.dtype | DType) -> bytes:
+    """``config.json`` without ``quantization_config``, naming ``dtype`` (``torch_dtype`` added if it has no key).
+
+    As DeepSeek's model card says to do by hand after ``fp8_cast_bf16.py``. A config that is not a JSON object is
+    returned unchanged (with a warning)."""
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        config = None
+    if not isinstance(config, dict):
+        logger.warning("config.json is not a JSON object; copied unchanged (it may still declare quantization)")
+        return raw
+    config.pop("quantization_config", None)
+    if not any(key in config for key in CONFIG_DTYPE_KEYS):
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def _set_dtype(value: Any, name: str) -> Any:

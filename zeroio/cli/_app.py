@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import zeroio
 
@@ -29,7 +29,9 @@ def _human_bytes(n: int) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's tensors and metadata without reading tensor bytes."""
-    with zeroio.open(args.path, tag=args.tag, tp_rules=args.tp_rules, names=args.names) as ckpt:
+    with zeroio.open(
+        args.path, tag=args.tag, tp_rules=args.tp_rules, names=args.names, quantized=_quantized(args)
+    ) as ckpt:
         summary = ckpt.describe()
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
@@ -82,8 +84,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"\n{summary['num_tensors']} tensors ({len(summary['tied'])} tied), {summary['num_params']:,} elements, "
         f"{_human_bytes(summary['total_bytes'])}\n"
     )
-    if any(r["dtype"] != r["stored_dtype"] for r in rows):
+    if any(r["dtype"] != r["stored_dtype"] and not r["stored_dtype"].startswith("float8") for r in rows):
         out.write("* stored in another dtype on disk (DeepSpeed's consolidation upcasts floating buffers to fp32)\n")
+    if any(r["dtype"] != r["stored_dtype"] and r["stored_dtype"].startswith("float8") for r in rows):
+        out.write("* block-scaled float8 on disk, dequantized with its *_scale_inv (--keep-quantized: as stored)\n")
     return 0
 
 
@@ -115,6 +119,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             merge_lora=args.merge_lora,
             adapter_config=args.adapter_config,
             names=args.names,
+            quantized=_quantized(args),
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -173,7 +178,13 @@ def _validate_convert(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def cmd_verify(args: argparse.Namespace) -> int:
     """Compare every tensor of two checkpoints; exit 1 on any difference."""
     report = zeroio.verify(
-        args.a, args.b, dtype=args.dtype, tag=args.tag, max_report=args.max_report, verify_crc=not args.no_verify_crc
+        args.a,
+        args.b,
+        dtype=args.dtype,
+        tag=args.tag,
+        max_report=args.max_report,
+        verify_crc=not args.no_verify_crc,
+        quantized=_quantized(args),
     )
     print(report.summary())
     return 0 if report.ok else 1
@@ -258,6 +269,19 @@ def _add_tp_rules(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_keep_quantized(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="read quantized weights as stored (float8 values and *_scale_inv scales) instead of dequantizing "
+        "block-scaled FP8",
+    )
+
+
+def _quantized(args: argparse.Namespace) -> Literal["dequantize", "raw"]:
+    return "raw" if args.keep_quantized else "dequantize"
+
+
 def _add_inspect(sub: Any) -> None:
     """``zeroio inspect``: list tensors and metadata."""
     p = sub.add_parser("inspect", allow_abbrev=False, help="list tensors and metadata (reads no tensor bytes)")
@@ -266,6 +290,7 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--names", choices=["hf"], help="hf: a Megatron GPT of the Llama family under transformers' names")
     _add_tp_rules(p)
+    _add_keep_quantized(p)
     p.set_defaults(func=cmd_inspect)
 
 
@@ -337,6 +362,7 @@ def _add_convert(sub: Any) -> None:
     )
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     _add_tp_rules(p)
+    _add_keep_quantized(p)
     p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
 
@@ -353,6 +379,7 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--tag", help="tag of A, when A is a DeepSpeed checkpoint root")
     p.add_argument("--max-report", type=int, default=10, help="mismatches to print (default: 10)")
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
+    _add_keep_quantized(p)
     p.set_defaults(func=cmd_verify)
 
 
