@@ -3,8 +3,10 @@
 Usage: ``RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/agreement_worker.py SPEC.json``
 
 SPEC is ``{"timeout": s, "cases": [{"id", "src": [rank 0's path, rank 1's path], "shard", "broadcast",
-"move_latest"}]}``. For each case this rank builds the fixtures' TinyLM sharded as tests/sharded_worker.py shards
-it, calls ``zeroio.load`` and prints one line ``ZEROIO-RESULT {"id", "rank", "error", "message", "seconds"}``
+"move_latest", "shard_in_hook", "fail_progress_on", "slow_progress"}]}``. For each case this rank builds the fixtures' TinyLM sharded
+as tests/sharded_worker.py shards it (``shard_in_hook``: unsharded, and sharded so by the init hook), calls
+``zeroio.load`` (``fail_progress_on``: the ranks whose progress callback raises once bytes are loaded;
+``slow_progress``: ``{rank: seconds}`` it sleeps per tensor) and prints one line ``ZEROIO-RESULT {"id", "rank", "error", "message", "seconds", "tensors"}``
 (``error`` None when the load returned). The process group's timeout is short, so a rank left waiting in a
 collective reports the backend's timeout error instead of hanging the test.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sharded_worker import make_model
+from sharded_worker import make_model, shard
 
 import zeroio
 
@@ -37,10 +39,31 @@ def _move_latest(root: Path, marker: Path):
     return hook
 
 
+class _Progress:
+    """The progress callback: counts the tensors this rank loaded; raises once bytes are loaded (``fail``), or
+    sleeps ``slow`` seconds per tensor (a rank with a long share to read)."""
+
+    def __init__(self, rank: int, fail: bool, slow: float) -> None:
+        self.rank, self.fail, self.slow = rank, fail, slow
+        self.calls = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not done:
+            return
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+        time.sleep(self.slow)
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
-    model = make_model(case, world)
+    in_hook = case.get("shard_in_hook")
+    model = make_model({**case, "shard": "none"} if in_hook else case, world)
     src = Path(case["src"][rank])
-    hook = None
+    hook = (lambda m: shard(m, {**case, "shard": in_hook}, world)) if in_hook else None
+    progress = _Progress(
+        rank, rank in case.get("fail_progress_on", ()), case.get("slow_progress", {}).get(str(rank), 0)
+    )
     if case.get("move_latest"):
         marker = Path(case["move_latest"])
         if rank == 0:
@@ -54,12 +77,14 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     if case.get("staging"):
         os.environ["ZEROIO_STAGING_BYTES"] = case["staging"]
     try:
-        zeroio.load(src, model, init_hook=hook, broadcast_from_rank0=bool(case.get("broadcast")))
+        zeroio.load(src, model, init_hook=hook, broadcast_from_rank0=bool(case.get("broadcast")), progress=progress)
     except Exception as exc:  # noqa: BLE001 - reported: the test asserts on its type and message
         error, message = type(exc).__name__, str(exc)
     finally:
         os.environ.pop("ZEROIO_STAGING_BYTES", None)
-    return {"id": case["id"], "rank": rank, "error": error, "message": message, "seconds": time.monotonic() - start}
+    seconds = time.monotonic() - start
+    return {"id": case["id"], "rank": rank, "error": error, "message": message, "seconds": seconds,
+            "tensors": progress.calls}  # fmt: skip
 
 
 def main() -> int:

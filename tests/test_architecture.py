@@ -22,8 +22,9 @@ LAYERS: list[tuple[str, ...]] = [
     # 0. vocabulary: no zeroio imports but each other
     ("errors", "_types", "_constants", "_messages", "_dtypes"),
     # 1. storage (_io/): byte sources to read from (local, remote, CRC-checked), primitives for files to write,
-    #    progress reporting (shared by the writers and the loader)
-    ("_io",),
+    #    progress reporting (shared by the writers and the loader); the one cross-rank outcome exchange (_ranks:
+    #    shared by the distributed writers, the sharded loader and the verbs called on every rank)
+    ("_io", "_ranks"),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
     ("_pickles",),
     # 3. the readers (_formats/): contracts at the face (Checkpoint, metadata, options, partition arithmetic, read
@@ -57,7 +58,7 @@ FOREIGN_PRIVATE_ATTRIBUTES: dict[str, str] = {
     "_asdict": "namedtuple's public API",
     "_fields": "namedtuple's public API",
     "_get_default_store": "torch.distributed: the job's key-value store, where ranks calling convert claim a "
-    "destination without a collective (zeroio/_every_rank.py)",
+    "destination without a collective, and a failing rank raises an alarm (zeroio/_ranks.py)",
 }
 
 # What the CLI and the tests may import: the public API ...

@@ -1,7 +1,9 @@
 """Every failure of a sharded load reaches every rank as a ``ZeroIOError`` within seconds, and ranks agree on one
 checkpoint before reading (issue 30, item 3). Two gloo ranks run every case in one spawn (tests/agreement_worker.py)
 with a 20 s process-group timeout: before, a rank left in ``all_gather_object`` or ``broadcast`` reported the
-backend's timeout (or, for a save landing between the ranks' opens, loaded rows from two steps)."""
+backend's timeout (or, for a save landing between the ranks' opens, loaded rows from two steps). The last cases are
+the holes the first round left (a model sharded only by the init hook; a non-zero rank failing between broadcasts),
+then a healthy load, which shows the ranks still meet in step afterwards."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ WORKER = Path(__file__).with_name("agreement_worker.py")
 DCP = FIXTURES / "dcp" / "dcp_fsdp2_ws2_fp32"  # chunk 0 of each tensor in __0_0.distcp (rank 0's rows), 1 in __1_0
 Z3 = FIXTURES / "z3_ws2_fp32"  # global_step1 and global_step2
 TIMEOUT = 20
+SLOW = 0.5  # seconds rank 0 takes per tensor in the last failure case: its share of 10 tensors takes 5 s
 
 
 def _flipped_dcp(root: Path, chunk: int) -> Path:
@@ -53,6 +56,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
         {"id": "healthy", "src": [str(DCP)] * 2, "shard": "fsdp2"},
         {"id": "staging_abc", "src": [str(DCP)] * 2, "shard": "fsdp2", "staging": "abc"},
         {"id": "staging_16mib", "src": [str(DCP)] * 2, "shard": "fsdp2", "staging": "16MiB"},
+        {"id": "open_fails_sharded_in_hook", "src": [str(DCP), str(root / "missing")], "shard": "none",
+         "shard_in_hook": "fsdp2"},
+        {"id": "broadcast_fails_on_rank_1", "src": [str(DCP)] * 2, "shard": "fsdp2", "broadcast": True,
+         "fail_progress_on": [1]},
+        {"id": "fill_fails_while_rank_0_reads", "src": [str(DCP)] * 2, "shard": "fsdp2", "fail_progress_on": [1],
+         "slow_progress": {"0": SLOW}},
+        {"id": "healthy_after_failures", "src": [str(DCP)] * 2, "shard": "fsdp2", "broadcast": True},
     ]  # fmt: skip
     spec = root / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "timeout": TIMEOUT}))
@@ -109,8 +119,42 @@ def test_ranks_that_opened_different_steps_refuse_to_load(results):
     _fast([rank0, rank1])
 
 
+def test_open_failure_reaches_the_others_when_the_hook_shards_the_model(results):
+    """Rank 1's open fails before its init hook would shard the model: it still runs the hook (the others may meet in
+    its collectives), then sends its error to the plan step the others wait in. Before, rank 0 waited there for the
+    group's timeout, as rank 1 had not known its load was sharded."""
+    rank0, rank1 = results["open_fails_sharded_in_hook"]
+    assert rank1["error"] == "CheckpointNotFoundError"
+    assert rank0["error"] == "ShardedModelError", rank0
+    assert rank0["message"].startswith("Rank 1 could not load '") and "(CheckpointNotFoundError)" in rank0["message"]
+    assert "so no rank loaded anything" in rank0["message"]
+    _fast([rank0, rank1])
+
+
+def test_a_failure_of_rank_1_between_broadcasts_reaches_rank_0(results):
+    """Under broadcast_from_rank0, rank 1 fails after its first tensor (its progress callback raises): rank 0, about
+    to broadcast the next chunk, learns it in that chunk's step. Before, rank 0 waited in ``broadcast``."""
+    rank0, rank1 = results["broadcast_fails_on_rank_1"]
+    assert (rank1["error"], rank1["message"]) == ("RuntimeError", "injected failure on rank 1")
+    assert rank0["error"] == "ShardedModelError", rank0
+    assert rank0["message"].startswith("Rank 1 could not load '") and "(RuntimeError)" in rank0["message"]
+    assert "the model is partly filled" in rank0["message"] and rank0["message"].endswith("injected failure on rank 1")
+    _fast([rank0, rank1])
+
+
+def test_a_fill_failure_stops_the_other_ranks_reads_early(results):
+    """Rank 1 fails after its first tensor while rank 0 reads a long share (0.5 s a tensor): rank 0 sees rank 1's
+    alarm in the job's store between two tensors and raises its error then, not after reading its whole share."""
+    rank0, rank1 = results["fill_fails_while_rank_0_reads"]
+    assert rank1["error"] == "RuntimeError" and rank1["tensors"] == 1
+    assert rank0["error"] == "ShardedModelError" and rank0["message"].startswith("Rank 1 could not load '"), rank0
+    assert rank0["tensors"] <= 3, rank0  # of 10: before, every one (5 s)
+    _fast([rank0, rank1])
+
+
 def test_a_healthy_load_still_loads_on_both_ranks(results):
     assert [r["error"] for r in results["healthy"]] == [None, None]
+    assert [r["error"] for r in results["healthy_after_failures"]] == [None, None]
 
 
 def test_staging_bytes_variable_is_checked_by_name(results):

@@ -6,7 +6,8 @@ rank to call with a destination claims it in the job's key-value store (``store.
 ranks that never call are not waited for); it writes and publishes its result or its error; the other callers wait
 for that and return the same result or raise the same error. While the writer works it beats a heartbeat into the
 store; a waiter whose writer stops beating (killed, hung) for :func:`stale_seconds` raises OutputError, and one
-that loses the store (rank 0, its host, died) raises at once. ``distributed=True`` is another thing: every process
+that loses the store (rank 0, its host, died) raises at once: the store half of :mod:`zeroio._ranks`, zeroio's one
+cross-rank outcome exchange. ``distributed=True`` is another thing: every process
 writes a share (``_distributed.py``), and is not routed here.
 """
 
@@ -16,16 +17,13 @@ import functools
 import hashlib
 import inspect
 import json
-import math
 import os
-import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from . import errors
+from . import _ranks, errors
 from ._io.remote_path import as_path
 from ._messages import get_logger
 
@@ -36,12 +34,10 @@ logger = get_logger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
 
-STALE_ENV = "ZEROIO_DISTRIBUTED_TIMEOUT"
+STALE_ENV = _ranks.TIMEOUT_ENV
 """The same variable as ``distributed=True``'s timeout: seconds without a heartbeat before a waiter gives up."""
 
 _DEFAULT_STALE = 120.0
-_BEAT = 1.0  # seconds between the writer's heartbeats
-_POLL = 0.2  # seconds between a waiter's looks at the store
 
 _calls: dict[str, int] = {}  # (verb, destination) -> calls made by this process: one claim per call, on every rank
 _calls_lock = threading.Lock()
@@ -49,28 +45,7 @@ _calls_lock = threading.Lock()
 
 def stale_seconds() -> float:
     """How long a waiter accepts silence from the writer: ``ZEROIO_DISTRIBUTED_TIMEOUT`` seconds, at most 120."""
-    text = os.environ.get(STALE_ENV)
-    try:
-        seconds = float(text) if text else _DEFAULT_STALE
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{STALE_ENV} must be a positive number of seconds, got {text!r}.")
-    return min(seconds, _DEFAULT_STALE)
-
-
-def _job_store() -> tuple[Any, int] | None:
-    """The initialised default group's store and this rank, or None outside a job of several processes.
-
-    Reads ``sys.modules``: a process that never imported torch.distributed has no group, and importing torch
-    just to learn that would cost a torch-free conversion its start-up time.
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store(), dist.get_rank()
+    return min(_ranks.timeout_seconds(_DEFAULT_STALE), _DEFAULT_STALE)
 
 
 # --------------------------------------------------------------------------- results as JSON
@@ -110,74 +85,6 @@ def _result_fields(result: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the writer and the waiters
 
 
-class _Heartbeat:
-    """Beats ``key`` in the store every second from a daemon thread while the writer works."""
-
-    def __init__(self, store: Any, key: str) -> None:
-        self._store, self._key = store, key
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="zeroio-heartbeat", daemon=True)
-
-    def _run(self) -> None:
-        beat = 0
-        while not self._stop.wait(_BEAT):
-            beat += 1
-            try:
-                self._store.set(self._key, str(beat))
-            except Exception as exc:  # noqa: BLE001 - the store's host is gone: the waiters will notice
-                logger.debug("heartbeat failed: %s", exc)
-                return
-
-    def __enter__(self) -> _Heartbeat:  # noqa: PYI034 - a private helper, never subclassed
-        self._store.set(self._key, "0")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _outcome_of(exc: BaseException) -> dict[str, Any]:
-    if isinstance(exc, errors.ZeroIOError):
-        return {
-            "error": type(exc).__name__,
-            "message": exc.message,
-            "path": None if exc.path is None else str(exc.path),
-        }
-    what = "was interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed: {type(exc).__name__}: {exc}"
-    return {"error": "OutputError", "message": what, "path": None}
-
-
-def _write(store: Any, base: str, rank: int, args: str, call: Callable[[], R]) -> R:
-    """This rank claimed the destination: write, publishing the outcome for the waiters."""
-    store.set(f"{base}/writer", json.dumps({"rank": rank, "args": args}))
-    outcome: dict[str, Any]
-    try:
-        with _Heartbeat(store, f"{base}/alive"):
-            result = call()
-    except BaseException as exc:
-        outcome = _outcome_of(exc)
-        _publish(store, base, outcome)
-        raise
-    _publish(store, base, {"result": _encode(_result_fields(result))})
-    return result
-
-
-def _publish(store: Any, base: str, outcome: dict[str, Any]) -> None:
-    """Publish the outcome, then give the ranks already waiting up to :func:`stale_seconds` to read it: a writer on
-    rank 0 hosts the store, and a script that exits right after ``convert`` would take the outcome with it."""
-    try:
-        store.set(f"{base}/outcome", json.dumps(outcome))
-        deadline = time.monotonic() + stale_seconds()
-        while int(store.add(f"{base}/read", 0)) < int(store.add(f"{base}/claim", 0)) - 1:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(_POLL)
-    except Exception as exc:  # noqa: BLE001 - the store's host died: the waiters raise on their own
-        logger.debug("publishing the outcome failed: %s", exc)
-
-
 def _lost(what: str, dst: str, rank: int | None, detail: str) -> errors.OutputError:
     return errors.OutputError(
         f"Waiting for rank {'?' if rank is None else rank} to write '{dst}' for every rank: {detail}. Check that "
@@ -187,8 +94,10 @@ def _lost(what: str, dst: str, rank: int | None, detail: str) -> errors.OutputEr
     )
 
 
-def _check_claim(store: Any, base: str, what: str, dst: str, args: str) -> int:
-    """The writer's rank, once its arguments are checked against this rank's."""
+def _check_claim(store: Any, base: str, what: str, dst: str, args: str) -> int | None:
+    """The writer's rank once it published its claim, its arguments checked against this rank's (None: not yet)."""
+    if not store.check([f"{base}/writer"]):
+        return None
     claim = json.loads(store.get(f"{base}/writer"))
     writer = int(claim["rank"])
     if claim["args"] != args:
@@ -202,38 +111,20 @@ def _check_claim(store: Any, base: str, what: str, dst: str, args: str) -> int:
 
 
 def _wait(store: Any, base: str, what: str, dst: str, args: str, result_type: type[R]) -> R:
-    """Another rank claimed the destination: wait for its outcome, heartbeat by heartbeat."""
-    stale = stale_seconds()
-    writer: int | None = None
-    last_beat, last_change = None, time.monotonic()
-    try:
-        while not store.check([f"{base}/outcome"]):
-            if writer is None and store.check([f"{base}/writer"]):
-                writer = _check_claim(store, base, what, dst, args)
-            beat = store.get(f"{base}/alive") if store.check([f"{base}/alive"]) else None
-            now = time.monotonic()
-            if beat != last_beat:
-                last_beat, last_change = beat, now
-            elif now - last_change > stale:
-                raise _lost(what, dst, writer, f"it gave no sign of life for {stale:g} s (set {STALE_ENV})")
-            time.sleep(_POLL)
-        if writer is None:  # the outcome came before this rank looked: the claim was published before it
-            writer = _check_claim(store, base, what, dst, args)
-        outcome = json.loads(store.get(f"{base}/outcome"))
-        store.add(f"{base}/read", 1)  # the writer may go now
-    except errors.ZeroIOError:
-        raise
-    except RuntimeError as exc:  # DistStoreError, DistNetworkError: the store's host (rank 0) is gone
-        raise _lost(what, dst, writer, f"the job's store stopped answering ({str(exc).splitlines()[0]})") from exc
-    if "result" in outcome:
-        return result_type(**_decode(outcome["result"]))
-    cls = getattr(errors, outcome["error"], errors.ZeroIOError)
-    try:
-        error = cls(outcome["message"], path=outcome["path"], rank=writer)
-    except TypeError:  # an error class with its own constructor
-        error = errors.ZeroIOError(outcome["message"], path=outcome["path"], rank=writer)
-    if outcome["error"] == "OutputError" and outcome["path"] is None:
-        error = _lost(what, dst, writer, f"it {outcome['message']}")
+    """Another rank claimed the destination: wait for its outcome (:func:`zeroio._ranks.await_worker`)."""
+    result, failure = _ranks.await_worker(
+        store,
+        base,
+        stale_seconds(),
+        lambda: _check_claim(store, base, what, dst, args),
+        lambda rank, detail: _lost(what, dst, rank, detail),
+    )
+    if failure is None:
+        return result_type(**_decode(result))
+    error = failure.rebuilt()
+    if error is None:  # not a ZeroIOError: an OutputError that says so
+        happened = "was interrupted" if failure.kind == "KeyboardInterrupt" else f"failed: {failure.line}"
+        error = _lost(what, dst, failure.rank, f"it {happened}")
     raise error
 
 
@@ -270,7 +161,7 @@ def once_per_job(
 
         @functools.wraps(verb)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            job = _job_store()
+            job = _ranks.job_store()
             if job is None:
                 return verb(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
@@ -287,7 +178,9 @@ def once_per_job(
             except RuntimeError as exc:  # DistStoreError, DistNetworkError: the store's host (rank 0) is gone
                 raise _lost(what, dst, None, f"the job's store does not answer ({str(exc).splitlines()[0]})") from exc
             if claimed == 1:
-                return _write(store, base, rank, fingerprint, lambda: verb(*args, **kwargs))
+                store.set(f"{base}/writer", json.dumps({"rank": rank, "args": fingerprint}))
+                work = lambda: verb(*args, **kwargs)
+                return _ranks.work_for_all(store, base, stale_seconds(), work, lambda r: _encode(_result_fields(r)))
             logger.info("rank %d: another rank writes %s for every rank; waiting for it", rank, dst)
             return _wait(store, base, what, dst, fingerprint, result_type)
 

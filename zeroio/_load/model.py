@@ -207,7 +207,9 @@ def load(
             them (``configure_sharded_model``, then ``configure_model``, as Lightning's Trainer does); a plain
             ``nn.Module`` gets no implicit call. Pass ``init_hook=lambda m: None`` to run nothing. When every
             parameter of ``model`` is on ``meta``, the hook runs under ``torch.device("meta")``, so the layers
-            it builds are never randomly initialised in memory first.
+            it builds are never randomly initialised in memory first. In a torch.distributed job of several
+            processes it runs even when the checkpoint could not be opened, so ranks that opened it meet this one
+            in the hook's collectives and learn its error.
         strict: raise :class:`~zeroio.errors.StateDictMismatchError` on any missing key, unexpected key or shape
             mismatch, before modifying anything. With False, load what matches and report the rest.
         dtype: cast every floating tensor (parameters and buffers, like ``model.to(dtype)``) to this dtype.
@@ -269,7 +271,8 @@ def load(
     owned = not isinstance(path, Checkpoint)
     fill = shard_reads.broadcast_segments if broadcast_from_rank0 else shard_reads.read_segments
     # Any error on this rank, from opening on, reaches the other ranks of a sharded load (rank_agreement.py).
-    with rank_agreement.LoadSteps(str(path), partial(_in_collectives, model, broadcast_from_rank0)):
+    in_collectives = partial(_in_collectives, model, broadcast_from_rank0)
+    with rank_agreement.LoadSteps(str(path), in_collectives, partial(run_init_hooks, model, init_hook)) as steps:
         if isinstance(path, Checkpoint):
             ckpt = path
         else:
@@ -287,8 +290,10 @@ def load(
                 raise
         try:
             report, sharded_load = _load(
-                ckpt, model, init_hook, strict, target_dtype, target_device, key_map, progress, fill, prepared
+                ckpt, model, steps, strict, target_dtype, target_device, key_map, progress, fill, prepared
             )
+            # Every rank filled its part: none returns while another failed.
+            steps.last(str(ckpt.metadata.path), sharded_load)
             if not sharded_load:  # a sharded load reads only its slice: checking whole records would read them all
                 ckpt.finish_crc_checks()  # records read in part (flat-group padding)
             return report
@@ -309,7 +314,7 @@ def _in_collectives(model: nn.Module, broadcast: bool) -> bool:
 def _load(
     ckpt: Checkpoint,
     model: nn.Module,
-    init_hook: InitHook | None,
+    steps: rank_agreement.LoadSteps,
     strict: bool,
     target_dtype: torch.dtype | None,
     target_device: torch.device | None,
@@ -322,7 +327,7 @@ def _load(
     where = str(ckpt.metadata.path)
 
     # 2. The init hook builds lazily created layers; it runs exactly once, before keys are matched.
-    hooks = run_init_hooks(model, init_hook, where)
+    hooks = steps.init_hooks(where)
 
     # 3. Match checkpoint keys to the model's parameters and persistent buffers (names and shapes only).
     by_key, all_slots = _slots(model)
@@ -353,6 +358,7 @@ def _load(
     fills = sharded.ShardFills(sharded.readers_per_rank() if fill is shard_reads.read_segments else 1)
     with closing(meter), closing(fills), torch.no_grad(), torch.device("cpu"):
         for slot, key in plan.values():
+            steps.check(where)  # another rank failed meanwhile: stop here, on every rank
             old = slot.tensor
             if id(slot) in shard_plans:
                 shard_plan = shard_plans[id(slot)]
@@ -390,9 +396,6 @@ def _load(
                 new = entry.dest if entry.target is None else entry.target.finish()
                 if new is not None and new is not entry.slot.tensor:
                     _install(entry.slot, new)
-    if is_sharded:  # every rank filled its part: none returns while another failed
-        rank_agreement.agree(None, where)
-
     # 5. Report.
     report = _report(ckpt, by_key, all_slots, plan, hooks, (missing, unexpected, mismatched), mapped, dropped)
     logger.info(

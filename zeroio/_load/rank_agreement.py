@@ -1,24 +1,29 @@
-"""The one cross-rank error path of a sharded load: every failure, on any rank and at any step, reaches every rank as a
-``ZeroIOError``, and the ranks agree on one checkpoint (resolved tag and its files' names, sizes and times) before
-anything is read.
+"""The steps of a sharded load at which its ranks meet, each a :func:`zeroio._ranks.settle`: every failure, on any
+rank and at any step, reaches every rank as a ``ZeroIOError``, and the ranks agree on one checkpoint (resolved tag
+and its files' names, sizes and times) before anything is read.
 
-A rank that failed alone used to leave the others blocked in a collective (an open failure before the error
-exchange: ``all_gather_object``; a read error on rank 0 under ``broadcast_from_rank0``: ``broadcast``), and ranks
-that resolved ``latest`` while a save landed read two different steps into one parameter. Three collectives,
-each reached by every rank whatever happened before it: :func:`agree` (after planning, and once more after
-filling), and :func:`broadcast_checked` (a status before each broadcast chunk).
+The steps, in order, reached by every rank whatever happened before: the plan (:func:`agree` after matching keys,
+with each rank's fingerprint of the checkpoint), one per ``broadcast_from_rank0`` chunk (:func:`broadcast_checked`:
+rank 0's read, then the chunk's broadcast only once every rank passed), and the last (:meth:`LoadSteps.last`, after
+filling). A rank that fails between two steps sends its error in the next one (:class:`LoadSteps`), so the others,
+waiting there, raise at once instead of waiting in a later collective: a failure of any rank in the middle of a
+broadcast, an open failure before the plan. A rank whose open failed still runs the init hook first (in a process
+group of several ranks): the others may meet in its collectives (a ``DeviceMesh``), and only then does this rank
+know whether its model is sharded, that is whether the others wait for it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
-from .._messages import listing
+from .._messages import get_logger, listing
+from .._ranks import Alarm, Failure, RanksLost, default_group, gloo_detail, in_job, settle
 from ..errors import ShardedModelError, ZeroIOError
 
 if TYPE_CHECKING:
@@ -26,17 +31,20 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_FINGERPRINT_FILES", "LoadSteps", "agree", "broadcast_checked", "fingerprint", "in_process_group"]
 
+logger = get_logger(__name__)
+
 MAX_FINGERPRINT_FILES = 100_000
 """Files listed for a checkpoint's fingerprint (a universal checkpoint has a few per parameter); more are refused."""
 
 Fingerprint = tuple[str, str, tuple[tuple[str, int, int], ...]]
 
+_plans_passed = [0]  # plan steps this process passed: alike on every rank of a load, so it names that load's fill
+E = TypeVar("E", bound=BaseException)
+
 
 def in_process_group() -> bool:
     """Whether a torch.distributed process group of more than one process is initialised (collectives needed)."""
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    return in_job()
 
 
 def _files(root: Path) -> list[tuple[str, int, int]]:
@@ -74,115 +82,195 @@ def fingerprint(ckpt: TensorReader) -> Fingerprint:
     return (meta.format, str(meta.tag), tuple(_files(meta.path)))
 
 
-def _differences(mine: Fingerprint, other: Fingerprint) -> str:
-    if mine[:2] != other[:2]:
+def _differences(mine: Any, other: Any) -> str:
+    if list(mine[:2]) != list(other[:2]):
         return f"tag {mine[1]!r} vs {other[1]!r}"
     a, b = {n: (s, t) for n, s, t in mine[2]}, {n: (s, t) for n, s, t in other[2]}
     names = sorted(n for n in a.keys() | b.keys() if a.get(n) != b.get(n))
     return f"files that differ: {listing(names)}"
 
 
-def agree(error: BaseException | None, where: str, print_: Fingerprint | None = None) -> None:
-    """One ``all_gather_object`` that every rank reaches: raise on every rank if any rank failed (the failing rank
-    its own error, the others :class:`ShardedModelError` naming it), or if ranks saw different checkpoints.
-
-    Without a process group of several ranks, ``error`` is simply raised.
-    """
-    if not in_process_group():
-        if error is not None:
-            raise error
-        return
-    import torch.distributed as dist
-
-    mine = None if error is None else (type(error).__name__, str(error))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, print_))
-    if error is not None:
-        raise _agreed(error)
-    for rank, (failed, _) in enumerate(gathered):
-        if failed is not None:
-            kind, message = failed
-            raise _agreed(
-                ShardedModelError(
-                    f"Rank {rank} could not load '{where}' ({kind}), so no rank loaded anything: {message}",
-                    path=where,
-                    rank=rank,
-                )
-            )
-    first = gathered[0][1]
-    for rank, (_, seen) in enumerate(gathered):
-        if seen != first:
-            raise _agreed(
-                ShardedModelError(
-                    f"Ranks 0 and {rank} opened different checkpoints at '{where}' ({_differences(first, seen)}): a save "
-                    "landed or a file changed while they opened it, or the ranks see different copies. Nothing was "
-                    "loaded; pass tag= to name one step, and load when no save is running (copies on several hosts "
-                    "must be identical, modification times included: rsync -t).",
-                    path=where,
-                    rank=rank,
-                )
-            )
-
-
-def _agreed(error: BaseException) -> BaseException:
+def _agreed(error: E) -> E:
     """``error``, marked as known to every rank (:class:`LoadSteps` sends no error twice)."""
     error.__dict__["zeroio_agreed"] = True
     return error
 
 
-def broadcast_checked(read: Callable[[], None], buffer: torch.Tensor, where: str, name: str) -> None:
-    """Rank 0 runs ``read`` (filling ``buffer``), then broadcasts a status, then ``buffer``: a read error on rank 0
-    reaches every rank (as :class:`ShardedModelError` naming it) instead of leaving them in ``broadcast``."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    failure: BaseException | None = None
-    if rank == 0:
-        try:
-            read()
-        except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
-            failure = exc
-    status = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=buffer.device)
-    dist.broadcast(status, src=0)
-    if int(status.item()):
-        told: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-        dist.broadcast_object_list(told, src=0)
-        if failure is not None:
-            if isinstance(failure, ZeroIOError):
-                raise _agreed(failure)
-            raise _agreed(
-                ShardedModelError(f"Rank 0 could not read '{name}' from '{where}': {told[0]}", path=where)
-            ) from failure
-        raise _agreed(
+def _told(where: str, filling: bool, failed: list[Failure]) -> BaseException:
+    """The error a rank raises when another rank failed: named after the first one, as this rank's step sees it."""
+    first = failed[0]
+    reading = first.data.get("reading") if isinstance(first.data, dict) else None
+    if reading is not None:
+        return _agreed(
             ShardedModelError(
-                f"Rank 0 could not read '{name}' from '{where}' for broadcast_from_rank0, so this rank's load stopped: "
-                f"{told[0]}",
+                f"Rank {first.rank} could not read '{reading}' from '{where}' for broadcast_from_rank0, so this "
+                f"rank's load stopped: {first.line}",
                 path=where,
-                name=name,
-                rank=0,
+                name=reading,
+                rank=first.rank,
             )
         )
-    dist.broadcast(buffer, src=0)
+    stopped = (
+        "so the load stopped on every rank and the model is partly filled (load it again)"
+        if filling
+        else "so no rank loaded anything"
+    )
+    return _agreed(
+        ShardedModelError(
+            f"Rank {first.rank} could not load '{where}' ({first.kind}), {stopped}: {first.message}",
+            path=where,
+            rank=first.rank,
+        )
+    )
+
+
+def _lost(where: str, detail: str) -> ShardedModelError:
+    error = ShardedModelError(
+        f"Cannot load '{where}': lost contact with the other ranks ({detail}). A rank died or stopped answering for "
+        "the process group's timeout; check the other ranks' logs.",
+        path=where,
+    )
+    return _agreed(error)
+
+
+def _own(error: BaseException) -> NoReturn:
+    raise _agreed(error)
+
+
+def agree(error: BaseException | None, where: str, print_: Fingerprint | None = None, *, filling: bool = False) -> None:
+    """A step every rank reaches: raise on every rank if any rank failed (the failing rank its own error, the
+    others :class:`ShardedModelError` naming it), or if ranks saw different checkpoints (``print_``).
+
+    Without a process group of several ranks, ``error`` is simply raised.
+    """
+    ranks = default_group()
+    if ranks is None:
+        if error is not None:
+            raise error
+        return
+    told = partial(_told, where, filling)
+    try:
+        gathered = settle(ranks, error, None if print_ is None else list(print_), told=told, own=_own)
+    except RanksLost as lost:
+        raise _lost(where, str(lost)) from lost.__cause__
+    first = gathered[0]
+    differ = next((rank for rank, seen in enumerate(gathered) if seen != first), None)
+    if differ is not None:
+        raise _agreed(
+            ShardedModelError(
+                f"Ranks 0 and {differ} opened different checkpoints at '{where}' "
+                f"({_differences(first, gathered[differ])}): a save landed or a file changed while they opened it, or "
+                "the ranks see different copies. Nothing was loaded; pass tag= to name one step, and load when no "
+                "save is running (copies on several hosts must be identical, modification times included: rsync -t).",
+                path=where,
+                rank=differ,
+            )
+        )
+    if not filling:
+        _plans_passed[0] += 1
+
+
+def broadcast_checked(read: Callable[[], None], buffer: torch.Tensor, where: str, name: str) -> None:
+    """Rank 0 runs ``read`` (filling ``buffer``); every rank settles the step; only then is ``buffer`` broadcast.
+    A read error on rank 0, or any failure another rank sends in this step, is raised on every rank."""
+    import torch.distributed as dist
+
+    ranks = default_group()  # None: a group of one process, which reads and keeps the chunk
+    failure: BaseException | None = None
+    line = None
+    if ranks is None or ranks.rank == 0:
+        try:
+            read()
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+            line = str(exc) if isinstance(exc, ZeroIOError) else f"{type(exc).__name__}: {exc}"
+            failure = exc
+            if not isinstance(exc, ZeroIOError):
+                failure = ShardedModelError(f"Rank 0 could not read '{name}' from '{where}': {line}", path=where)
+                failure.__cause__ = exc
+    if ranks is None:
+        if failure is not None:
+            raise failure
+        return
+    sent = {"reading": name} if failure is not None else None
+    try:
+        settle(ranks, failure, sent, told=partial(_told, where, True), line=line, own=_own)
+    except RanksLost as lost:
+        raise _lost(where, str(lost)) from lost.__cause__
+    try:
+        dist.broadcast(buffer, src=0)
+    except RuntimeError as exc:  # every rank passed the step: a peer died or timed out in the broadcast itself
+        raise _lost(where, gloo_detail(exc)) from exc
 
 
 class LoadSteps:
     """``with LoadSteps(...)`` around a whole load: an error raised on this rank that the other ranks do not know
-    yet (not raised by :func:`agree` or :func:`broadcast_checked`) is sent through :func:`agree`, the next
-    collective every other rank reaches (after planning, after filling), so they raise too instead of waiting.
+    yet (not raised by a step) is sent in the next step every other rank reaches, so they raise too instead of
+    waiting; after :meth:`last`, nothing is sent (the others have left).
 
-    ``sharded()`` says, when an error needs sending, whether this load takes part in collectives (a process group
-    of several ranks, and a sharded model or ``broadcast_from_rank0``).
+    ``sharded()`` says, when an error needs sending, whether this load takes part in collectives (a sharded model
+    or ``broadcast_from_rank0``); ``init_hooks(where)`` runs the model's init hooks, through :meth:`init_hooks`.
     """
 
-    def __init__(self, where: str, sharded: Callable[[], bool]) -> None:
+    def __init__(self, where: str, sharded: Callable[[], bool], init_hooks: Callable[[str], tuple[str, ...]]) -> None:
         self.where = where
         self.sharded = sharded
+        self._init_hooks = init_hooks
+        self._hooks_ran = False
+        self._done = False
+        self._plans_before = _plans_passed[0]
+        self._alarm: Alarm | None = None
+
+    def init_hooks(self, where: str) -> tuple[str, ...]:
+        """Run the init hooks (once): the names of those run."""
+        self._hooks_ran = True
+        return self._init_hooks(where)
+
+    def _filling_alarm(self) -> Alarm | None:
+        """The alarm of this load's fill, once its plan step passed (None before, and after the last step)."""
+        if self._done or _plans_passed[0] == self._plans_before:
+            return None
+        if self._alarm is None:
+            self._alarm = Alarm(f"zeroio/load/{_plans_passed[0]}/failed")
+        return self._alarm
+
+    def check(self, where: str) -> None:
+        """Between two tensors of the fill: if another rank failed (its alarm rang), meet it in its step now and
+        raise its error here, rather than after reading this rank's whole share."""
+        alarm = self._filling_alarm()
+        if alarm is not None and alarm.rung():
+            agree(None, where, filling=True)  # raises: the failing rank sends its error in this step
+            raise _agreed(ShardedModelError(f"Another rank stopped loading '{where}' without saying why.", path=where))
+
+    def last(self, where: str, in_collectives: bool) -> None:
+        """The last step, after filling: no rank returns while another failed."""
+        if in_collectives:
+            agree(None, where, filling=True)
+        self._done = True
 
     def __enter__(self) -> LoadSteps:  # noqa: PYI034 - not subclassed
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
-        if not isinstance(error, Exception) or error.__dict__.get("zeroio_agreed") or not self.sharded():
+        if not isinstance(error, Exception) or error.__dict__.get("zeroio_agreed") or self._done:
             return
-        self.pending = 0
-        agree(error, self.where)  # the next collective the other ranks reach: they raise, naming this rank
+        if not in_process_group():
+            return
+        if not self._hooks_ran:  # the others run them, maybe meeting in collectives; then the model may be sharded
+            try:
+                self.init_hooks(self.where)
+            except Exception as exc:  # noqa: BLE001 - this rank's own error is the one raised
+                logger.debug("init hook after a failed open: %s", exc)
+        if not self.sharded():
+            return
+        ranks = default_group()
+        assert ranks is not None
+        alarm = self._filling_alarm()
+        if alarm is not None:  # the others may be reading a long share before their next step
+            alarm.ring()
+        try:  # the next step the other ranks reach: they raise, naming this rank; settle raises this rank's error
+            settle(ranks, error, told=partial(_told, self.where, False), own=_own)
+        except RanksLost as lost:
+            logger.debug("could not tell the other ranks of %s: %s", error, lost)
+        except Exception as exc:
+            if exc is not error:
+                raise

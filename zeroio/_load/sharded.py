@@ -152,8 +152,8 @@ def plan_shard(tensor: torch.Tensor, name: str, where: str) -> ShardPlan:
 
 def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False, checkpoint: Any = None) -> None:
     """Raise on every rank if any rank failed to plan its load, or ranks opened different checkpoints
-    (``checkpoint``: this rank's ``rank_agreement.fingerprint``), before any rank reads or writes: one
-    all_gather (:func:`zeroio._load.rank_agreement.agree`). Without an initialised process group, ``error`` is
+    (``checkpoint``: this rank's ``rank_agreement.fingerprint``), before any rank reads or writes: the plan
+    step (:func:`zeroio._load.rank_agreement.agree`). Without an initialised process group, ``error`` is
     simply raised (and ``broadcast``, which needs one, is refused).
     """
     import torch.distributed as dist

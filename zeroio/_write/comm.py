@@ -1,62 +1,29 @@
-"""How the processes writing one output agree: shard ownership, and after each phase whether every process succeeded.
+"""How the processes writing one output agree after each phase whether every process succeeded: a
+:func:`zeroio._ranks.settle` per phase, with the partial output removed on any failure.
 
-One process is the degenerate case (:class:`LocalComm`: world size 1, nothing exchanged), so ``convert`` and
-``convert(..., distributed=True)`` run the same phases, as torch DCP has one save path for 1 or N processes.
+One process is the degenerate case (:class:`~zeroio._ranks.OneRank`: world size 1, nothing exchanged), so
+``convert`` and ``convert(..., distributed=True)`` run the same phases, as torch DCP has one save path for 1 or N
+processes.
 """
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
+from .._ranks import Failure, Ranks, RanksLost, settle
 from ..errors import OutputError, ZeroIOError
 from .atomic import AtomicDir
 
-__all__ = [
-    "COMMIT",
-    "PLAN",
-    "TEMP",
-    "WRITE",
-    "Comm",
-    "CommLost",
-    "Job",
-    "LocalComm",
-]
+__all__ = ["COMMIT", "PLAN", "TEMP", "WRITE", "Job"]
 
 PLAN = "while planning"
 TEMP = "while creating the temporary folder"
 WRITE = "while writing its shards"
 COMMIT = "while writing the index and renaming the output into place"
-
-
-class CommLost(Exception):
-    """A collective call failed: another process died, or did not answer within the timeout."""
-
-
-class Comm(Protocol):
-    """All-gathers of small JSON-able documents among the processes writing one output."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    def all_gather(self, payload: Any) -> list[Any]:
-        """Every process's ``payload``, in rank order. Raises :class:`CommLost` when a process is gone."""
-        ...
-
-
-class LocalComm:
-    """One process alone: rank 0 of 1, nothing to exchange."""
-
-    rank = 0
-    world_size = 1
-
-    def all_gather(self, payload: Any) -> list[Any]:
-        return [payload]
 
 
 def _nothing() -> None:
@@ -67,14 +34,14 @@ class Job:
     """The phases of one output's write; after each one every process learns whether all succeeded.
 
     Args:
-        comm: the processes (``LocalComm()`` for one).
+        comm: the processes (``OneRank()`` for one).
         out: the destination; rank 0 creates its temporary folder and commits it.
         lost_advice: what to do when contact with another process is lost (never happens with one process).
         before_cleanup: called before the partial output is removed (e.g. to ignore SIGTERM during removal).
     """
 
     def __init__(
-        self, comm: Comm, out: AtomicDir, *, lost_advice: str = "", before_cleanup: Callable[[], None] = _nothing
+        self, comm: Ranks, out: AtomicDir, *, lost_advice: str = "", before_cleanup: Callable[[], None] = _nothing
     ) -> None:
         self.comm = comm
         self.out = out
@@ -109,14 +76,13 @@ class Job:
         raise error
 
     def settle(self, phase: str, error: BaseException | None, payload: Any = None) -> list[Any]:
-        """All-gather every process's outcome of ``phase``; on any failure, clean up and raise on every process.
-
-        Returns every process's ``payload`` when all succeeded.
+        """Settle ``phase`` on every process (:func:`zeroio._ranks.settle`); on any failure, clean up and raise on
+        every process. Returns every process's ``payload`` when all succeeded.
         """
-        n = self.comm.world_size
+        line = None if error is None else self._own_line(error)
         try:
-            reports = self.comm.all_gather({"error": None if error is None else self._own_line(error), "data": payload})
-        except CommLost as lost:
+            return settle(self.comm, error, payload, told=partial(self._told, phase), line=line, own=self.raise_own)
+        except RanksLost as lost:
             committing = phase == COMMIT
             removed = ""
             if not committing and self.tmp is not None:
@@ -131,16 +97,15 @@ class Job:
                 f"Cannot write '{self.out.dst}': lost contact with the other processes {where} ({lost}).{removed} {fix}",
                 path=self.out.dst,
             ) from lost.__cause__
-        if error is not None:
-            self.raise_own(error)
-        failed = [(rank, report["error"]) for rank, report in enumerate(reports) if report["error"] is not None]
-        if failed:
-            self.remove_tmp()
-            rank, line = failed[0]
-            others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-            raise OutputError(
-                f"Process {rank} of {n}{others} failed {phase}, so '{self.out.dst}' was not written. Its error: {line}",
-                path=self.out.dst,
-                rank=rank,
-            )
-        return [report["data"] for report in reports]
+
+    def _told(self, phase: str, failed: list[Failure]) -> OutputError:
+        """Another process failed ``phase``: remove the partial output; the error every other process raises."""
+        self.remove_tmp()
+        first = failed[0]
+        others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        return OutputError(
+            f"Process {first.rank} of {self.comm.world_size}{others} failed {phase}, so '{self.out.dst}' was not "
+            f"written. Its error: {first.message}",
+            path=self.out.dst,
+            rank=first.rank,
+        )

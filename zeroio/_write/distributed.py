@@ -4,10 +4,7 @@ one write engine, whose processes each write their share of shards."""
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
-import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -15,13 +12,13 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from .._formats import ReadOptions
 from .._messages import get_logger
+from .._ranks import TIMEOUT_ENV, GroupRanks, gloo_detail, timeout_seconds
 from ..errors import OutputError
 from .atomic import AtomicDir
-from .comm import CommLost, Job
+from .comm import Job
 from .one_reader import convert_one_reader
 from .options import WriteOptions
 from .phases import WriteOutcome, write_checkpoint
@@ -37,10 +34,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 The longest wait is at the end of the writes, for the slowest process: it must finish its shards within this
 time of the fastest one. A process that died is noticed at once (its connections close); one that hangs, after
-this timeout."""
-
-TIMEOUT_ENV = "ZEROIO_DISTRIBUTED_TIMEOUT"
-"""Environment variable overriding :data:`DEFAULT_TIMEOUT`, in seconds."""
+this timeout (``ZEROIO_DISTRIBUTED_TIMEOUT``, in seconds, overrides it)."""
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """The variables ``torchrun`` sets that ``init_process_group``'s ``env://`` rendezvous reads."""
@@ -52,57 +46,11 @@ def torchrun_env() -> bool:
 
 
 def _timeout() -> timedelta:
-    text = os.environ.get(TIMEOUT_ENV)
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}.")
-    return timedelta(seconds=seconds)
-
-
-# --------------------------------------------------------------------------- communication
-
-
-def _gloo_detail(exc: BaseException) -> str:
-    """The gist of a gloo/c10d error: ``Connection closed by peer [127.0.0.1]:6884``, without the source location."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
-    return text.split(". ")[0].rstrip(".")
-
-
-class _GlooComm:
-    """All-gathers of small JSON documents over a gloo group (CPU tensors only; no pickle crosses processes)."""
-
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
-
-    def all_gather(self, payload: Any) -> list[Any]:
-        import torch
-        import torch.distributed as dist
-
-        data = json.dumps(payload).encode("utf-8")
-        try:
-            length = torch.tensor([len(data)], dtype=torch.int64)
-            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            dist.all_gather(lengths, length, group=self.group)
-            longest = max(int(n.item()) for n in lengths)
-            mine = torch.zeros(longest, dtype=torch.uint8)
-            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.all_gather(gathered, mine, group=self.group)
-        except RuntimeError as exc:  # DistBackendError, DistNetworkError: a peer closed its connection or timed out
-            raise CommLost(_gloo_detail(exc)) from exc
-        return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(gathered, lengths)]
+    return timedelta(seconds=timeout_seconds(DEFAULT_TIMEOUT.total_seconds()))
 
 
 @contextlib.contextmanager
-def _process_group(dst: Path, timeout: timedelta) -> Iterator[_GlooComm]:
+def _process_group(dst: Path, timeout: timedelta) -> Iterator[GroupRanks]:
     """A gloo group with ``timeout`` over every process: a new group inside an initialised job, or one created
     from torchrun's environment (and destroyed afterwards)."""
     import torch.distributed as dist
@@ -119,7 +67,7 @@ def _process_group(dst: Path, timeout: timedelta) -> Iterator[_GlooComm]:
             dist.init_process_group(backend="gloo", timeout=timeout)
         except RuntimeError as exc:  # DistNetworkError, DistStoreError: rendezvous failed or timed out
             raise OutputError(
-                f"Cannot write '{dst}': could not join the torch.distributed job ({_gloo_detail(exc)}). Check "
+                f"Cannot write '{dst}': could not join the torch.distributed job ({gloo_detail(exc)}). Check "
                 "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and that every process was started.",
                 path=dst,
             ) from exc
@@ -128,7 +76,7 @@ def _process_group(dst: Path, timeout: timedelta) -> Iterator[_GlooComm]:
     try:
         # Our own gloo group: CPU collectives even when the job's group is NCCL, and our timeout, not the job's.
         group = None if owned else dist.new_group(backend="gloo", timeout=timeout)
-        yield _GlooComm(group, dist.get_rank(), dist.get_world_size())
+        yield GroupRanks(group)  # JSON exchanges on the CPU (zeroio._ranks)
     finally:
         try:
             if owned:

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._formats import Checkpoint, ReadOptions
+from .._ranks import OneRank
 from .atomic import AtomicDir
-from .comm import Job, LocalComm
+from .comm import Job
 from .options import WriteOptions
 from .phases import ExtraFiles, WriteOutcome, write_checkpoint
 from .plan import WritePlan
@@ -25,7 +26,7 @@ def write_hf(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> Wr
 
         return written_by_engine(convert_distributed(src, dst, read, write))
     extra_files = _optimizer_files(write) if write.include_optimizer else None
-    job = Job(LocalComm(), AtomicDir(dst, source=src, overwrite=write.overwrite))
+    job = Job(OneRank(), AtomicDir(dst, source=src, overwrite=write.overwrite))
     return written_by_engine(write_checkpoint(job, src, read, write, extra_files=extra_files))
 
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 from .._formats import ReadOptions
 from .._messages import get_logger
+from .._ranks import Failure, OneRank, Ranks, RanksLost, settle
 from ..errors import OutputError, ZeroIOError
 from .atomic import AtomicDir
-from .comm import Comm, CommLost, Job, LocalComm
+from .comm import Job
 from .options import WriteOptions
 from .phases import WriteOutcome, write_checkpoint
 from .plan import plan_write
@@ -28,8 +29,8 @@ __all__ = ["GroupFactory", "convert_one_reader"]
 
 logger = get_logger(__name__)
 
-GroupFactory = Callable[[], contextlib.AbstractContextManager[Comm]]
-"""Joins the job's process group (a context manager yielding its :class:`~zeroio._write.comm.Comm`)."""
+GroupFactory = Callable[[], contextlib.AbstractContextManager[Ranks]]
+"""Joins the job's process group (a context manager yielding its :class:`~zeroio._ranks.Ranks`)."""
 
 
 class _GroupOnThread:
@@ -37,7 +38,7 @@ class _GroupOnThread:
 
     def __init__(self, factory: GroupFactory) -> None:
         self._stack = contextlib.ExitStack()
-        self._comm: Comm | None = None
+        self._comm: Ranks | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._join, args=(factory,), name="zeroio-group", daemon=True)
         self._thread.start()
@@ -48,7 +49,7 @@ class _GroupOnThread:
         except BaseException as exc:  # noqa: BLE001 - raised by comm() in the converting thread
             self._error = exc
 
-    def comm(self) -> Comm:
+    def comm(self) -> Ranks:
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -62,6 +63,14 @@ class _GroupOnThread:
 
 def _line(error: BaseException) -> str:
     return str(error) if isinstance(error, ZeroIOError) else f"{type(error).__name__}: {error}"
+
+
+def _process_0_failed(dst: Path, world_size: int, failed: list[Failure]) -> OutputError:
+    return OutputError(
+        f"Process 0 of {world_size} failed, so '{dst}' was not written. Its error: {failed[0].message}",
+        path=dst,
+        rank=0,
+    )
 
 
 def convert_one_reader(
@@ -100,15 +109,17 @@ def _write_alone(
     outcome: WriteOutcome | None = None
     error: BaseException | None = None
     try:
-        outcome = write_checkpoint(Job(LocalComm(), out, before_cleanup=cleanup), src, read, write)
+        outcome = write_checkpoint(Job(OneRank(), out, before_cleanup=cleanup), src, read, write)
     except BaseException as exc:  # noqa: BLE001 - told to the others, then re-raised
         error = exc
-    report: dict[str, Any] = {"error": None if error is None else _line(error), "copied": []}
-    if outcome is not None:
-        report["copied"] = [p.name for p in outcome.copied]
+    copied = None if outcome is None else [p.name for p in outcome.copied]
     try:
-        joined.comm().all_gather(report)
-    except (CommLost, ZeroIOError, RuntimeError) as lost:
+        comm = joined.comm()
+        told = partial(_process_0_failed, out.dst, comm.world_size)  # the others send no error: never raised
+        settle(comm, error, copied, told=told, line=None if error is None else _line(error))
+    except (RanksLost, ZeroIOError, RuntimeError) as lost:
+        if lost is error:
+            raise
         if error is None:  # the output is complete and in place; only the others' word is missing
             logger.warning("wrote %s, then could not tell the other processes: %s", out.dst, lost)
     if error is not None:
@@ -125,25 +136,19 @@ def _wait_for_writer(
     with open_checkpoint(src, read) as ckpt:  # metadata only: the same plan as process 0's
         plan = plan_write(ckpt, write)
         source = ckpt.metadata
+    comm = joined.comm()
     try:
-        reports: list[Any] = joined.comm().all_gather({"error": None, "copied": None})
-    except CommLost as lost:
+        copied = settle(comm, None, told=partial(_process_0_failed, out.dst, comm.world_size))[0]
+    except RanksLost as lost:
         raise OutputError(
             f"Cannot confirm '{out.dst}': lost contact with process 0, which writes it ({lost}). '{out.dst}' exists "
             "only if process 0 completed; check it, and process 0's log.",
             path=out.dst,
         ) from lost.__cause__
-    failed = reports[0]["error"]
-    if failed is not None:
-        raise OutputError(
-            f"Process 0 of {len(reports)} failed, so '{out.dst}' was not written. Its error: {failed}",
-            path=out.dst,
-            rank=0,
-        )
     return WriteOutcome(
         plan=plan,
         source=source,
         files=tuple(out.dst / filename for filename, _ in plan.shards.shards),
         index_path=out.dst / plan.index_name if plan.index is not None else None,
-        copied=tuple(out.dst / name for name in reports[0]["copied"]),
+        copied=tuple(out.dst / name for name in copied),
     )

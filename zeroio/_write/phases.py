@@ -4,7 +4,7 @@ Every process opens the source and plans the same files from metadata (:mod:`zer
 shards :func:`~zeroio._write.sharding.assign_shards` gives it into rank 0's temporary folder (:mod:`zeroio._write.shard_files`);
 rank 0 writes the extra files, the index last, copies the side files and renames the folder into place
 (:class:`~zeroio._write.atomic.AtomicDir`). After each phase every process learns whether all succeeded
-(:class:`~zeroio._write.comm.Job`). With one process (:class:`~zeroio._write.comm.LocalComm`) that exchange is a no-op.
+(:class:`~zeroio._write.comm.Job`). With one process (:class:`~zeroio._ranks.OneRank`) that exchange is a no-op.
 """
 
 from __future__ import annotations
