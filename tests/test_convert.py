@@ -379,28 +379,54 @@ def test_missing_source_leaves_no_output(tmp_path):
 DS_FIXTURES = ["z3_ws2_fp32", "z2_ws3_fp16", "z1_ws3_bf16"]
 
 
-def _start_zero_to_fp32(src, out, *extra: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.Popen(
-        [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(src), str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+_RUN_SCRIPT_EACH = """
+import json, runpy, sys, traceback
+outcomes = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["zero_to_fp32.py", *argv]
+    try:
+        runpy.run_module("deepspeed.utils.zero_to_fp32", run_name="__main__", alter_sys=True)
+        outcomes.append({"ok": True, "error": ""})
+    except SystemExit as exit:
+        outcomes.append({"ok": exit.code in (0, None), "error": "exit " + str(exit.code)})
+    except BaseException:
+        outcomes.append({"ok": False, "error": traceback.format_exc()})
+print(json.dumps(outcomes))
+"""
+
+
+@pytest.fixture(scope="module")
+def deepspeed_script_runs(tmp_path_factory) -> dict[tuple[str, str], tuple[dict, object]]:
+    """DeepSpeed's own `zero_to_fp32.py`, run as `__main__` on every DS_FIXTURES both ways, in one process.
+
+    Most of each run is importing DeepSpeed; one interpreter imports it once for all six runs.
+    """
+    root = tmp_path_factory.mktemp("deepspeed_script")
+    runs = [(name, mode) for name in DS_FIXTURES for mode in ("safe", "bin")]
+    argvs = [
+        [str(FIXTURES / name), str(root / name / mode), *(["--safe_serialization"] if mode == "safe" else [])]
+        for name, mode in runs
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_SCRIPT_EACH, json.dumps(argvs)],
+        check=False, capture_output=True, text=True, timeout=600, env=dict(os.environ, DS_ACCELERATOR="cpu"),
     )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {run: (outcome, root / run[0] / run[1]) for run, outcome in zip(runs, outcomes)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", DS_FIXTURES)
-def test_deepspeed_script_fails_on_tied_weights_where_zeroio_succeeds(tmp_path, name):
+def test_deepspeed_script_fails_on_tied_weights_where_zeroio_succeeds(tmp_path, name, deepspeed_script_runs):
     """DeepSpeed's `zero_to_fp32.py --safe_serialization` fails on tied weights; zeroio's output equals its .bin."""
-    # DeepSpeed's script, both ways, in parallel (each spends most of its time importing DeepSpeed).
-    safe = _start_zero_to_fp32(FIXTURES / name, tmp_path / "ds_safe", "--safe_serialization")
-    binary = _start_zero_to_fp32(FIXTURES / name, tmp_path / "ds_bin")
-    _, safe_err = safe.communicate(timeout=300)
-    _, binary_err = binary.communicate(timeout=300)
-    assert safe.returncode != 0
-    assert "Some tensors share memory" in safe_err
-    assert not list((tmp_path / "ds_safe").glob("*.safetensors"))
-    assert binary.returncode == 0, binary_err[-2000:]
-    ds_state = torch.load(tmp_path / "ds_bin" / "pytorch_model.bin", weights_only=True)
+    safe, safe_out = deepspeed_script_runs[(name, "safe")]
+    binary, binary_out = deepspeed_script_runs[(name, "bin")]
+    assert not safe["ok"]
+    assert "Some tensors share memory" in safe["error"]
+    assert not list(safe_out.glob("*.safetensors"))
+    assert binary["ok"], binary["error"][-2000:]
+    ds_state = torch.load(binary_out / "pytorch_model.bin", weights_only=True)
 
     # The script writes every floating tensor as fp32 (frozen fp16/bf16 parameters included): so does dtype="fp32".
     convert(FIXTURES / name, tmp_path / "zeroio_fp32", dtype="fp32", progress=False)
