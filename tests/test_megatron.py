@@ -11,6 +11,7 @@ Megatron is not needed to run these tests.
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,11 @@ def _expected(name: str, what: str) -> dict[str, torch.Tensor]:
     return torch.load(MEGATRON / name / "expected" / what, weights_only=True)
 
 
-def _stacked(layer_name: str) -> tuple[str, int | None]:
-    """``decoder.layers.1.mlp.x`` -> (``decoder.layers.mlp.x``, 1): the stacked key Megatron saved it under."""
+def _stacked(layer_name: str, saved: Container[str] = ()) -> tuple[str, int | None]:
+    """``decoder.layers.1.mlp.x`` -> (``decoder.layers.mlp.x``, 1): the stacked key Megatron saved it under; a key
+    in ``saved`` as it is (layers Megatron does not stack: dense and MoE layers mixed) -> (the key, None)."""
     head, sep, rest = layer_name.partition(".layers.")
-    if not sep:
+    if not sep or layer_name in saved:
         return layer_name, None
     index, _, rest = rest.partition(".")
     return f"{head}.layers.{rest}", int(index)
@@ -57,10 +59,10 @@ def test_open_equals_the_live_model_and_megatrons_consolidation(name):
         for key, tensor in live.items():
             got = ckpt[key]
             assert _same(got, tensor), key
-            stacked, layer = _stacked(key)
+            stacked, layer = _stacked(key, plain)
             assert _same(got, plain[stacked] if layer is None else plain[stacked][layer]), key
         model_keys = {k for k in plain if not k.startswith("optimizer.")}
-        assert {_stacked(k)[0] for k in ckpt} == model_keys  # nothing Megatron consolidates is dropped
+        assert {_stacked(k, plain)[0] for k in ckpt} == model_keys  # nothing Megatron consolidates is dropped
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -86,10 +88,11 @@ def test_metadata_and_non_tensor_state():
         assert described["not_read"].startswith("5 non-tensor entries")
 
 
-def test_optimizer_state_per_layer_equals_megatrons():
-    plain = _expected("gpt_tp2_untied", "plain.pt")
-    step = torch.load(MEGATRON / "gpt_tp2_untied" / "expected" / "step.pt", weights_only=True)
-    with zeroio.open(MEGATRON / "gpt_tp2_untied") as ckpt:
+@pytest.mark.parametrize("name", ["gpt_tp2_untied", "gpt_moe_ep2"])
+def test_optimizer_state_per_layer_equals_megatrons(name):
+    plain = _expected(name, "plain.pt")
+    step = torch.load(MEGATRON / name / "expected" / "step.pt", weights_only=True)
+    with zeroio.open(MEGATRON / name) as ckpt:
         for key in ckpt:
             state = ckpt.optimizer_state(key)
             stacked, layer = _stacked(key)

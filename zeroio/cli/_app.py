@@ -288,7 +288,11 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    p.add_argument("--names", choices=["hf"], help="hf: a Megatron GPT of the Llama family under transformers' names")
+    p.add_argument(
+        "--names",
+        choices=["hf"],
+        help="hf: a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names",
+    )
     _add_tp_rules(p)
     _add_keep_quantized(p)
     p.set_defaults(func=cmd_inspect)
@@ -333,7 +337,8 @@ def _add_convert(sub: Any) -> None:
     p.add_argument(
         "--names",
         choices=["hf"],
-        help="hf: write a Megatron GPT of the Llama family under transformers' names, with config.json",
+        help="hf: write a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names, "
+        "with config.json",
     )
     p.add_argument("--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors")
     p.add_argument(

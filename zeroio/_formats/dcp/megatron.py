@@ -20,7 +20,7 @@ from ...errors import CheckpointFormatError
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
 from ..options import ReadOptions
-from .megatron_common import MEGATRON_GLOBALS, MegatronCommon, read_common
+from .megatron_common import MEGATRON_GLOBALS, MegatronCommon, not_read, read_common
 from .megatron_files import is_megatron, megatron_folder
 from .megatron_hf import hf_view
 from .metadata import Chunk, TensorEntry
@@ -78,8 +78,7 @@ class MegatronCheckpoint(DcpCheckpoint):
     def describe(self) -> dict[str, Any]:
         """:meth:`Checkpoint.describe` plus ``metadata.not_read``: the non-tensor state zeroio does not return."""
         summary = super().describe()
-        summary["metadata"]["not_read"] = self._metadata.extra.get("skipped")
-        summary["metadata"]["non_tensor_state"] = list(self._metadata.extra.get("non_tensor_state", []))
+        summary["metadata"].update(not_read(self._metadata.extra))
         return summary
 
     def _with_step(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -134,9 +133,12 @@ def _non_tensor_keys(values: list[str]) -> list[str]:
 
 def _metadata(found: Any, common: MegatronCommon, model: dict[str, TensorEntry], extra: dict[str, Any]) -> Any:
     args = common.args
+    sizes = [("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size")]
+    if args.get("num_experts"):  # MoE: the experts' own parallel sizes
+        sizes += [("ep", "expert_model_parallel_size"), ("etp", "expert_tensor_parallel_size")]
     parallel = {
         short: args[key]
-        for short, key in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"))
+        for short, key in sizes
         if isinstance(args.get(key), int) and not isinstance(args.get(key), bool)
     }
     floats = {e.dtype for e in model.values() if e.dtype.is_floating_point}

@@ -8,6 +8,7 @@ allowlist (``trusted_globals`` extends it) leaves common.pt unread, with a warni
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from ...errors import UnsafePickleError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MEGATRON_GLOBALS", "MegatronCommon", "read_common"]
+__all__ = ["MEGATRON_GLOBALS", "MegatronCommon", "not_read", "read_common"]
 
 logger = get_logger(__name__)
 
@@ -118,3 +119,9 @@ def read_common(folder: Path, trusted: frozenset[str]) -> MegatronCommon:
                 groups.append({str(k): _copy(v, [MAX_NODES]) for k, v in group.items() if k != "params"})
     file.close()
     return MegatronCommon(values=values, step=step, param_groups=groups)
+
+
+def not_read(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """What a Megatron checkpoint's ``describe()`` adds under any names: ``not_read`` (the non-tensor state zeroio
+    does not return, counted) and ``non_tensor_state`` (its keys), from the reader's ``metadata.extra``."""
+    return {"not_read": extra.get("skipped"), "non_tensor_state": list(extra.get("non_tensor_state", []))}

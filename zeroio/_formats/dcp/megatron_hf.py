@@ -1,22 +1,36 @@
 """``names="hf"``: a Megatron-Core GPT of the Llama family under ``transformers``' ``LlamaForCausalLM`` names and
-layouts, read lazily, plus the matching ``config.json``.
+layouts (``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for MoE models, :mod:`.megatron_hf_moe`), read lazily,
+plus the matching ``config.json``.
 
 Megatron fuses each layer's query, key and value projections into ``linear_qkv`` with rows grouped per query
 group (for each group: its heads' queries, then its key, then its value) and the gated MLP's gate and up
 projections into ``linear_fc1`` (gate rows, then up rows). Each HF tensor is a list of row blocks of one stored
-tensor, i.e. flat element ranges: nothing is read until a tensor is, and then only its rows. A tensor the
-mapping does not place is an error, never a silent drop; so is a model outside the family (LayerNorm, biases,
-partial or interleaved rotary, QK norms, MoE).
+tensor, i.e. flat element ranges: nothing is read until a tensor is, and then only its rows. Every element of
+every stored tensor must land in exactly one HF tensor: a tensor the mapping does not place is an error naming
+it, never a silent drop; so is a model outside the family (LayerNorm, biases, partial or interleaved rotary, QK
+norms, a router transformers computes differently).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ...errors import UnsupportedCheckpointError
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
+from .megatron_common import not_read
+from .megatron_hf_moe import (
+    MoeShape,
+    Piece,
+    Recipes,
+    hf_refusal,
+    mlp_recipes,
+    moe_config,
+    moe_mlp_recipes,
+    moe_shape,
+    rows,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -31,15 +45,6 @@ _NORMS = {
 
 
 @dataclass(frozen=True, slots=True)
-class Piece:
-    """Flat elements ``[start, start + count)`` of the stored tensor ``source``."""
-
-    source: str
-    start: int
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
 class LlamaShape:
     """What the mapping needs from Megatron-LM's args (common.pt)."""
 
@@ -51,6 +56,7 @@ class LlamaShape:
     ffn: int
     vocab: int
     tied: bool
+    moe: MoeShape | None
 
 
 class HfNamedCheckpoint(Checkpoint):
@@ -91,6 +97,12 @@ class HfNamedCheckpoint(Checkpoint):
     def _release(self) -> None:
         self._base.close()
 
+    def describe(self) -> dict[str, Any]:
+        """:meth:`Checkpoint.describe` plus ``metadata.not_read``: the non-tensor state zeroio does not return."""
+        summary = super().describe()
+        summary["metadata"].update(not_read(self._metadata.extra))
+        return summary
+
     def optimizer_state(self, name: str) -> dict[str, Any]:
         """The stored parameter's optimizer state, its moments cut to this tensor's rows."""
         return self._cut(name, self._base.optimizer_state(self._source(name)))
@@ -116,21 +128,15 @@ class HfNamedCheckpoint(Checkpoint):
         return state
 
 
-def _refuse(path: Any, why: str) -> UnsupportedCheckpointError:
-    return UnsupportedCheckpointError(
-        f"names='hf' maps Megatron GPT models of the Llama family (RMSNorm, SwiGLU, rotary, no biases) to "
-        f"transformers' LlamaForCausalLM; '{path}' {why}. Convert with the default names instead.",
-        path=path,
-    )
-
-
 def _shape(ckpt: Checkpoint) -> LlamaShape:
     """The model's sizes from common.pt's args, checked against the Llama family."""
     meta = ckpt.metadata
     common = meta.extra.get("common")
     args = common.get("args") if isinstance(common, dict) else None
     if not isinstance(args, dict):
-        raise _refuse(meta.path, "has no readable run arguments in common.pt (heads and groups are stored only there)")
+        raise hf_refusal(
+            meta.path, "has no readable run arguments in common.pt (heads and groups are stored only there)"
+        )
     checks = {
         "normalization": (args.get("normalization"), "RMSNorm"),
         "swiglu": (args.get("swiglu"), True),
@@ -140,32 +146,29 @@ def _shape(ckpt: Checkpoint) -> LlamaShape:
         "rotary_percent": (args.get("rotary_percent", 1.0), 1.0),
         "rotary_interleaved": (args.get("rotary_interleaved", False), False),
         "qk_layernorm": (args.get("qk_layernorm", False), False),
-        "num_experts": (args.get("num_experts"), None),
     }
     for key, (found, wanted) in checks.items():
         if found != wanted:
-            raise _refuse(meta.path, f"was trained with {key}={found!r} (the family needs {wanted!r})")
+            raise hf_refusal(meta.path, f"was trained with {key}={found!r} (the family needs {wanted!r})")
     heads, hidden = args["num_attention_heads"], args["hidden_size"]
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    ffn = args["ffn_hidden_size"]
     return LlamaShape(
         layers=args["num_layers"],
         hidden=hidden,
         heads=heads,
         groups=groups or heads,
         head_dim=args.get("kv_channels") or hidden // heads,
-        ffn=args["ffn_hidden_size"],
+        ffn=ffn,
         vocab=ckpt.info("embedding.word_embeddings.weight").shape[0],
         tied="output_layer.weight" not in ckpt,
+        moe=moe_shape(args, args["num_layers"], ffn, meta.path),
     )
 
 
-def _rows(source: str, cols: int, blocks: list[tuple[int, int]]) -> tuple[Piece, ...]:
-    return tuple(Piece(source, r0 * cols, (r1 - r0) * cols) for r0, r1 in blocks)
-
-
-def _layer_recipes(ckpt: Checkpoint, s: LlamaShape, i: int) -> dict[str, tuple[tuple[Piece, ...], tuple[int, ...]]]:
+def _layer_recipes(ckpt: Checkpoint, s: LlamaShape, i: int) -> Recipes:
     src, dst, h, d = f"{_LAYER}{i}.", f"model.layers.{i}.", s.hidden, s.head_dim
-    found: dict[str, tuple[tuple[Piece, ...], tuple[int, ...]]] = {}
+    found: Recipes = {}
     for hf, names in _NORMS.items():
         name = next((src + n for n in names if src + n in ckpt), src + names[0])
         found[dst + hf] = ((Piece(name, 0, h),), (h,))
@@ -175,25 +178,26 @@ def _layer_recipes(ckpt: Checkpoint, s: LlamaShape, i: int) -> dict[str, tuple[t
     q = [(g * stride, g * stride + per_group * d) for g in range(s.groups)]
     k = [(g * stride + per_group * d, g * stride + (per_group + 1) * d) for g in range(s.groups)]
     v = [(g * stride + (per_group + 1) * d, (g + 1) * stride) for g in range(s.groups)]
-    found[dst + "self_attn.q_proj.weight"] = (_rows(qkv, h, q), (s.heads * d, h))
-    found[dst + "self_attn.k_proj.weight"] = (_rows(qkv, h, k), (s.groups * d, h))
-    found[dst + "self_attn.v_proj.weight"] = (_rows(qkv, h, v), (s.groups * d, h))
+    found[dst + "self_attn.q_proj.weight"] = (rows(qkv, h, q), (s.heads * d, h))
+    found[dst + "self_attn.k_proj.weight"] = (rows(qkv, h, k), (s.groups * d, h))
+    found[dst + "self_attn.v_proj.weight"] = (rows(qkv, h, v), (s.groups * d, h))
     found[dst + "self_attn.o_proj.weight"] = (
-        _rows(src + "self_attention.linear_proj.weight", s.heads * d, [(0, h)]),
+        rows(src + "self_attention.linear_proj.weight", s.heads * d, [(0, h)]),
         (h, s.heads * d),
     )
-    fc1 = src + "mlp.linear_fc1.weight"
-    found[dst + "mlp.gate_proj.weight"] = (_rows(fc1, h, [(0, s.ffn)]), (s.ffn, h))
-    found[dst + "mlp.up_proj.weight"] = (_rows(fc1, h, [(s.ffn, 2 * s.ffn)]), (s.ffn, h))
-    found[dst + "mlp.down_proj.weight"] = (_rows(src + "mlp.linear_fc2.weight", s.ffn, [(0, h)]), (h, s.ffn))
+    if s.moe is not None and i in s.moe.moe_layers:
+        found.update(moe_mlp_recipes(src, dst, h, s.moe))
+    else:
+        fc1, fc2 = src + "mlp.linear_fc1.weight", src + "mlp.linear_fc2.weight"
+        found.update(mlp_recipes(fc1, fc2, h, s.ffn, dst + "mlp.", ("gate_proj", "up_proj", "down_proj")))
     return found
 
 
 def hf_config(ckpt: Checkpoint, s: LlamaShape) -> dict[str, Any]:
-    """transformers' ``LlamaConfig`` for the model (``config.json``)."""
+    """transformers' ``LlamaConfig`` for the model (``config.json``); ``MixtralConfig`` / ``Qwen2MoeConfig`` for MoE."""
     args = ckpt.metadata.extra["common"]["args"]
     base = args.get("rotary_base", 10000)
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": s.hidden,
@@ -213,12 +217,38 @@ def hf_config(ckpt: Checkpoint, s: LlamaShape) -> dict[str, Any]:
         "tie_word_embeddings": s.tied,
         "dtype": str(ckpt.metadata.train_spec.name if ckpt.metadata.train_spec else "float32"),
     }
+    if s.moe is not None:
+        del config["attention_bias"], config["mlp_bias"]
+        config.update(moe_config(s.moe, args, s.layers, s.ffn))
+    return config
+
+
+def _check_placement(ckpt: Checkpoint, recipes: Recipes) -> None:
+    """Every element of every stored tensor in exactly one HF tensor, each HF tensor exactly its shape's size: a
+    tensor left out, lacking, or stored at sizes the args do not tile is refused by name."""
+    where = ckpt.metadata.path
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for pieces, _ in recipes.values():
+        for p in pieces:
+            spans.setdefault(p.source, []).append((p.start, p.start + p.count))
+    unplaced = [n for n in ckpt if n not in spans]
+    if unplaced:
+        raise hf_refusal(where, f"holds {', '.join(unplaced[:5])} which the mapping does not place")
+    missing = sorted(n for n in spans if n not in ckpt)
+    if missing:
+        raise hf_refusal(where, f"lacks {', '.join(missing[:5])}")
+    for source, found in spans.items():
+        at = 0
+        for a, b in sorted(found):
+            at = b if a == at else -1
+        if at != ckpt.info(source).numel:
+            raise hf_refusal(where, f"stores '{source}' as {ckpt.info(source).shape}, not the size its args give")
 
 
 def hf_view(ckpt: Checkpoint) -> HfNamedCheckpoint:
-    """``ckpt`` (a Megatron reader) under transformers' Llama names; every stored tensor must be placed."""
+    """``ckpt`` (a Megatron reader) under transformers' names; every stored element must be placed exactly once."""
     s = _shape(ckpt)
-    recipes: dict[str, tuple[tuple[Piece, ...], tuple[int, ...]]] = {
+    recipes: Recipes = {
         "model.embed_tokens.weight": (
             (Piece("embedding.word_embeddings.weight", 0, s.vocab * s.hidden),),
             (s.vocab, s.hidden),
@@ -229,29 +259,13 @@ def hf_view(ckpt: Checkpoint) -> HfNamedCheckpoint:
     recipes["model.norm.weight"] = ((Piece("decoder.final_layernorm.weight", 0, s.hidden),), (s.hidden,))
     if not s.tied:
         recipes["lm_head.weight"] = ((Piece("output_layer.weight", 0, s.vocab * s.hidden),), (s.vocab, s.hidden))
-    used = {p.source for pieces, _ in recipes.values() for p in pieces}
-    unplaced = [n for n in ckpt if n not in used]
-    missing = sorted(used - set(ckpt))
-    if unplaced or missing:
-        what = f"holds {', '.join(unplaced[:5])} which the mapping does not place" if unplaced else ""
-        what = what or f"lacks {', '.join(missing[:5])}"
-        raise _refuse(ckpt.metadata.path, what)
+    for name, (pieces, shape) in recipes.items():
+        if sum(p.count for p in pieces) != math.prod(shape):
+            raise hf_refusal(ckpt.metadata.path, f"gives '{name}' {shape}, which its pieces do not fill")
+    _check_placement(ckpt, recipes)
     infos = {}
     for name, (pieces, shape) in recipes.items():
         source = ckpt.info(pieces[0].source)
-        if sum(p.count for p in pieces) != _numel(shape) or any(
-            p.start + p.count > ckpt.info(p.source).numel for p in pieces
-        ):
-            raise _refuse(ckpt.metadata.path, f"stores '{pieces[0].source}' as {source.shape}, not the size args give")
         infos[name] = TensorInfo(name, shape, source.dtype_spec, source.kind, source.files)
-    from dataclasses import replace
-
     extra = {**ckpt.metadata.extra, "names": "hf", "hf_config": hf_config(ckpt, s)}
     return HfNamedCheckpoint(ckpt, replace(ckpt.metadata, extra=extra), infos, {n: r[0] for n, r in recipes.items()})
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
