@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -206,9 +207,53 @@ def run_zero_init(case: dict, rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _hf_model(case: dict, world: int, device: str, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """transformers' model from the case's config folder (holding ``state`` if given, loaded by torch), then each
+    decoder layer and the root sharded by FSDP2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(case["hf_config"])
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[case.get("dtype", "fp32")])
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        model.reference_unused = [*missing, *unexpected]
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def run_hf_case(case: dict, rank: int, world: int) -> dict[str, Any]:
+    """Another framework's checkpoint (verl, Megatron with names="hf") into FSDP2-sharded transformers model built
+    on the meta device; the reference is the framework's full state loaded by torch into the same model, sharded
+    the same way."""
+    model = _hf_model(case, world, "meta")
+    report = zeroio.load(case["src"], model, **case.get("open", {}))
+    engine = (
+        load_file(case["engine"]) if case["engine"].endswith(".safetensors")
+        else torch.load(case["engine"], weights_only=True)
+    )  # fmt: skip
+    ref = _hf_model(case, world, "cpu", engine)
+    want, got = ref.state_dict(), model.state_dict()
+    differ = [n for n in engine if not torch.equal(local(got[n]), local(want[n]))]
+    return {
+        "ok": True,
+        "differ": differ,
+        "compared": len(engine),
+        "sharded": sum(isinstance(t, DTensor) for t in got.values()),
+        "missing": list(report.missing_keys),
+        "meta": sorted(report.meta_keys),
+        "reference_unused": ref.reference_unused,
+    }
+
+
 def run_case(case: dict, rank: int, world: int) -> dict[str, Any]:
     if case["shard"] == "zero_init":
         return run_zero_init(case, rank, world)
+    if case.get("hf_config"):
+        return run_hf_case(case, rank, world)
     src = case["src"]
     engine = torch.load(case["engine"], weights_only=True)
     if case.get("save_dcp"):  # torch writes the source: the reference model, sharded as the case shards it

@@ -38,6 +38,9 @@ DCP_TP = FIXTURES / "dcp" / "dcp_tp_ws2"  # column chunks (Rowwise mlp_in), row 
 DCP_BF16 = FIXTURES / "dcp" / "dcp_fsdp2_ws2_bf16"
 DCP_UNEVEN = FIXTURES / "dcp" / "dcp_fsdp2_ws4_uneven"
 DCP_HF = FIXTURES / "dcp_hf" / "dcp_hf_ws2"  # torchtitan's per-rank safetensors (HuggingFaceStorageWriter)
+VERL = FIXTURES / "verl" / "verl_fsdp2_ws2_fp32"  # verl's FSDP2 per-rank DTensor pickles
+VERL_BF16 = FIXTURES / "verl" / "verl_fsdp2_ws2_bf16"
+MEGATRON = FIXTURES / "megatron" / "gpt_tp2_untied"  # Megatron-Core torch_dist, tensor parallel 2
 BIG = {"vocab": 515, "dim": 96, "hidden": 67}  # uneven on 2 and 4 ranks; ~250 KB of fp32
 BIG_BYTES = 4 * (515 * 96 + 96 * 96 + 96 + 67 * 96 + 67 + 96 * 67 + 2 * 96 + 96)  # its tensors, in fp32
 
@@ -93,6 +96,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded_sources")
     zeroio.convert(Z3, root / "st")
     zeroio.convert(Z3, root / "bin", fmt="torch")
+    zeroio.convert(MEGATRON, root / "megatron_hf", names="hf", progress=False)
     from layout_checks import tiny_model  # the fixtures' TinyLM builder
 
     torch.manual_seed(0)
@@ -105,6 +109,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "bin": root / "bin" / "pytorch_model.bin",
         "big": root / "big.safetensors",
         "big_engine": root / "big_engine.pt",
+        "megatron_hf": root / "megatron_hf",
     }
 
 
@@ -152,6 +157,34 @@ def source_cases(sources: dict[str, Path], s3: tuple[str, dict[str, str]]) -> li
         case("tp-dcp-hf", DCP_HF, ref(DCP_HF), shard="tp", build="meta"),
         case("tp-s3-zero3", f"{bucket}/z3", shard="tp", build="meta", **remote),
     ]
+
+
+def framework_cases(sources: dict[str, Path]) -> list[dict[str, Any]]:
+    """Other frameworks' checkpoints into FSDP2-sharded transformers models (tests/sharded_worker.py run_hf_case).
+
+    verl: the live run's full state is the reference. Megatron with ``names="hf"``: zeroio's plain conversion,
+    whose logits equal Megatron's own forward (tests/test_megatron_hf.py), is the reference for the sharded load.
+    """
+    return [
+        case("hf-verl", VERL, ref(VERL), shard="fsdp2", hf_config=str(VERL / "huggingface")),
+        case("hf-verl-bf16", VERL_BF16, ref(VERL_BF16), shard="fsdp2", hf_config=str(VERL_BF16 / "huggingface"),
+             dtype="bf16"),
+        case("hf-megatron", MEGATRON, sources["megatron_hf"] / "model.safetensors", shard="fsdp2",
+             hf_config=str(sources["megatron_hf"]), open={"names": "hf"}),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["hf-verl", "hf-verl-bf16", "hf-megatron"])
+def test_other_frameworks_fill_fsdp2_transformers_models(two_ranks: dict[str, list[dict]], name: str) -> None:
+    """verl's and Megatron's checkpoints fill an FSDP2-sharded transformers model built on meta, bit for bit."""
+    records = two_ranks[name]
+    assert [r["rank"] for r in records] == [0, 1]
+    for record in records:
+        assert record["ok"], record
+        assert record["differ"] == [] and record["compared"] > 10, record
+        assert record["sharded"] >= record["compared"] - 1, record  # every parameter a DTensor
+        assert record["missing"] == [] and record["reference_unused"] == [], record
+        assert all("rotary_emb" in key for key in record["meta"]), record  # non-persistent buffers only
 
 
 def dtype_cases() -> list[dict[str, Any]]:
@@ -205,6 +238,7 @@ def two_ranks(
              build="meta", save_dcp=True, staging_bytes=4096, **big),
         *source_cases(sources, s3),
         *dtype_cases(),
+        *framework_cases(sources),
         # Last: importing DeepSpeed takes seconds.
         case("zero-init", Z3, shard="zero_init"),
         case("zero-init-bf16", BF16, BF16 / "expected" / "engine.pt", shard="zero_init", dtype="bf16"),

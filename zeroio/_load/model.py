@@ -191,6 +191,8 @@ def load(
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     quantized: QuantizedMode = "dequantize",
+    names: str | None = None,
+    dcp_keys: str = "auto",
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -237,6 +239,10 @@ def load(
             not beside the checkpoint (``checkpoint-N/adapter_config.json``).
         quantized: block-scaled FP8 weights are loaded dequantized (``"dequantize"``, DeepSeek's algorithm, cast
             into each parameter's dtype) or as stored (``"raw"``), as for :func:`zeroio.open`.
+        names: ``"hf"`` loads a Megatron GPT of the Llama family into transformers' model (``LlamaForCausalLM``),
+            under its names and layouts, as for :func:`zeroio.open` (docs/formats.md).
+        dcp_keys: which tensors of a DCP checkpoint are the model's (``"auto"``, ``"model"``, ``"all"``), as for
+            :func:`zeroio.open`.
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -280,7 +286,8 @@ def load(
 
             read = read_options(
                 tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options,
-                merge_lora=merge_lora, adapter_config=adapter_config, quantized=quantized,
+                merge_lora=merge_lora, adapter_config=adapter_config, quantized=quantized, names=names,
+                dcp_keys=dcp_keys,
             )  # fmt: skip
             try:
                 ckpt = open_checkpoint(path, read)
