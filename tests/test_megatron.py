@@ -1,7 +1,7 @@
 """Megatron-Core ``torch_dist`` checkpoints: every verb, bit for bit against Megatron's own references.
 
 The fixtures in fixtures/megatron/ were written by megatron-core 0.16.1 itself (``dist_checkpointing.save``,
-tensor parallel 2 on gloo, fixtures/generate_megatron.py). References beside them, made by Megatron in the same
+tensor, expert or pipeline parallel 2 on gloo, fixtures/generate_megatron.py). References beside them, made by Megatron in the same
 run: ``expected/plain.pt`` (``dist_checkpointing.load_plain_tensors``: stacked tensors, optimizer moments),
 ``expected/step.pt`` (the optimizer's shared step), ``expected/model.pt`` (the live model's full per-layer state
 assembled from every rank's shard at Megatron's own offsets) and ``expected/keys.json`` (module names -> those).
@@ -88,7 +88,7 @@ def test_metadata_and_non_tensor_state():
         assert described["not_read"].startswith("5 non-tensor entries")
 
 
-@pytest.mark.parametrize("name", ["gpt_tp2_untied", "gpt_moe_ep2"])
+@pytest.mark.parametrize("name", ["gpt_tp2_untied", "gpt_moe_ep2", "gpt_pp2_tied"])
 def test_optimizer_state_per_layer_equals_megatrons(name):
     plain = _expected(name, "plain.pt")
     step = torch.load(MEGATRON / name / "expected" / "step.pt", weights_only=True)
@@ -103,6 +103,17 @@ def test_optimizer_state_per_layer_equals_megatrons(name):
             assert state["lr"] == 0.01 and state["betas"] == [0.9, 0.999]
             spec = ckpt.optimizer_state_spec(key)
             assert spec["exp_avg"].device.type == "meta" and spec["exp_avg"].shape == ckpt.info(key).shape
+
+
+def test_pipeline_stages_are_read_from_their_own_ranks_files():
+    """Pipeline parallel 2: the embedding and layers 0-1 were saved by stage 0 (rank 0: ``__0_*``), layers 2-3 and
+    the final norm by stage 1; the last stage's tied output layer is a replica of the embedding, saved once."""
+    with zeroio.open(MEGATRON / "gpt_pp2_tied") as ckpt:
+        assert dict(ckpt.metadata.parallel) == {"tp": 1, "pp": 2} and "output_layer.weight" not in ckpt
+        ranks = {name: {f.name.split("_")[2] for f in ckpt.info(name).files} for name in ckpt}
+        stage0 = [n for n in ckpt if n.startswith(("embedding.", "decoder.layers.0.", "decoder.layers.1."))]
+        assert len(stage0) == 13 and all(ranks[n] == {"0"} for n in stage0)
+        assert all(ranks[n] == {"1"} for n in ckpt if n not in stage0)
 
 
 @pytest.mark.parametrize(

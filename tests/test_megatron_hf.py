@@ -2,7 +2,7 @@
 Mixtral or Qwen2-MoE).
 
 The check is Megatron's own forward: fixtures/generate_megatron.py saved the logits of the trained model
-(megatron-core 0.16.1, tensor parallel 2 or expert parallel 2, fp32) on fixed tokens in ``expected/logits.pt``;
+(megatron-core 0.16.1, tensor, expert or pipeline parallel 2, fp32) on fixed tokens in ``expected/logits.pt``;
 the transformers model config.json names (``LlamaForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``),
 loaded from zeroio's output, must give the same logits on the same tokens, with no key missing or unexpected.
 """
