@@ -94,6 +94,7 @@ def test_inspect_says_legacy_without_crc(capsys: pytest.CaptureFixture[str]) -> 
     assert cli_main(["inspect", str(case("legacy_z3_ws2_bf16"))]) == 0
     out = capsys.readouterr().out
     assert "serialized  legacy (no CRC-32 in the files to check)" in out
+    assert out.count("serialized") == 1 and "optimizer   AdamW" in out  # the line replaced, not the optimizer's
 
 
 def test_a_corrupted_legacy_tensor_is_read_as_is(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """A DCP whose keys include ``model.``-prefixed names beside others (issue 30, item 5): a Hugging Face-style
 ``dcp.save`` (``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``) converted without
-``lm_head.weight``. Now no tensor is dropped silently, the split is said, and ``dcp_keys`` chooses."""
+``lm_head.weight``. Now no tensor is dropped silently, the split is said, and ``dcp_keys`` (``--dcp-keys`` on
+``inspect``, ``convert`` and ``verify``) chooses."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import zeroio
+from zeroio.cli import main
 
 
 class _Inner(nn.Module):
@@ -67,3 +70,34 @@ def test_dcp_keys_model_strips_and_says_what_it_left_out(saved):
 def test_bad_dcp_keys_is_a_value_error(saved):
     with pytest.raises(ValueError, match="dcp_keys must be one of 'auto', 'model', 'all'"):
         zeroio.open(saved[0], dcp_keys="strip")
+
+
+def test_cli_dcp_keys_on_inspect_convert_and_verify(saved, tmp_path, capsys):
+    """``--dcp-keys`` on the three verbs that read a DCP source (the Python API's ``dcp_keys=``)."""
+    folder, state = saved
+    model = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    assert main(["inspect", str(folder), "--json", "--dcp-keys", "model"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert sorted(t["name"] for t in described["tensors"]) == sorted(model)
+    assert "1 tensor(s) left out as non-model state (first: 'lm_head.weight')" in described["metadata"]["dcp_keys"]
+    assert main(["inspect", str(folder)]) == 0  # the text says how keys were split, in the flag's spelling
+    assert "(--dcp-keys auto)." in capsys.readouterr().out
+    assert main(["convert", str(folder), str(tmp_path / "model"), "--dcp-keys", "model", "--quiet"]) == 0
+    out = load_file(tmp_path / "model" / "model.safetensors")
+    assert sorted(out) == sorted(model) and all(torch.equal(out[k], model[k]) for k in model)
+    assert main(["verify", str(folder), str(tmp_path / "model"), "--dcp-keys", "model"]) == 0
+    assert main(["verify", str(folder), str(tmp_path / "model")]) == 1  # auto: every name as stored, 3 vs 2
+    assert "missing" in capsys.readouterr().out
+    assert zeroio.verify(folder, tmp_path / "model", dcp_keys="model").ok
+
+
+def test_cli_dcp_keys_all_keeps_every_name(saved, tmp_path, capsys):
+    folder, state = saved
+    assert main(["convert", str(folder), str(tmp_path / "all"), "--dcp-keys", "all", "--quiet"]) == 0
+    assert sorted(load_file(tmp_path / "all" / "model.safetensors")) == sorted(state)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", str(folder), "--dcp-keys", "strip"])
+    assert exit_info.value.code == 2
+    assert (
+        "argument --dcp-keys: invalid choice: 'strip' (choose from 'auto', 'model', 'all')" in capsys.readouterr().err
+    )

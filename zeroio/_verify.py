@@ -175,6 +175,7 @@ def verify(
     verify_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     quantized: QuantizedMode = "dequantize",
+    dcp_keys: str = "auto",
 ) -> VerifyReport:
     """Compare every tensor of two checkpoints of any kinds :func:`zeroio.open` reads, streaming.
 
@@ -195,6 +196,8 @@ def verify(
         storage_options: options of the fsspec filesystem of whichever of ``a`` and ``b`` is a URL (docs/remote.md).
         quantized: block-scaled FP8 weights of either side are compared dequantized (``"dequantize"``) or as
             stored (``"raw"``), as for :func:`zeroio.open`.
+        dcp_keys: which tensors of either side, when a DCP checkpoint, are the model's (``"auto"``, ``"model"``,
+            ``"all"``), as for :func:`zeroio.open`.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when everything matches.
@@ -215,7 +218,7 @@ def verify(
         b = with_storage_options(b, storage_options) if is_url(b) else b
     if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:
         raise ValueError(f"max_report must be a non-negative int, got {max_report!r}.")
-    read_a = read_options(tag=tag, verify_crc=verify_crc, quantized=quantized)
+    read_a = read_options(tag=tag, verify_crc=verify_crc, quantized=quantized, dcp_keys=dcp_keys)
     read_b = dataclasses.replace(read_a, tag=None)
     with open_checkpoint(a, read_a) as ca, open_checkpoint(b, read_b) as cb:
         infos_a, infos_b = ca.infos, cb.infos

@@ -249,6 +249,7 @@ class CheckpointMetadata:
             "offload": self.offload,
             "serialization": self.serialization,
             "optimizer": self.optimizer,
+            **({"dcp_keys": self.extra["dcp_keys"]} if "dcp_keys" in self.extra else {}),  # DCP: how keys split
         }
 
 

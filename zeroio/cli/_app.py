@@ -12,6 +12,7 @@ import zeroio
 
 from .. import errors
 from . import _args
+from ._errors import cli_spelling
 from ._progress import MODES, PROGRESS_ENV, choose_mode, progress_for
 
 
@@ -30,7 +31,12 @@ def _human_bytes(n: int) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's tensors and metadata without reading tensor bytes."""
     with zeroio.open(
-        args.path, tag=args.tag, tp_rules=args.tp_rules, names=args.names, quantized=_quantized(args)
+        args.path,
+        tag=args.tag,
+        tp_rules=args.tp_rules,
+        names=args.names,
+        quantized=_quantized(args),
+        dcp_keys=args.dcp_keys,
     ) as ckpt:
         summary = ckpt.describe()
     if args.json:
@@ -55,12 +61,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("layout", meta.get("layout")),
         ("parallel", " ".join(f"{k}={v}" for k, v in meta.get("parallel", {}).items()) or None),
         ("offload", meta.get("offload")),
-        ("serialized", meta.get("serialization")),
+        (
+            "serialized",
+            "legacy (no CRC-32 in the files to check)"
+            if meta.get("serialization") == "legacy"
+            else meta.get("serialization"),
+        ),
         ("optimizer", meta.get("optimizer")),
         ("not read", meta.get("not_read")),
+        ("dcp keys", cli_spelling(meta["dcp_keys"]) if meta.get("dcp_keys") else None),
     ]
-    if meta.get("serialization") == "legacy":
-        facts[-2] = ("serialized", "legacy (no CRC-32 in the files to check)")
     for label, value in facts:
         if value is not None:
             out.write(f"{label:<11} {value}\n")
@@ -120,6 +130,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             adapter_config=args.adapter_config,
             names=args.names,
             quantized=_quantized(args),
+            dcp_keys=args.dcp_keys,
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -185,6 +196,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         max_report=args.max_report,
         verify_crc=not args.no_verify_crc,
         quantized=_quantized(args),
+        dcp_keys=args.dcp_keys,
     )
     print(report.summary())
     return 0 if report.ok else 1
@@ -278,6 +290,17 @@ def _add_keep_quantized(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_dcp_keys(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dcp-keys",
+        choices=_args.DCP_KEYS_CHOICES,
+        default="auto",
+        help="PyTorch DCP checkpoints: which tensors are the model's. auto (default): 'model.' stripped when every "
+        "other tensor is optimizer or training state, else every name as stored; model: only 'model.' tensors, "
+        "prefix stripped; all: every tensor but optimizer state, as stored (docs/dcp.md)",
+    )
+
+
 def _quantized(args: argparse.Namespace) -> Literal["dequantize", "raw"]:
     return "raw" if args.keep_quantized else "dequantize"
 
@@ -295,6 +318,7 @@ def _add_inspect(sub: Any) -> None:
     )
     _add_tp_rules(p)
     _add_keep_quantized(p)
+    _add_dcp_keys(p)
     p.set_defaults(func=cmd_inspect)
 
 
@@ -368,6 +392,7 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     _add_tp_rules(p)
     _add_keep_quantized(p)
+    _add_dcp_keys(p)
     p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
 
@@ -385,6 +410,7 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--max-report", type=int, default=10, help="mismatches to print (default: 10)")
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     _add_keep_quantized(p)
+    _add_dcp_keys(p)
     p.set_defaults(func=cmd_verify)
 
 

@@ -28,6 +28,8 @@ _SIZE_UNITS = {
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 DTYPE_CHOICES = ("fp32", "fp16", "bf16")
+DCP_KEYS_CHOICES = ("auto", "model", "all")
+"""``--dcp-keys``: the library's ``dcp_keys`` values (zeroio.open checks them too)."""
 # torch's spellings of the same dtypes (torch.bfloat16, ...), as users copy them from their training config.
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 

@@ -37,6 +37,7 @@ _VALUE_FLAGS = {
     "max_shard_size": "--max-shard-size",
     "sub_group_size": "--sub-group-size",
     "adapter_config": "--adapter-config",
+    "dcp_keys": "--dcp-keys",
 }
 _SWITCH_FLAGS = {
     "include_optimizer": "--include-optimizer",
