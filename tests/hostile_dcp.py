@@ -1,5 +1,6 @@
 """Hostile DCP folders (issue 30): tiny ``.metadata`` files whose references, not their bytes, ask for gigabytes or
-minutes. Each builder copies the genuine fixture ``fixtures/dcp/dcp_fsdp2_ws2_fp32`` into ``where``, rewrites its
+minutes; chunks recorded transposed, sizes past int64, data-file names too long, a Hub cache whose ``blobs`` links
+out. Each builder copies the genuine fixture ``fixtures/dcp/dcp_fsdp2_ws2_fp32`` into ``where``, rewrites its
 ``.metadata`` with torch's own classes (pickle's memo makes every repeated object one reference), and returns
 ``(root, edited)`` as tests/hostile_folders.py's builders do (the fuzz corpus in tests/test_errors.py damages
 ``edited`` too)."""
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
+import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -128,12 +131,84 @@ def one_archive_many_chunks(where: Path, chunks: int = 1000, entries: int = 200_
     return _edit(where, edit)
 
 
+def transposed_chunks(where: Path) -> tuple[Path, Path]:
+    """``model.mlp_out.weight`` (7, 5), saved as row blocks (4, 5) and (3, 5), recorded transposed: a (5, 7)
+    tensor of column blocks (5, 4) and (5, 3). The chunks still tile the tensor and hold as many elements; each
+    archive's (4, 5) tensor was read as (5, 4), scrambled."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def edit(meta: Any, root: Path) -> None:
+        entry = meta.state_dict_metadata["model.mlp_out.weight"]
+        flipped = []
+        for chunk in entry.chunks:
+            info = meta.storage_data.pop(MetadataIndex("model.mlp_out.weight", chunk.offsets))
+            chunk = dataclasses.replace(
+                chunk, offsets=torch.Size(chunk.offsets[::-1]), sizes=torch.Size(chunk.sizes[::-1])
+            )
+            meta.storage_data[MetadataIndex("model.mlp_out.weight", chunk.offsets)] = info
+            flipped.append(chunk)
+        entry.chunks[:] = flipped
+        entry.size = torch.Size(entry.size[::-1])
+
+    return _edit(where, edit)
+
+
+def size_past_int64(where: Path, size: tuple[int, ...] = (0, 2**64)) -> tuple[Path, Path]:
+    """A tensor ``model.huge`` of ``size`` and no chunks: empty, so no byte backs it, yet no tensor can have that
+    shape (torch raised a bare TypeError; ``convert`` wrote a safetensors file safetensors refuses)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    def edit(meta: Any, root: Path) -> None:
+        meta.state_dict_metadata["model.huge"] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size(size), chunks=[]
+        )
+
+    return _edit(where, edit)
+
+
+def long_data_file_name(where: Path, length: int = 300) -> tuple[Path, Path]:
+    """``model.scale`` stored in a data file whose name has ``length`` characters, longer than file systems allow
+    (255 bytes): stat raised a bare OSError (ENAMETOOLONG), a traceback on the CLI."""
+
+    def edit(meta: Any, root: Path) -> None:
+        for key, info in list(meta.storage_data.items()):
+            if key.fqn == "model.scale":
+                meta.storage_data[key] = dataclasses.replace(info, relative_path="x" * length)
+
+    return _edit(where, edit)
+
+
+def hub_blobs_link_out(where: Path) -> tuple[Path, Path]:
+    """A Hugging Face cache snapshot (``models--org--name/snapshots/abc123``) of the fixture whose data files link to
+    ``../../blobs/<name>``, as the cache's do, but whose ``blobs`` is itself a link to a folder outside the cache
+    (``where/elsewhere``, standing for ``~/.ssh``): links into ``blobs/`` were followed there."""
+    elsewhere = where / "elsewhere"
+    elsewhere.mkdir()
+    repo = where / "cache" / "models--org--name"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").symlink_to(os.path.relpath(elsewhere, repo))
+    for path in sorted(DCP.iterdir()):
+        if path.suffix == ".distcp":
+            shutil.copy(path, elsewhere / path.name)
+            (snapshot / path.name).symlink_to(os.path.join("..", "..", "blobs", path.name))
+        elif path.name == ".metadata":
+            shutil.copy(path, snapshot / path.name)
+    return snapshot, snapshot / ".metadata"
+
+
 DCP_ATTACKS: dict[str, Callable[[Path], tuple[Path, Path]]] = {
     "dcp_shared_list_offsets": shared_list_offsets,
     "dcp_values_on_one_range": lambda where: values_on_one_range(where, count=20, size=1 << 20),
     "dcp_chunk_references": lambda where: chunk_references(where, 100_000),
     "dcp_shared_chunk_lists": shared_chunk_lists,
     "dcp_one_archive_many_chunks": lambda where: one_archive_many_chunks(where, 50, 2_000),
+    "dcp_transposed_chunks": transposed_chunks,
+    "dcp_size_past_int64": size_past_int64,
+    "dcp_long_data_file_name": long_data_file_name,
+    "dcp_hub_blobs_link_out": hub_blobs_link_out,
 }
 """Every hostile DCP folder, by name, at a size the fuzz corpus (tests/test_errors.py) builds in well under a second."""
 

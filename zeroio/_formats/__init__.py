@@ -6,6 +6,7 @@ package's face (the names below) is all that the write engine and the verbs impo
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +231,15 @@ def open_checkpoint(path: StrPath | RemotePath, options: ReadOptions) -> Checkpo
     ``path`` may be a :class:`RemotePath` already (its listing is then reused, not made again).
     """
     p = as_path(path, options.storage_options)
-    if not p.exists():
+    try:
+        exists = p.exists()
+    except OSError as exc:  # a name the file system refuses (too long, a loop of links): Python 3.11 raises
+        if exc.errno not in (errno.ENAMETOOLONG, errno.ELOOP):
+            raise  # a URL's storage errors say more themselves (credentials, endpoints)
+        raise CheckpointNotFoundError(
+            f"Checkpoint path '{p}' cannot be looked up ({exc.strerror}): check the path.", path=p
+        ) from None
+    if not exists:
         raise CheckpointNotFoundError(f"Checkpoint path '{p}' does not exist.{did_you_mean(p)}", path=p)
     if not p.is_dir():
         require_regular_file(p)  # a FIFO, /dev/zero or a link to one: reading would block or never end

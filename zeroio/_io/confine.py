@@ -8,6 +8,8 @@ link to ``~/.ssh/id_rsa`` would make zeroio read (and ``convert``/``push`` publi
 
 from __future__ import annotations
 
+import errno
+import os
 import stat
 from pathlib import Path
 
@@ -21,9 +23,26 @@ _HUB_REPO_FOLDERS = ("models--", "datasets--", "spaces--")
 _FIX = "The checkpoint is corrupted or hostile; zeroio reads only files inside the checkpoint folder."
 
 
-def require_regular_file(path: Path) -> None:
-    """Refuse a path that is not a regular file (a FIFO would block the read forever, ``/dev/zero`` never ends)."""
-    mode = path.stat().st_mode
+_BAD_NAME = (errno.ENAMETOOLONG, errno.ELOOP)
+"""Errors of ``stat`` that only a name or a link can cause: a checkpoint's fault, not the machine's."""
+
+
+def require_regular_file(path: Path, *, source: Path | None = None) -> None:
+    """Refuse a path that is not a regular file (a FIFO would block the read forever, ``/dev/zero`` never ends), or
+    whose name the file system refuses (too long, a loop of links). ``source`` is the file that named ``path``
+    (a refusal names it as ``.path``). A missing file raises FileNotFoundError, for the caller to word."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if exc.errno not in _BAD_NAME:
+            raise
+        named = f", named by '{source}'," if source is not None else ""
+        raise CheckpointFormatError(
+            f"{_short(str(path))}{named} cannot be opened: {exc.strerror}. The checkpoint is corrupted or hostile; "
+            "copy it again from where it was saved.",
+            path=source or path,
+            name=path.name,
+        ) from None
     if not stat.S_ISREG(mode):
         raise CheckpointFormatError(
             f"'{path}' is not a regular file (it is a {_file_kind(mode)}). Point zeroio at a checkpoint file or folder.",
@@ -62,6 +81,28 @@ def hub_cache_blobs(folder: Path) -> Path | None:
     return snapshots.parent / "blobs"
 
 
+def _name_max(folder: Path) -> int:
+    """The longest file name (in bytes) the file system of ``folder`` takes (255 on Linux's usual ones)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or the folder is gone: the usual value
+        return 255
+
+
+def _refuse_linked_blobs(blobs: Path, source: Path) -> None:
+    """A Hub cache's ``blobs/`` must be a folder of its repository folder, not a link leading elsewhere: links into
+    it are followed, so a ``blobs`` that is itself a link to ``~/.ssh`` would let a snapshot read anything."""
+    repo = blobs.parent
+    if not blobs.resolve().is_relative_to(repo.resolve()):
+        raise CheckpointFormatError(
+            f"'{blobs}' (the Hugging Face cache folder the files of '{source.parent}' link into) is a link leading "
+            f"outside '{repo}'. The cache is corrupted or hostile; download the model again (hf download) "
+            "into a cache whose blobs folder is a real folder.",
+            path=source,
+            name=blobs.name,
+        )
+
+
 def confined_path(root: Path, *names: str, source: Path, what: str, links_into: Path | None = None) -> Path:
     """``root / names[0] / names[1] ...``, refused unless it stays inside ``root``.
 
@@ -81,6 +122,7 @@ def confined_path(root: Path, *names: str, source: Path, what: str, links_into: 
             ``.name`` the offending name).
     """
     path = root
+    longest = 0
     for name in names:
         parts = str(name).replace("\\", "/").split("/")
         if any(p in ("", ".", "..") or "\0" in p for p in parts):
@@ -91,13 +133,31 @@ def confined_path(root: Path, *names: str, source: Path, what: str, links_into: 
             )
         for part in parts:
             path = path / part
+            longest = max(longest, len(os.fsencode(part)))
     if _is_remote(path):
         return path
-    real = path.resolve()
+    if longest > _name_max(root):  # the file system would refuse it (ENAMETOOLONG): say so, naming the recorder
+        raise CheckpointFormatError(
+            f"'{source}' names a {what} {_short(names[-1])} with a component of {longest} bytes, longer than the "
+            f"file system allows ({_name_max(root)}). The checkpoint is corrupted or hostile; copy it again from "
+            "where it was saved.",
+            path=source,
+            name=str(names[-1]),
+        )
+    try:
+        real = path.resolve()
+    except (RuntimeError, OSError) as exc:  # a loop of links (RuntimeError before Python 3.13, OSError after)
+        raise CheckpointFormatError(
+            f"'{path}' (the {what} {_short(names[-1])} of '{source}') is a loop of links. {_FIX}",
+            path=source,
+            name=str(names[-1]),
+        ) from exc
     if not real.is_relative_to(root.resolve()) and not (links_into and real.is_relative_to(links_into.resolve())):
         raise CheckpointFormatError(
             f"'{path}' (the {what} {_short(names[-1])} of '{source}') is a link leading outside '{root}'. {_FIX}",
             path=source,
             name=str(names[-1]),
         )
+    if links_into and not real.is_relative_to(root.resolve()):
+        _refuse_linked_blobs(links_into, source)
     return path

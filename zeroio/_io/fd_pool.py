@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 from ..errors import CheckpointFormatError, ZeroIOError
 
-__all__ = ["DescriptorPool", "FileIdentity", "default_capacity", "pool"]
+__all__ = ["DescriptorPool", "FileIdentity", "default_capacity", "file_identity", "open_regular", "pool"]
 
 FileIdentity = tuple[int, int, int, int]
 """``(st_dev, st_ino, st_size, st_mtime_ns)`` of a file when it was first opened."""
@@ -36,8 +37,34 @@ def default_capacity() -> int:
     return max(1, min(256, soft // 4))
 
 
-def _identity(st: os.stat_result) -> FileIdentity:
+def file_identity(st: os.stat_result) -> FileIdentity:
+    """What a file must still be when read: its ``stat`` at open (links followed), compared at every open."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_regular(path: Path, identity: FileIdentity | None = None) -> tuple[int, FileIdentity]:
+    """A read-only descriptor of ``path`` and the identity of the file it opened, refused unless that file is
+    regular and, when ``identity`` is given, the very file recorded then (a file swapped since, for a link to
+    elsewhere or a FIFO, is refused). ``O_NONBLOCK``: opening a FIFO swapped in never blocks (no effect on files).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    st = os.fstat(fd)
+    found = file_identity(st)
+    if identity is not None and found != identity:
+        os.close(fd)
+        raise CheckpointFormatError(
+            f"'{path}' changed while zeroio was reading it (device, inode, size or modification time differ "
+            "from when it was opened). Let the writer finish, then run zeroio again.",
+            path=path,
+        )
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or device: positional reads fail (ESPIPE) or never end
+        os.close(fd)
+        raise CheckpointFormatError(
+            f"'{path}' is not a regular file (it was replaced by a FIFO, device or folder). Point zeroio at a "
+            "checkpoint of regular files.",
+            path=path,
+        )
+    return fd, found
 
 
 class DescriptorPool:
@@ -56,6 +83,7 @@ class DescriptorPool:
         self._open: OrderedDict[object, tuple[int, FileIdentity]] = OrderedDict()  # least recently used first
         self._leases: dict[object, int] = {}
         self._waiting = 0
+        self._deferred: deque[object] = deque()  # releases that found the lock taken (see release)
 
     @property
     def capacity(self) -> int:
@@ -67,6 +95,7 @@ class DescriptorPool:
     def open_count(self) -> int:
         """Descriptors open now (for tests and diagnostics)."""
         with self._lock:
+            self._close_deferred()
             return len(self._open)
 
     def acquire(self, key: object, path: Path, identity: FileIdentity | None) -> tuple[int, FileIdentity]:
@@ -91,6 +120,8 @@ class DescriptorPool:
                 self._leases[key] = left
             else:
                 del self._leases[key]
+                if self._deferred:
+                    self._close_deferred()
                 if len(self._open) > self.capacity:
                     self._shrink()
                 if self._waiting:
@@ -115,7 +146,7 @@ class DescriptorPool:
                     self._wait(0.1)  # every descriptor is leased: the next lease to end makes room
                     continue
                 try:
-                    entry = self._open_checked(path, identity)
+                    entry = open_regular(path, identity)
                 except OSError as exc:
                     if exc.errno not in (errno.EMFILE, errno.ENFILE):
                         raise
@@ -143,19 +174,6 @@ class DescriptorPool:
         finally:
             self._waiting -= 1
 
-    def _open_checked(self, path: Path, identity: FileIdentity | None) -> tuple[int, FileIdentity]:
-        # O_NONBLOCK: a FIFO swapped in must not block the open while the pool's lock is held (no effect on files)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-        found = _identity(os.fstat(fd))
-        if identity is not None and found != identity:
-            os.close(fd)
-            raise CheckpointFormatError(
-                f"'{path}' changed while zeroio was reading it (device, inode, size or modification time differ "
-                "from when it was opened). Let the writer finish, then run zeroio again.",
-                path=path,
-            )
-        return fd, found
-
     def _shrink(self, room: int = 0) -> None:
         """Close least recently used idle descriptors until ``room`` more fit in ``capacity`` (lock held)."""
         excess = len(self._open) + room - self.capacity
@@ -165,11 +183,30 @@ class DescriptorPool:
             os.close(self._open.pop(key)[0])
 
     def release(self, key: object) -> None:
-        """Close ``key``'s descriptor now if it is open and idle (a source's ``close``)."""
-        with self._lock:
+        """Close ``key``'s descriptor now if it is open and idle (a source's ``close``).
+
+        A checkpoint dropped unclosed is closed by its finalizer, which the garbage collector may run in a thread
+        that holds this pool's lock (inside any allocation): waiting for the lock there never ends. So the lock
+        is waited for briefly, and when it does not come the descriptor is closed by the pool's next lease end."""
+        if not self._lock.acquire(timeout=0.05):
+            self._deferred.append(key)
+            return
+        try:
+            self._deferred.append(key)
+            self._close_deferred()
+        finally:
+            self._lock.release()
+
+    def _close_deferred(self) -> None:
+        """Close the idle descriptors whose release found the lock taken (lock held)."""
+        closed = False
+        while self._deferred:
+            key = self._deferred.popleft()
             if key not in self._leases and key in self._open:
                 os.close(self._open.pop(key)[0])
-                self._cond.notify_all()
+                closed = True
+        if closed:
+            self._cond.notify_all()
 
 
 pool = DescriptorPool()

@@ -125,10 +125,10 @@ class LocalFile:
     must be the one first opened (same device, inode, size, modification time), else the read raises.
     """
 
-    def __init__(self, path: Path, size: int | None = None) -> None:
+    def __init__(self, path: Path, size: int | None = None, identity: FileIdentity | None = None) -> None:
         self.path = Path(path)
-        self._size = size
-        self._identity: FileIdentity | None = None
+        self._size = size if size is not None or identity is None else identity[2]
+        self._identity: FileIdentity | None = identity  # from the stat at open: the first open must find that file
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -137,6 +137,11 @@ class LocalFile:
     @property
     def name(self) -> str:
         return str(self.path)
+
+    @property
+    def identity(self) -> FileIdentity | None:
+        """The file's identity from its first open (or as given), None before: what every later open must find."""
+        return self._identity
 
     @property
     def size(self) -> int:
@@ -206,13 +211,15 @@ def can_copy_in_kernel(source: ByteSource) -> bool:
     return isinstance(source, LocalFile) and kernel_copy_enabled()
 
 
-def open_source(path: Path, size: int | None = None) -> ByteSource:
+def open_source(path: Path, size: int | None = None, identity: FileIdentity | None = None) -> ByteSource:
     """The byte source of a file: a :class:`LocalFile`, or a remote path's own (``zeroio._io.remote_path.RemotePath``).
 
     Format modules open every file through this (never ``LocalFile(path)``), so they read remote roots unchanged.
+    ``identity`` (:func:`~zeroio._io.fd_pool.file_identity` of a local file's ``stat`` when it was checked) makes
+    the first read refuse a file swapped since (for a link or a FIFO); remote objects are pinned by ETag instead.
     """
     byte_source = getattr(path, "byte_source", None)
     if byte_source is not None:
         source: ByteSource = byte_source(size)
         return source
-    return LocalFile(path, size)
+    return LocalFile(path, size, identity)

@@ -13,7 +13,7 @@ from .allowed import short_repr
 from .archive import RankFile, TensorRef
 from .dcp_metadata_unpickler import load_dcp_metadata
 from .embedded import EmbeddedTensor
-from .limits import MAX_DEPTH, MAX_DIMS, MAX_PICKLE_BYTES
+from .limits import MAX_DEPTH, MAX_DIMS, MAX_NUMEL, MAX_PICKLE_BYTES, too_large
 from .plain_tree import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
 from .read import load_embedded, load_pickle
 from .standins import (
@@ -31,6 +31,7 @@ from .write import Chunks, RankFileBuilder, ds_value, writable
 __all__ = [
     "MAX_DEPTH",
     "MAX_DIMS",
+    "MAX_NUMEL",
     "MAX_PICKLE_BYTES",
     "ZERO_STAGE_ENUM",
     "Chunks",
@@ -58,6 +59,7 @@ __all__ = [
     "read_tensor",
     "short_repr",
     "to_plain",
+    "too_large",
     "where_text",
     "writable",
 ]

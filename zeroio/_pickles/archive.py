@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import bisect
+import os
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import IO, TYPE_CHECKING
 
 from .._dtypes import DType
 from .._io.confine import require_regular_file
+from .._io.fd_pool import FileIdentity, open_regular
 from .._io.integrity import CheckedFile
 from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
@@ -136,13 +138,15 @@ class RankFile:
     size: int = 0
     legacy_offsets: dict[str, int] | None = field(default=None, repr=False)
     """For a legacy (non-zip) stream: each storage's data offset, indexed at parse time (see ``.legacy``)."""
+    identity: FileIdentity | None = field(default=None, repr=False)
+    """The file whose directory was read at open: a file swapped before the first tensor read is refused."""
     _header_starts: list[int] | None = field(default=None, init=False, repr=False)
     source: CheckedFile = field(init=False, repr=False)
     """The file's bytes; reads of zip storage records are checked against their CRC-32 (``zeroio._io.integrity``).
     A legacy stream has no CRC: no record is registered, so nothing is checked."""
 
     def __post_init__(self) -> None:
-        self.source = CheckedFile(open_source(self.path, self.size or None))
+        self.source = CheckedFile(open_source(self.path, self.size or None, self.identity))
 
     def close(self) -> None:
         """Release the file descriptor; idempotent."""
@@ -231,6 +235,8 @@ class Archive:
     """The ``data.pkl`` record: the object tree."""
     records: dict[str, zipfile.ZipInfo]
     """Storage records by key (``data/<key>``), all stored uncompressed."""
+    identity: FileIdentity | None = None
+    """The local file read (``fd_pool.file_identity``): later reads must find the same file."""
 
 
 def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo], directory: int) -> None:
@@ -277,6 +283,15 @@ def _check_signature(fh: IO[bytes], path: Path, size: int) -> bool:
     )
 
 
+def _open_archive(path: Path) -> tuple[IO[bytes], FileIdentity | None]:
+    """``path`` opened for the zip reader, with the identity of the local file opened (None for a remote object):
+    the descriptor is checked regular again, and opening a FIFO swapped in since the check never blocks."""
+    if hasattr(path, "byte_source"):  # a RemotePath: pinned by its ETag instead
+        return path.open("rb"), None
+    fd, identity = open_regular(path)
+    return os.fdopen(fd, "rb"), identity
+
+
 def read_archive(path: Path) -> Archive | None:
     """Read the zip directory and the pickle of a ``torch.save`` file; None for torch's legacy (non-zip) stream.
 
@@ -287,8 +302,9 @@ def read_archive(path: Path) -> Archive | None:
     """
     try:
         require_regular_file(path)
-        size = path.stat().st_size
-        with path.open("rb") as fh:
+        fh, identity = _open_archive(path)
+        size = path.stat().st_size if identity is None else identity[2]
+        with fh:
             try:
                 archive = zipfile.ZipFile(fh)
             except Exception:  # not a zip: the first bytes say what it is
@@ -331,4 +347,4 @@ def read_archive(path: Path) -> Archive | None:
             path=path,
         ) from exc
 
-    return Archive(path, size, data, records)
+    return Archive(path, size, data, records, identity)

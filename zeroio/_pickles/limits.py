@@ -8,7 +8,7 @@ before the work it guards, and exceeding one raises a :mod:`zeroio.errors` excep
 
 from __future__ import annotations
 
-__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_PICKLE_BYTES"]
+__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_NUMEL", "MAX_PICKLE_BYTES", "too_large"]
 
 MAX_PICKLE_BYTES = 1 << 30
 """Largest ``data.pkl`` record read (1 GiB). It holds only the object tree (tensor bytes live in their own records):
@@ -18,6 +18,23 @@ MAX_DIMS = 64
 """Most dimensions a tensor shape may have. Real checkpoints use a handful, and torch's CUDA kernels index at most
 25 (``MAX_DIMS`` of their offset calculator); 64 leaves ample room, while a 20,000-dimension shape only turns every
 per-dimension loop (strides, views, printing) into seconds of work per tensor."""
+
+MAX_NUMEL = (1 << 63) - 1
+"""Largest dimension, and largest product of a shape's non-zero dimensions: torch sizes are int64, and safetensors
+multiplies a shape's dimensions in u64. An empty tensor of shape ``(0, 2**64)`` named nothing to read, yet torch
+refused it and a safetensors file written with it did not load."""
+
+
+def too_large(shape: tuple[int, ...]) -> bool:
+    """True when a shape of non-negative ints passes :data:`MAX_NUMEL` (a dimension, or the product of the non-zero
+    ones): no tensor can have it, though an empty one names no bytes to back it."""
+    nonzero = 1
+    for d in shape:
+        nonzero *= d or 1
+        if nonzero > MAX_NUMEL:
+            return True
+    return False
+
 
 MAX_DEPTH = 100
 """Deepest nesting of containers walked in a pickled tree. A Lightning checkpoint's hyper-parameters nest under

@@ -21,7 +21,7 @@ from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import RankFile, Storage, TensorRef, read_archive
 from .embedded import EmbeddedTensor, PRead, read_embedded_archive
 from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
-from .limits import MAX_DEPTH
+from .limits import MAX_DEPTH, too_large
 from .standins import Device, Inert, Size, inert_class
 
 __all__ = ["load_embedded", "load_pickle"]
@@ -89,8 +89,10 @@ def _check_view(t: PendingTensor, path: Path) -> None:
     never hold them.)
     """
     values = (t.storage_offset, *t.shape, *t.stride)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values) or len(t.shape) != len(
-        t.stride
+    if (
+        not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+        or len(t.shape) != len(t.stride)
+        or too_large(t.shape)  # an empty (0, 2**64) names no bytes, yet no tensor or safetensors file can hold it
     ):
         raise CheckpointFormatError(
             f"'{path}' describes a tensor with an invalid view (size {short_repr(t.shape)}, stride "
@@ -220,7 +222,8 @@ def _load_legacy(path: Path, trusted: frozenset[str]) -> tuple[Any, RankFile]:
     finally:
         if isinstance(source, LocalFile):
             source.close()  # a remote file is shared with the RankFile below: what it fetched stays cached
-    file = RankFile(path, size=size, legacy_offsets=offsets)
+    identity = source.identity if isinstance(source, LocalFile) else None  # the file read: later reads must find it
+    file = RankFile(path, size=size, legacy_offsets=offsets, identity=identity)
     if isinstance(file.source.source, Fenced):  # never read ahead from one storage into the next (the moments)
         for key, offset in offsets.items():
             numel, each = declared[key]
@@ -253,7 +256,7 @@ def load_pickle(
     path, records = archive.path, archive.records
     unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
     tree = _unpickle(unpickler, path)
-    file = RankFile(path, records, size=archive.size)
+    file = RankFile(path, records, size=archive.size, identity=archive.identity)
     _check_unchanged(unpickler, path)
     for storage in unpickler.storages.values():
         record = records.get(storage.key)

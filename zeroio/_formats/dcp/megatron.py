@@ -49,7 +49,7 @@ def unstack_layers(entry: TensorEntry) -> dict[str, TensorEntry] | None:
         return None
     layers: dict[int, list[Chunk]] = {i: [] for i in range(entry.shape[0])}
     for c in live:
-        layers[c.offsets[0]].append(Chunk(c.offsets[1:], c.sizes[1:], c.file, c.offset, c.length))
+        layers[c.offsets[0]].append(Chunk(c.offsets[1:], c.sizes[1:], c.file, c.offset, c.length, c.stored_shape))
     head, rest = m.group("head"), m.group("rest")
     found = {}
     for i, chunks in layers.items():

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._dtypes import DType
-from ..._pickles import MAX_DIMS, Inert, global_name, inert_parts, is_inert, short_repr
+from ..._pickles import MAX_DIMS, Inert, global_name, inert_parts, is_inert, short_repr, too_large
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 
 __all__ = ["BytesEntry", "Chunk", "DcpMetadata", "TensorEntry", "check_tiling", "parse_dcp_metadata"]
@@ -36,10 +36,17 @@ class Chunk:
     """The data file (a name inside the folder)."""
     offset: int
     length: int
+    stored: tuple[int, ...] | None = None
+    """The shape of the tensor in the archive when it differs from ``sizes`` (a Megatron layer: ``(1, *sizes)``)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape the chunk's archive must hold: its elements are laid out row-major in it."""
+        return self.sizes if self.stored is None else self.stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +109,15 @@ def _dims(value: Any, path: Path, where: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
         raise _bad(path, f"{where} is not a shape of at most {MAX_DIMS} dimensions")
     return tuple(_int(v, path, where) for v in value)
+
+
+def _shape(value: Any, path: Path, fqn: str) -> tuple[int, ...]:
+    """A tensor's size: a shape whose dimension, or product of non-zero dimensions, passes int64 is refused (an
+    empty ``(0, 2**64)`` raised a bare TypeError in torch and made a safetensors file safetensors refuses)."""
+    shape = _dims(value, path, f"the size of '{fqn}'")
+    if too_large(shape):
+        raise _bad(path, f"the size of '{fqn}' is {short_repr(shape)}, larger than any tensor can be (2**63 - 1)")
+    return shape
 
 
 def _dtype(properties: Any, path: Path, fqn: str) -> DType:
@@ -272,7 +288,7 @@ def parse_dcp_metadata(path: Path, tree: Any, file_size: Callable[[str], int]) -
             continue
         fields = _fields(entry, _TENSOR, path, f"the entry of '{fqn}'")
         dtype = _dtype(fields.get("properties"), path, fqn)
-        shape = _dims(fields.get("size"), path, f"the size of '{fqn}'")
+        shape = _shape(fields.get("size"), path, fqn)
         raw_chunks = fields.get("chunks")
         if not isinstance(raw_chunks, list):
             raise _bad(path, f"the chunks of '{fqn}' are not a list")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._dtypes import FLOAT32, DType
 from ..._io.confine import confined_path, hub_cache_blobs, require_regular_file
+from ..._io.fd_pool import FileIdentity, file_identity
 from ..._io.integrity import CheckedFile
 from ..._io.sources import ByteRange, open_source
 from ..._messages import get_logger
@@ -89,6 +90,8 @@ class _Part:
     folder: Path
     meta: DcpMetadata
     sizes: dict[str, int]
+    identities: dict[str, FileIdentity] = field(default_factory=dict)
+    """Each data file's identity when its confinement was checked: a file swapped later is refused at first read."""
     files: dict[str, CheckedFile] = field(default_factory=dict)
     located: dict[tuple[str, int], EmbeddedTensor] = field(default_factory=dict)
     checked: set[str] = field(default_factory=set)
@@ -98,7 +101,8 @@ class _Part:
     def file(self, name: str) -> CheckedFile:
         with self.lock:
             if name not in self.files:
-                self.files[name] = self.opened(CheckedFile(open_source(self.folder / name, self.sizes[name])))
+                source = open_source(self.folder / name, self.sizes[name], self.identities.get(name))
+                self.files[name] = self.opened(CheckedFile(source))
             return self.files[name]
 
     def locate(self, entry: TensorEntry, i: int) -> EmbeddedTensor:
@@ -117,15 +121,17 @@ class _Part:
             if chunk.length > head:
                 prefetch(chunk.offset + chunk.length - head, chunk.offset + chunk.length)
         tensor = load_embedded(file.read_bytes, where, chunk.offset, chunk.length)
-        if not isinstance(tensor, EmbeddedTensor) or tensor.dtype != entry.dtype or tensor.numel != chunk.numel:
+        # the shape too, not only the element count: a transposed chunk's elements would land scrambled
+        if not isinstance(tensor, EmbeddedTensor) or tensor.dtype != entry.dtype or tensor.shape != chunk.stored_shape:
             what = (
-                f"a {tensor.dtype.name} tensor of {tensor.numel} elements"
+                f"a {tensor.dtype.name} tensor of shape {tensor.shape}"
                 if isinstance(tensor, EmbeddedTensor)
                 else f"a {type(tensor).__name__}"
             )
             raise CheckpointFormatError(
                 f"'{where}' holds {what} at byte {chunk.offset} where .metadata places a {entry.dtype.name} chunk "
-                f"of '{entry.fqn}' with {chunk.numel} elements. The folder's files come from different saves.",
+                f"of '{entry.fqn}' of shape {chunk.stored_shape}. The folder's files come from different saves or were "
+                "edited; copy the checkpoint again from where it was saved.",
                 path=where,
                 name=entry.fqn,
             )
@@ -256,14 +262,16 @@ def read_dcp_part(folder: Path, trusted: frozenset[str], *, read_values: bool = 
         )
     tree = load_dcp_metadata(meta_path, meta_path.read_bytes(), trusted)
     sizes: dict[str, int] = {}
+    identities: dict[str, FileIdentity] = {}
 
     blobs = hub_cache_blobs(folder)  # a Hub cache's snapshot files link there
 
     def file_size(name: str) -> int:
         data = confined_path(folder, name, source=meta_path, what="data file", links_into=blobs)
         try:
-            require_regular_file(data)
-            sizes[name] = data.stat().st_size
+            require_regular_file(data, source=meta_path)
+            found = data.stat()  # the file confined: what every later open must find (not a link swapped in)
+            sizes[name], identities[name] = found.st_size, file_identity(found)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"'{data}' does not exist, yet '{meta_path}' places data in it. Copy the whole checkpoint folder.",
@@ -271,7 +279,7 @@ def read_dcp_part(folder: Path, trusted: frozenset[str], *, read_values: bool = 
             ) from exc
         return sizes[name]
 
-    part = _Part(folder, parse_dcp_metadata(meta_path, tree, file_size), sizes)
+    part = _Part(folder, parse_dcp_metadata(meta_path, tree, file_size), sizes, identities)
     values: dict[str, Any] = {}
     spans = _value_spans(part) if read_values else {}
     for fqn, entry in part.meta.values.items() if read_values else ():

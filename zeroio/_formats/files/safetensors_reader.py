@@ -16,7 +16,7 @@ from ..._io.byte_map import ConcatMap
 from ..._io.confine import require_regular_file
 from ..._io.sources import ByteSource, open_source
 from ..._messages import get_logger
-from ..._pickles import MAX_DIMS
+from ..._pickles import MAX_DIMS, too_large
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
@@ -150,6 +150,7 @@ def _parse_safetensors(path: Path) -> _SafetensorsFile:
             isinstance(shape, list)
             and len(shape) <= MAX_DIMS
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+            and not too_large(tuple(shape))
         ):
             raise _bad(path, f"'{name}' has an invalid shape {shape!r:.60}")
         if not (

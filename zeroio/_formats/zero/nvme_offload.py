@@ -20,6 +20,7 @@ from typing import Any
 from ... import _constants as C
 from ..._dtypes import FLOAT32
 from ..._io.confine import confined_path, require_regular_file
+from ..._io.fd_pool import file_identity
 from ..._pickles.archive import RankFile, Storage, TensorRef
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError
 from ..partition import zero3_partition_numel, zero3_sub_groups
@@ -115,7 +116,8 @@ def _swap_ref(path: Path, numel: int, rank: int) -> tuple[TensorRef, RankFile]:
             rank=rank,
         )
     require_regular_file(path)
-    size = path.stat().st_size
+    found = path.stat()  # confined and checked now, read later: a file swapped in between is refused at its read
+    size = found.st_size
     if size < numel * 4:
         raise CheckpointFormatError(
             f"'{path}' holds {size} bytes, the swapped sub-group needs {numel * 4} ({numel} fp32 elements). The swap "
@@ -123,7 +125,7 @@ def _swap_ref(path: Path, numel: int, rank: int) -> tuple[TensorRef, RankFile]:
             path=path,
             rank=rank,
         )
-    file = RankFile(path, size=size, legacy_offsets={"swap": 0})
+    file = RankFile(path, size=size, legacy_offsets={"swap": 0}, identity=file_identity(found))
     storage = Storage("swap", FLOAT32, size // 4, "nvme")
     return TensorRef(file, storage, 0, (numel,), (1,)), file
 
