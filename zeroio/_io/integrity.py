@@ -149,6 +149,12 @@ class CheckedFile:
             return self.source.read_ahead(offset, nbytes)
         return self.source.read_bytes(offset, nbytes)
 
+    def will_need(self, offset: int, nbytes: int) -> None:
+        """The source's own read-ahead advice (a local file's ``posix_fadvise``), if it takes any."""
+        will_need = getattr(self.source, "will_need", None)
+        if will_need is not None:
+            will_need(offset, nbytes)
+
     def close(self) -> None:
         self.source.close()
 

@@ -192,6 +192,19 @@ class LocalFile:
         finally:
             pool.end_lease(self)
 
+    def will_need(self, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start reading these bytes into the page cache (``posix_fadvise(WILLNEED)``: queued,
+        nothing copied; a later read of them waits only for what is still on its way). No-op where unsupported."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        fd = self._lease()
+        try:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:  # advice only: a file system that refuses it reads on demand, as without it
+            pass
+        finally:
+            pool.end_lease(self)
+
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
         if not kernel_copy_enabled():
             return None

@@ -6,6 +6,9 @@ threads (several reads in flight, the CRC of each folded in by the reading threa
 the device with ``non_blocking=True`` and cast there, and a buffer is refilled once the event recorded after its
 copy has passed. Host memory stays ``ring x chunk``; device memory gains the same for staging casts, only when something is cast.
 
+Reads are issued in storage order but shipped as they land, in any order: a buffer waits for its own read only,
+never for an older one still in flight, so one slow read does not leave the other reader threads without buffers.
+
 The disk gives parallel positioned reads far more than one stream (an H200 host's local disk: docs/benchmarks.md,
 "Read limit"), so the reader threads follow the host's CPUs, shared by the ranks of the host (:func:`read_threads`).
 """
@@ -13,15 +16,17 @@ The disk gives parallel positioned reads far more than one stream (an H200 host'
 from __future__ import annotations
 
 import os
+import queue
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .._formats import Checkpoint
 from .pinned_ring import PinnedRing
+from .prefetch import StartupPrefetch
 from .shard_reads import staging_bytes
 
 __all__ = ["HOST_READ_THREADS", "RING", "STAGING_CHUNK_BYTES", "DeviceFiller", "Ranges", "read_threads"]
@@ -33,6 +38,10 @@ that a ring of one per reader thread pins little (an H200 host, 16 threads: 16 M
 
 RING = 6
 """Fewest pinned buffers: one being copied to the device while the others are read into (``ring - 1`` readers)."""
+
+SPARE_SLOTS = 4
+"""Pinned buffers beyond one per reader thread: buffers whose copy to the device is still in flight, so that a
+reader never waits for a copy (an H200 host: 16 MiB cross the bus in 0.3 ms, a read of them takes 10-100 ms)."""
 
 HOST_READ_THREADS = 16
 """Reads in flight on one host, over all its ranks (``LOCAL_WORLD_SIZE``), capped by its CPUs: each read also
@@ -54,14 +63,14 @@ def read_threads() -> int:
 
 @dataclass(slots=True)
 class _Piece:
-    """One chunk of one tensor: elements ``[source, source + numel)`` of ``name`` into elements
+    """One chunk of one job's tensor: elements ``[source, source + numel)`` of ``name`` into elements
     ``[start, start + numel)`` of ``dest``'s flat view."""
 
+    job: int
     name: str
     dest: torch.Tensor
     start: int
     numel: int
-    last: bool
     source: int
 
 
@@ -70,12 +79,49 @@ Ranges = Sequence[tuple[int, int]] | None
 local part); None: the whole tensor."""
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _InFlight:
     piece: _Piece
     slot: int
     host: torch.Tensor
-    read: Future[None]
+    read: Future[None] = field(default_factory=Future)
+
+
+class _Slots:
+    """The pinned ring's buffers, each free, being read into, or being copied to the device (until the event
+    recorded after its copy passes: copies on one stream end in the order they were queued)."""
+
+    def __init__(self, take: Callable[[], torch.Tensor], count: int) -> None:
+        self._take = take
+        self.count = count
+        self.host: list[torch.Tensor] = []
+        self.staging: list[torch.Tensor | None] = []  # device buffers for casts, made when a slot first casts
+        self._free: deque[int] = deque()
+        self._copying: deque[tuple[int, torch.cuda.Event]] = deque()
+
+    def acquire(self) -> int | None:
+        """A free slot (a new buffer while fewer than ``count`` exist), or None while every one is busy."""
+        while self._copying and self._copying[0][1].query():  # type: ignore[no-untyped-call]
+            self._free.append(self._copying.popleft()[0])
+        if self._free:
+            return self._free.popleft()
+        if len(self.host) < self.count:
+            self.host.append(self._take())
+            self.staging.append(None)
+            return len(self.host) - 1
+        return None
+
+    def copying(self, slot: int, event: torch.cuda.Event) -> None:
+        self._copying.append((slot, event))
+
+    def wait_copy(self) -> bool:
+        """Wait for the oldest copy in flight and free its slot; False if none is in flight."""
+        if not self._copying:
+            return False
+        slot, event = self._copying.popleft()
+        event.synchronize()
+        self._free.append(slot)
+        return True
 
 
 class DeviceFiller:
@@ -85,16 +131,30 @@ class DeviceFiller:
         self.device = device
         wanted = chunk_bytes or staging_bytes(STAGING_CHUNK_BYTES)
         self.chunk_bytes = max(8, wanted - wanted % 8)  # whole elements of every dtype
-        self.ring = ring or read_threads() + 1
+        self.threads = max(1, (ring - 1) if ring else read_threads())
+        self.ring = ring or self.threads + SPARE_SLOTS
         self._pinned: PinnedRing | None = None
+        self._ahead: StartupPrefetch | None = None
 
     def prepare(self) -> None:
         """Start making the CUDA context and the pinned ring now, on a thread (see :mod:`.pinned_ring`)."""
         if self._pinned is None:
             self._pinned = PinnedRing(self.device, self.ring, self.chunk_bytes)
 
+    def read_ahead(self, ckpt: Checkpoint, names: Sequence[str]) -> None:
+        """Have the kernel start reading tensors ``names``, in this order, until :meth:`fill` starts reading them
+        itself (see :mod:`.prefetch`)."""
+        self._stop_ahead()
+        self._ahead = StartupPrefetch(ckpt, names)
+
+    def _stop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
+
     def close(self) -> None:
-        """Wait for :meth:`prepare`'s thread, if any."""
+        """Stop reading ahead; wait for :meth:`prepare`'s thread, if any."""
+        self._stop_ahead()
         if self._pinned is not None:
             self._pinned.close()
 
@@ -108,28 +168,20 @@ class DeviceFiller:
             return self._pinned.take()
         return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
 
-    def _count_pieces(self, ckpt: Checkpoint, jobs: Sequence[tuple[str, torch.Tensor, Ranges]]) -> int:
-        count = 0
-        for name, dest, ranges in jobs:
-            step = max(1, self.chunk_bytes // ckpt.stored_dtype(name).itemsize)
-            spans = [dest.numel()] if ranges is None else [n for _, n in ranges if n]
-            count += sum(-(-n // step) for n in spans) or 1
-        return count
-
-    def _pieces(self, ckpt: Checkpoint, jobs: Iterable[tuple[str, torch.Tensor, Ranges]]) -> Iterator[_Piece]:
-        for name, dest, ranges in jobs:
+    def _pieces(self, ckpt: Checkpoint, jobs: Sequence[tuple[str, torch.Tensor, Ranges]]) -> Iterator[_Piece]:
+        for job, (name, dest, ranges) in enumerate(jobs):
             stored = ckpt.stored_dtype(name)
             step = max(1, self.chunk_bytes // stored.itemsize)
             spans = [(0, dest.numel())] if ranges is None else [(a, n) for a, n in ranges if n]
             total = sum(n for _, n in spans)  # a zero.Init partition's padding past the tensor is left as it is
             if total == 0:
-                yield _Piece(name, dest, 0, 0, True, 0)
+                yield _Piece(job, name, dest, 0, 0, 0)
                 continue
             out = 0
             for first, length in spans:
                 for at in range(0, length, step):
                     n = min(step, length - at)
-                    yield _Piece(name, dest, out, n, out + n == total, first + at)
+                    yield _Piece(job, name, dest, out, n, first + at)
                     out += n
 
     def fill(
@@ -141,69 +193,115 @@ class DeviceFiller:
         """Copy each checkpoint tensor ``name`` (or its flat ``ranges``, in order) into its device tensor ``dest``
         (casting as ``copy_`` rounds).
 
-        ``done(name)`` is called once a tensor's last chunk is queued on the device. Returns when every copy
+        ``done(name)`` is called once all of a tensor's chunks are queued on the device. Returns when every copy
         has completed. Chunks are read in the stored dtype and cast on the device: widening to the checkpoint's
         logical dtype first, as the CPU path does, would change no value (stored dtypes are never wider).
         """
+        self._stop_ahead()  # from here the reader threads read, in the same order
+        jobs = list(jobs)
+        pieces = list(self._pieces(ckpt, jobs))
+        left = [0] * len(jobs)  # pieces of each job not yet queued on the device
+        for piece in pieces:
+            left[piece.job] += 1
         # Pinned lazily, each just before its first read (pinning hundreds of MiB up front delays the first read),
         # or made by prepare()'s thread, as many as there are pieces.
-        jobs = list(jobs)
-        pinned = self._pinned
-        if pinned is not None:
-            pinned.trim(self._count_pieces(ckpt, jobs))
-        host: list[torch.Tensor | None] = [None] * self.ring
-        staging: list[torch.Tensor | None] = [None] * self.ring  # device buffers for casts, made when first cast
-        copied: list[torch.cuda.Event | None] = [None] * self.ring
-        stream = torch.cuda.current_stream(self.device)
-        pending: deque[_InFlight] = deque()
+        if self._pinned is not None:
+            self._pinned.trim(len(pieces))
+        _Fill(self, ckpt, _Slots(self._pinned_buffer, self.ring), jobs, left, done).run(pieces)
 
-        def to_device(entry: _InFlight) -> None:
-            entry.read.result()  # re-raises a read's error
-            piece = entry.piece
-            if piece.numel:
-                stored = entry.host.dtype
-                target = piece.dest.view(-1)[piece.start : piece.start + piece.numel]
-                if piece.dest.dtype == stored:
-                    target.copy_(entry.host, non_blocking=True)
-                else:
-                    slot_buffer = staging[entry.slot]
-                    if slot_buffer is None:
-                        slot_buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
-                        staging[entry.slot] = slot_buffer
-                    staged = slot_buffer.view(stored)[: piece.numel]
-                    staged.copy_(entry.host, non_blocking=True)
-                    target.copy_(staged)
-                copied[entry.slot] = stream.record_event()
-            if piece.last:
-                done(piece.name)
 
-        with ThreadPoolExecutor(max(1, self.ring - 1), thread_name_prefix="zeroio-read") as readers:
+class _Fill:
+    """One :meth:`DeviceFiller.fill`: reads submitted in order to the reader threads, shipped as they land."""
+
+    def __init__(
+        self,
+        filler: DeviceFiller,
+        ckpt: Checkpoint,
+        slots: _Slots,
+        jobs: list[tuple[str, torch.Tensor, Ranges]],
+        left: list[int],
+        done: Callable[[str], None],
+    ) -> None:
+        self.filler = filler
+        self.ckpt = ckpt
+        self.slots = slots
+        self.jobs = jobs
+        self.left = left
+        self.done = done
+        self.stream = torch.cuda.current_stream(filler.device)
+        self.landed: queue.SimpleQueue[_InFlight] = queue.SimpleQueue()
+        self.reading: set[_InFlight] = set()
+
+    def _finished(self, piece: _Piece) -> None:
+        self.left[piece.job] -= 1
+        if self.left[piece.job] == 0:
+            self.done(self.jobs[piece.job][0])
+
+    def _submit(self, readers: ThreadPoolExecutor, piece: _Piece, slot: int) -> None:
+        ckpt = self.ckpt
+        ckpt.ensure_open(piece.name)
+        buffer = self.slots.host[slot].view(ckpt.stored_dtype(piece.name))[: piece.numel]
+        entry = _InFlight(piece, slot, buffer)
+        self.reading.add(entry)
+        entry.read = readers.submit(ckpt.read_into, ckpt.source_name(piece.name), piece.source, buffer)
+        entry.read.add_done_callback(lambda _: self.landed.put(entry))
+
+    def _ship(self, entry: _InFlight) -> None:
+        """Queue a landed read's copy (and cast) on the device; its slot is busy until the copy has passed."""
+        self.reading.discard(entry)
+        entry.read.result()  # re-raises a read's error
+        piece = entry.piece
+        target = piece.dest.view(-1)[piece.start : piece.start + piece.numel]
+        stored = entry.host.dtype
+        if piece.dest.dtype == stored:
+            target.copy_(entry.host, non_blocking=True)
+        else:
+            staging = self.slots.staging[entry.slot]
+            if staging is None:
+                staging = torch.empty(self.filler.chunk_bytes, dtype=torch.uint8, device=self.filler.device)
+                self.slots.staging[entry.slot] = staging
+            staged = staging.view(stored)[: piece.numel]
+            staged.copy_(entry.host, non_blocking=True)
+            target.copy_(staged)
+        self.slots.copying(entry.slot, self.stream.record_event())
+        self._finished(piece)
+
+    def _ship_landed(self, block: bool) -> None:
+        """Ship every read that has landed (waiting for one first when ``block``)."""
+        try:
+            entry = self.landed.get(block=block)
+        except queue.Empty:
+            return
+        self._ship(entry)
+        while True:
             try:
-                for i, piece in enumerate(self._pieces(ckpt, jobs)):
-                    slot = i % self.ring
-                    if len(pending) == self.ring:  # the oldest entry holds this slot: ship it, wait its copy
-                        to_device(pending.popleft())
-                    event = copied[slot]
-                    if event is not None:
-                        event.synchronize()
-                    stored = ckpt.stored_dtype(piece.name)
-                    ring_buffer = host[slot]
-                    if ring_buffer is None:
-                        ring_buffer = host[slot] = self._pinned_buffer()
-                    buffer = ring_buffer.view(stored)[: piece.numel]
-                    ckpt.ensure_open(piece.name)
-                    source = ckpt.source_name(piece.name)
-                    read: Future[None] = Future()
-                    if piece.numel:
-                        read = readers.submit(ckpt.read_into, source, piece.source, buffer)
-                    else:
-                        read.set_result(None)
-                    pending.append(_InFlight(piece, slot, buffer, read))
-                while pending:
-                    to_device(pending.popleft())
+                entry = self.landed.get_nowait()
+            except queue.Empty:
+                return
+            self._ship(entry)
+
+    def run(self, pieces: list[_Piece]) -> None:
+        threads = self.filler.threads
+        todo = deque(pieces)
+        with ThreadPoolExecutor(threads, thread_name_prefix="zeroio-read") as readers:
+            try:
+                while todo or self.reading:
+                    self._ship_landed(block=False)
+                    if todo and not todo[0].numel:  # an empty tensor: nothing to read
+                        self._finished(todo.popleft())
+                        continue
+                    if todo and len(self.reading) < threads:  # a reader is idle: give it a buffer
+                        slot = self.slots.acquire()
+                        if slot is not None:
+                            self._submit(readers, todo.popleft(), slot)
+                            continue
+                        if self.slots.wait_copy():  # every buffer busy: a copy passes in about a millisecond
+                            continue
+                    if self.reading:  # every reader busy: wait for a read to land
+                        self._ship_landed(block=True)
             finally:
-                for entry in pending:  # an error: let reads in flight land before their buffers go
+                for entry in self.reading:  # an error: let reads in flight land before their buffers go
                     entry.read.cancel()
                     if not entry.read.cancelled():
                         entry.read.exception()
-                stream.synchronize()
+                self.stream.synchronize()

@@ -354,10 +354,11 @@ def _load(
     shard_plans = sharded.plan_agreed(targets, failure, where, broadcast, ckpt) if is_sharded else {}
     if failure is not None:
         raise failure
+    if prepared is not None and not is_sharded:  # the disk starts while the CUDA context is still being made
+        prepared.read_ahead(ckpt, [key for _, key in plan.values()])
 
-    # 4. Stream: one tensor at a time, in the checkpoint's storage order, each read in bounded chunks.
-    #    In place (copy_) when dtype and device already fit, so Parameter objects, ties and optimizer references
-    #    survive; otherwise (meta, new dtype or device) a new tensor at its final place, registered at every name.
+    # 4. Stream, in storage order, in bounded chunks: in place (copy_) when dtype and device fit (Parameters, ties and
+    #    optimizer references survive), else a new tensor at its final place, registered at every name.
     total = sum(infos[key].nbytes for _, key in plan.values())
     meter = ByteProgress(progress, total, "Loading")
     # A caller's default-device context must not redirect our reads.

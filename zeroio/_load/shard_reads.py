@@ -20,7 +20,16 @@ from .shard_slices import Strided
 if TYPE_CHECKING:
     from .._formats import TensorReader
 
-__all__ = ["CHUNK_BYTES", "MAX_ROWS", "Fill", "broadcast_segments", "fill_whole", "read_segments", "staging_bytes"]
+__all__ = [
+    "CHUNK_BYTES",
+    "MAX_ROWS",
+    "Fill",
+    "broadcast_segments",
+    "env_byte_count",
+    "fill_whole",
+    "read_segments",
+    "staging_bytes",
+]
 
 CHUNK_BYTES = 16 * 1024 * 1024
 """Largest block of elements read at once, and staging buffer (when the local shard's dtype or device differs from
@@ -84,13 +93,13 @@ def staging_bytes(default: int = CHUNK_BYTES) -> int:
     """``default``, or ``ZEROIO_STAGING_BYTES`` (tests cross chunk boundaries with small fixtures), for every
     staging buffer of a load (here, and ``DeviceFiller``'s pinned ring)."""
     override = os.environ.get("ZEROIO_STAGING_BYTES")
-    return max(8, _byte_count("ZEROIO_STAGING_BYTES", override)) if override else default
+    return max(8, env_byte_count("ZEROIO_STAGING_BYTES", override)) if override else default
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def _byte_count(variable: str, text: str) -> int:
+def env_byte_count(variable: str, text: str) -> int:
     """``"16777216"``, ``"16MiB"``, ``"16 MB"`` as bytes; anything else (``abc``, ``1e6``) a ValueError naming
     ``variable`` (it used to be a bare ``int()`` error)."""
     match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
