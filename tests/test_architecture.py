@@ -59,6 +59,8 @@ FOREIGN_PRIVATE_ATTRIBUTES: dict[str, str] = {
     "_fields": "namedtuple's public API",
     "_get_default_store": "torch.distributed: the job's key-value store, where ranks calling convert claim a "
     "destination without a collective, and a failing rank raises an alarm (zeroio/_ranks.py)",
+    "_exit": "os: a torchrun worker leaves without the interpreter's teardown once its outputs are synced "
+    "(zeroio/__main__.py)",
 }
 
 # What the CLI and the tests may import: the public API ...
