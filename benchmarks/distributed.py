@@ -73,7 +73,7 @@ class _Capture(logging.Handler):
 
 def worker(report: Path, argv: list[str]) -> int:
     """Run ``zeroio <argv>`` in this process and write what it cost to ``report.<rank>.json``."""
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, os.environ.get("ZEROIO_BENCH_TREE", str(REPO)))
     from zeroio.cli import main
 
     capture = _Capture()
@@ -84,7 +84,8 @@ def worker(report: Path, argv: list[str]) -> int:
     io_before = _proc_io()
     t0 = time.time()
     code = main(argv)
-    convert_s = time.time() - t0
+    t_end = time.time()
+    convert_s = t_end - t0
     io_after = _proc_io()
     plan = next((r for r in capture.records if r.getMessage().startswith("process ")), None)
     rank = int(os.environ.get("RANK", "0"))
@@ -94,6 +95,9 @@ def worker(report: Path, argv: list[str]) -> int:
         "exit_code": code,
         "start_s": start_s,
         "convert_s": convert_s,
+        "created_at": t0 - start_s,  # epoch seconds: when the process was created, when main() began and returned
+        "main_start_at": t0,
+        "main_end_at": t_end,
         "plan_s": plan.created - t0 if plan is not None else None,
         "assignment": plan.getMessage() if plan is not None else None,
         "shards": plan.args[2] if plan is not None else None,  # type: ignore[index]
@@ -101,6 +105,10 @@ def worker(report: Path, argv: list[str]) -> int:
         **{k: io_after[k] - io_before[k] for k in ("rchar", "wchar", "read_bytes", "write_bytes")},
     }
     Path(f"{report}.{rank}.json").write_text(json.dumps(result))
+    if os.environ.get("ZEROIO_BENCH_FAST_EXIT"):  # what skipping the interpreter's teardown would save
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 
@@ -110,6 +118,17 @@ def worker(report: Path, argv: list[str]) -> int:
 def drop_caches() -> None:
     subprocess.run(["sync"], check=True)
     DROP_CACHES.write_text("3\n")
+
+
+def evict_files(folder: Path) -> None:
+    """Drop only the checkpoint's files from the page cache (torch and the interpreter stay cached)."""
+    subprocess.run(["sync"], check=True)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -140,18 +159,30 @@ def run_once(args: argparse.Namespace, processes: int, distributed: bool, dst: P
         ]  # fmt: skip
     else:
         command = [sys.executable, str(HERE), "--worker", str(prefix), "--", *convert]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    tree = str(args.tree or REPO)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree, ZEROIO_BENCH_TREE=tree)
+    if args.fast_exit:
+        env["ZEROIO_BENCH_FAST_EXIT"] = "1"
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     if args.cache == "cold":
         drop_caches()
+    elif args.cache == "cold-files":
+        evict_files(args.checkpoint)
     t0 = time.time()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.time() - t0
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     ranks = [json.loads(Path(f"{prefix}.{r}.json").read_text()) for r in range(processes)]
-    return {"processes": processes, "distributed": distributed, "wall_s": wall, "ranks": ranks}
+    # Where the wall time went: before the first worker existed (the launcher), inside the workers' main(), and
+    # after the last main() returned (interpreter exit, the launcher noticing and stopping).
+    phases = {
+        "launch_s": min(r["created_at"] for r in ranks) - t0,
+        "workers_s": max(r["main_end_at"] for r in ranks) - min(r["created_at"] for r in ranks),
+        "exit_s": t0 + wall - max(r["main_end_at"] for r in ranks),
+    }
+    return {"processes": processes, "distributed": distributed, "wall_s": wall, "phases": phases, "ranks": ranks}
 
 
 def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, Any]]:
@@ -169,6 +200,11 @@ def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, A
             "processes": processes,
             "distributed": distributed,
             "wall_s_median": statistics.median(walls),
+            **{
+                f"{k}_median": statistics.median(r["phases"][k] for r in mine)
+                for k in ("launch_s", "workers_s", "exit_s")
+                if all("phases" in r for r in mine)
+            },
             "wall_s_min": min(walls),
             "wall_s_max": max(walls),
             "convert_s_median": statistics.median(converts),
@@ -227,9 +263,11 @@ def main() -> int:
     parser.add_argument("--max-shard-size", default="500MB")
     parser.add_argument("--workers", type=int, help="IO threads per process (default: zeroio's)")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors (default: as stored)")
-    parser.add_argument("--cache", choices=["warm", "cold"], default="warm")
+    parser.add_argument("--cache", choices=["warm", "cold", "cold-files"], default="warm")
     parser.add_argument("--work", type=Path, default=Path("/tmp/zeroio-bench/distributed"))
     parser.add_argument("--json", type=Path, help="write every run and the summary here")
+    parser.add_argument("--tree", type=Path, help="the zeroio tree to run (default: this one), e.g. an older commit")
+    parser.add_argument("--fast-exit", action="store_true", help="workers end with os._exit once their report is out")
     parser.add_argument(
         "--verify", choices=["all", "first", "none"], default="all",
         help="compare outputs with the single-process output: every run, the first of each variant, or none",
@@ -257,6 +295,8 @@ def main() -> int:
         "output_bytes": output_bytes,
         "output_files": len(reference),
         "cpus": os.cpu_count(),
+        "tree": str(args.tree or REPO),
+        "fast_exit": args.fast_exit,
         "load_avg_start": os.getloadavg(),
         "reference_run": first,
     }

@@ -13,7 +13,9 @@ model is on the GPU. Methods:
 - ``fastsafetensors``: ``fastsafe_open(files, device="cuda:0", nogds=True)`` + ``load_state_dict(assign=True)``.
 - ``runai``: runai-model-streamer's ``SafetensorsStreamer.stream_files`` to host memory, each tensor ``.to("cuda")``
   as vLLM does, + ``load_state_dict(assign=True)``.
-- ``read-limit``: 16 threads of 32 MiB positioned reads of the files (benchmarks/read_limit.py), no GPU.
+- ``read-limit``: 16 threads of 32 MiB positioned reads of the files (benchmarks/read_limit.py), no GPU;
+  ``read-limit-zero3``: the same of the ZeRO checkpoint's fp32 master-weight records (what ``zeroio-zero3`` reads);
+  ``read-limit-direct``: 16 threads of 16 MiB ``O_DIRECT`` reads of the files (no page cache, as fastsafetensors).
 
 Usage::
 
@@ -94,9 +96,15 @@ def _load(method: str, args: argparse.Namespace, model: Any) -> None:
 
 
 def child(method: str, args: argparse.Namespace) -> dict[str, Any]:
-    if method == "read-limit":
-        ranges = [(Path(f), 0, Path(f).stat().st_size) for f in _files(args.folder)]
-        r = read_limit.read_parallel(ranges, 16, 32 << 20)
+    if method.startswith("read-limit"):  # read-limit-zero3: the ZeRO checkpoint's fp32 records
+        if method == "read-limit-zero3":
+            ranges = bench.fp32_ranges(args.zero)
+        else:
+            ranges = [(Path(f), 0, Path(f).stat().st_size) for f in _files(args.folder)]
+        if method == "read-limit-direct":  # O_DIRECT, as fastsafetensors reads
+            r = read_limit.read_parallel(ranges, 16, 16 << 20, direct=True)
+        else:
+            r = read_limit.read_parallel(ranges, 16, 32 << 20)
         return {"seconds": r["seconds"], "bytes": r["bytes"]}
     import torch
 
@@ -141,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], required=True, help="the files' dtype")
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--before", type=Path, help="another tree: methods ending in -before import its zeroio")
-    parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    parser.add_argument(
+        "--cache", nargs="+", default=["cold", "warm"], choices=["cold", "cold-files", "warm"],
+        help="cold: every cache dropped; cold-files: only the checkpoint files evicted (torch and the loaders cached)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: stop starting runs after it")
     parser.add_argument("--json", type=Path)
@@ -151,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child, args)))
         return 0
     if "cold" in args.cache and not (bench.can_drop_caches() and not os.environ.get("NO_COLD")):
-        args.cache = ["warm"]
+        args.cache = [c for c in args.cache if c != "cold"] or ["warm"]
+    evict = [Path(f) for f in _files(args.folder)]
+    if args.zero:
+        evict += [p for p in sorted(args.zero.rglob("*")) if p.is_file()]
     runs: list[dict[str, Any]] = []
     base = [sys.executable, __file__, "--folder", str(args.folder), "--config", str(args.config)]
     base += ["--dtype", args.dtype] + (["--zero", str(args.zero)] if args.zero else [])
@@ -166,11 +180,17 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 if cache == "cold":
                     bench.drop_caches()
+                elif cache == "cold-files":
+                    bench.evict_files(evict)
                 else:
                     read_limit.read_parallel(warm_ranges, 16, 32 << 20)
                 t0 = time.perf_counter()
                 proc = subprocess.run(
-                    [*base, "--child", method], env=_env(method, args.before), capture_output=True, text=True, check=False
+                    [*base, "--child", method],
+                    env=_env(method, args.before),
+                    capture_output=True,
+                    text=True,
+                    check=False,
                 )
                 wall = time.perf_counter() - t0
                 if proc.returncode != 0:
