@@ -57,6 +57,8 @@ FOREIGN_PRIVATE_ATTRIBUTES: dict[str, str] = {
     "_replace": "namedtuple's public API (named with an underscore to avoid field clashes)",
     "_asdict": "namedtuple's public API",
     "_fields": "namedtuple's public API",
+    "_is_owned": "threading.RLock: whether this thread holds it, as threading.Condition asks; the descriptor "
+    "pool's release must not wait for its own thread (a finalizer run inside the pool, zeroio/_io/fd_pool.py)",
     "_get_default_store": "torch.distributed: the job's key-value store, where ranks calling convert claim a "
     "destination without a collective, and a failing rank raises an alarm (zeroio/_ranks.py)",
     "_exit": "os: a torchrun worker leaves without the interpreter's teardown once its outputs are synced "
@@ -82,6 +84,8 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
     "zeroio._formats.name_patterns": "bounded regex matching: which patterns are refused, and match results equal re's",
     "zeroio.cli._progress": "when progress lines print (every 10 % or 10 s, at 100 %), against an injected clock",
+    "zeroio._io.fd_pool": "the descriptor pool's thread contract (a release while another thread is inside it, or "
+    "from inside it), against an injected opener: no public call can hold a thread inside the process's pool",
 }
 
 

@@ -3,10 +3,14 @@ than RLIMIT_NOFILE allows converts to the same bytes, and a rank file swapped wh
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ import torch
 from fixture_data import FIXTURES
 
 import zeroio
+from zeroio._io.fd_pool import DescriptorPool, FileIdentity, open_regular
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_NOFILE is POSIX")
 
@@ -92,3 +97,75 @@ def test_a_rank_file_swapped_after_eviction_is_refused(tmp_path: Path) -> None:
     result = _limited(code, 16)
     assert result.returncode == 0, result.stderr
     assert "changed while zeroio was reading it (device, inode, size or modification time differ" in result.stdout
+
+
+# The pool's thread contract, on a pool of its own whose opener stands for the file system: no public call can make
+# another thread sit inside the process's pool (a slow open holds its lock), or run a finalizer there.
+
+
+def _descriptors_of(path: Path) -> int:
+    """How many of this process's descriptors are open on ``path`` (read from /proc)."""
+    found, target = 0, str(path.resolve())
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found += os.readlink(f"/proc/self/fd/{fd}") == target
+    return found
+
+
+RANK0, RANK1 = sorted((WS4 / "global_step2").glob("*_optim_states.pt"))[:2]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_release_while_another_thread_opens_closes_before_returning() -> None:
+    """A file released while another thread is inside the pool for a second (an open on a loaded NFS server holds
+    its lock) is closed when release returns, not at some later read: a closed checkpoint's files are closed, a
+    deleted one's space is freed, and an NFS folder keeps no .nfs file that blocks its removal."""
+    inside = threading.Event()
+
+    def opener(path: Path, identity: FileIdentity | None) -> tuple[int, FileIdentity]:
+        if path == RANK1:
+            inside.set()
+            time.sleep(1.0)
+        return open_regular(path, identity)
+
+    pool = DescriptorPool(8, opener)
+    pool.acquire("rank0", RANK0, None)
+    pool.end_lease("rank0")
+    slow = threading.Thread(target=lambda: (pool.acquire("rank1", RANK1, None), pool.end_lease("rank1")))
+    slow.start()
+    inside.wait()
+    before = _descriptors_of(RANK0)
+    pool.release("rank0")
+    after = _descriptors_of(RANK0)
+    slow.join()
+    pool.release("rank1")
+    assert (before, after) == (1, 0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_release_inside_the_pool_never_waits_for_its_own_thread() -> None:
+    """A release run inside the pool by the thread that is in it (the garbage collector closing a dropped
+    checkpoint during an allocation there) returns at once; the file is closed when that thread's lease ends."""
+
+    def opener(path: Path, identity: FileIdentity | None) -> tuple[int, FileIdentity]:
+        if path == RANK1:
+            pool.release("rank0")  # as a finalizer run by the collector inside the pool's lock
+        return open_regular(path, identity)
+
+    pool = DescriptorPool(8, opener)
+    pool.acquire("rank0", RANK0, None)
+    pool.end_lease("rank0")
+    took: list[float] = []
+
+    def inside() -> None:
+        start = time.monotonic()
+        pool.acquire("rank1", RANK1, None)
+        took.append(time.monotonic() - start)
+        pool.end_lease("rank1")
+
+    thread = threading.Thread(target=inside, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the release waited for its own thread"
+    assert took[0] < 5 and _descriptors_of(RANK0) == 0
+    pool.release("rank1")

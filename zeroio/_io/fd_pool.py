@@ -14,14 +14,19 @@ import os
 import stat
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 from ..errors import CheckpointFormatError, ZeroIOError
 
-__all__ = ["DescriptorPool", "FileIdentity", "default_capacity", "file_identity", "open_regular", "pool"]
+__all__ = ["DescriptorPool", "FileIdentity", "Opener", "default_capacity", "file_identity", "open_regular", "pool"]
 
 FileIdentity = tuple[int, int, int, int]
 """``(st_dev, st_ino, st_size, st_mtime_ns)`` of a file when it was first opened."""
+
+Opener = Callable[[Path, FileIdentity | None], tuple[int, FileIdentity]]
+"""Opens a file for the pool (:func:`open_regular`): a descriptor and the identity of the file it opened."""
 
 
 def default_capacity() -> int:
@@ -76,9 +81,10 @@ class DescriptorPool:
     the open retried after the next lease ends.
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, opener: Opener | None = None) -> None:
         self._capacity = capacity
-        self._lock = threading.Lock()
+        self._opener = opener or open_regular  # called with the lock held (tests make it slow, as NFS can be)
+        self._lock = threading.RLock()  # re-entered only to learn its holder (see release), never to nest
         self._cond = threading.Condition(self._lock)
         self._open: OrderedDict[object, tuple[int, FileIdentity]] = OrderedDict()  # least recently used first
         self._leases: dict[object, int] = {}
@@ -146,7 +152,7 @@ class DescriptorPool:
                     self._wait(0.1)  # every descriptor is leased: the next lease to end makes room
                     continue
                 try:
-                    entry = open_regular(path, identity)
+                    entry = self._opener(path, identity)
                 except OSError as exc:
                     if exc.errno not in (errno.EMFILE, errno.ENFILE):
                         raise
@@ -186,16 +192,16 @@ class DescriptorPool:
         """Close ``key``'s descriptor now if it is open and idle (a source's ``close``).
 
         A checkpoint dropped unclosed is closed by its finalizer, which the garbage collector may run in a thread
-        that holds this pool's lock (inside any allocation): waiting for the lock there never ends. So the lock
-        is waited for briefly, and when it does not come the descriptor is closed by the pool's next lease end."""
-        if not self._lock.acquire(timeout=0.05):
-            self._deferred.append(key)
+        that is inside this pool (any allocation may collect): waiting for the lock there would never end, and
+        changing the pool there would corrupt the operation under way. That thread leaves the descriptor to the
+        pool's next lease end. Any other thread waits for the lock, however long it is held (a slow open on a
+        network file system), so ``close()`` returns with the file closed: a deleted checkpoint frees its space.
+        """
+        self._deferred.append(key)
+        if cast(Any, self._lock)._is_owned():  # this thread is inside the pool (threading.Condition asks the same)
             return
-        try:
-            self._deferred.append(key)
+        with self._lock:
             self._close_deferred()
-        finally:
-            self._lock.release()
 
     def _close_deferred(self) -> None:
         """Close the idle descriptors whose release found the lock taken (lock held)."""
