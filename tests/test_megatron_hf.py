@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import zeroio
 from zeroio.cli import main
-from zeroio.errors import UnsupportedCheckpointError
+from zeroio.errors import CheckpointFormatError, UnsupportedCheckpointError
 
 MEGATRON = Path(__file__).resolve().parent.parent / "fixtures" / "megatron"
 NAMES = sorted(p.parent.name for p in MEGATRON.glob("*/manifest.json"))
@@ -47,9 +47,12 @@ def test_transformers_logits_equal_megatrons_forward(name, tmp_path):
     manifest = json.loads((MEGATRON / name / "manifest.json").read_text())
     assert config["num_key_value_heads"] == manifest["num_query_groups"]
     assert config["tie_word_embeddings"] is manifest["tie"]
+    # A padded vocabulary (gpt_tp2_padded) is cut to the tokenizer's by default: its columns of Megatron's logits.
+    vocab = manifest.get("true_vocab_size", ref["logits"].shape[-1])
+    assert config["vocab_size"] == vocab
     got = _logits(tmp_path / "hf", ref["input_ids"])
-    assert got.shape == ref["logits"].shape
-    torch.testing.assert_close(got, ref["logits"], rtol=0, atol=1e-5)
+    assert got.shape == ref["logits"][..., :vocab].shape
+    torch.testing.assert_close(got, ref["logits"][..., :vocab], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -211,3 +214,87 @@ def test_moe_models_transformers_cannot_express_are_refused_by_name(tmp_path, na
     assert not (tmp_path / "hf").exists()
     with zeroio.open(root) as ckpt:  # the default names still read it
         assert ckpt["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"].shape[0] == 4
+
+
+# --------------------------------------------------------------------------- Megatron's vocabulary padding
+
+PADDED = MEGATRON / "gpt_tp2_padded"  # NullTokenizer, --vocab-size 50 (51 tokens), padded to 64 rows
+
+
+def test_padded_vocabulary_is_cut_to_the_tokenizers_rows_bit_for_bit():
+    """The first 51 rows of Megatron's embedding and output layer, the size Megatron derives from the args; the
+    optimizer moments cut alike."""
+    live = torch.load(PADDED / "expected" / "model.pt", weights_only=True)
+    plain = torch.load(PADDED / "expected" / "plain.pt", weights_only=True)
+    assert live["embedding.word_embeddings.weight"].shape[0] == 64
+    with zeroio.open(PADDED, names="hf") as ckpt:
+        assert ckpt.metadata.extra["hf_config"]["vocab_size"] == 51
+        assert torch.equal(ckpt["model.embed_tokens.weight"], live["embedding.word_embeddings.weight"][:51])
+        assert torch.equal(ckpt["lm_head.weight"], live["output_layer.weight"][:51])
+        moment = ckpt.optimizer_state("lm_head.weight")["exp_avg"]
+        assert moment.abs().sum() > 0 and torch.equal(moment, plain["optimizer.state.exp_avg.output_layer.weight"][:51])
+    with zeroio.open(PADDED, names="hf", true_vocab_size=64) as ckpt:  # asked for: every stored row
+        assert torch.equal(ckpt["lm_head.weight"], live["output_layer.weight"])
+        assert ckpt.metadata.extra["hf_config"]["vocab_size"] == 64
+    with zeroio.open(PADDED) as ckpt:  # Megatron's own names: as stored
+        assert ckpt.info("output_layer.weight").shape == (64, 16)
+
+
+def test_load_fills_transformers_model_of_the_tokenizers_vocabulary():
+    import transformers
+
+    ref = torch.load(PADDED / "expected" / "logits.pt", weights_only=True)
+    with zeroio.open(PADDED, names="hf") as ckpt:
+        config = transformers.LlamaConfig(**ckpt.metadata.extra["hf_config"])
+    model = transformers.LlamaForCausalLM(config).eval()
+    report = zeroio.load(PADDED, model, names="hf", true_vocab_size=51)
+    assert not report.missing_keys and not report.unexpected_keys
+    with torch.no_grad():
+        got = model(ref["input_ids"]).logits
+    torch.testing.assert_close(got, ref["logits"][..., :51], rtol=0, atol=1e-5)
+
+
+def test_true_vocab_size_cuts_where_the_args_do_not_say(tmp_path, capsys):
+    """gpt_tp2_tied's args record no tokenizer: every row by default, the first N when asked (tied: no lm_head)."""
+    live = torch.load(MEGATRON / "gpt_tp2_tied" / "expected" / "model.pt", weights_only=True)
+    argv = ["convert", str(MEGATRON / "gpt_tp2_tied"), str(tmp_path / "hf"), "--names", "hf", "--quiet"]
+    assert main([*argv, "--true-vocab-size", "40"]) == 0
+    out = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(out["model.embed_tokens.weight"], live["embedding.word_embeddings.weight"][:40])
+    assert "lm_head.weight" not in out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 40
+    assert main(["inspect", str(MEGATRON / "gpt_tp2_tied"), "--names", "hf"]) == 0
+    assert "vocabulary  64 rows as stored (no vocabulary size in common.pt's args" in capsys.readouterr().out
+    assert main(["inspect", str(PADDED), "--names", "hf", "--true-vocab-size", "60"]) == 0
+    assert "vocabulary  60 of 64 stored rows (true_vocab_size)" in capsys.readouterr().out
+
+
+def test_true_vocab_size_beyond_the_stored_rows_or_without_names_is_refused(tmp_path, capsys):
+    with pytest.raises(CheckpointFormatError, match=r"true_vocab_size=65 is more than the 64 rows of 'embedding\."):
+        zeroio.open(PADDED, names="hf", true_vocab_size=65)
+    assert main(["convert", str(PADDED), str(tmp_path / "hf"), "--names", "hf", "--true-vocab-size", "65"]) == 1
+    assert "--true-vocab-size 65 is more than the 64 rows of 'embedding.word_embeddings.weight'" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ValueError, match="pass names='hf' with it"):
+        zeroio.convert(PADDED, tmp_path / "hf", true_vocab_size=51)
+    assert main(["convert", str(PADDED), str(tmp_path / "hf"), "--true-vocab-size", "51"]) == 2
+    assert "pass --names hf with it" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="at least 1"):
+        zeroio.open(PADDED, names="hf", true_vocab_size=0)
+    with pytest.raises(TypeError, match="must be an int"):
+        zeroio.open(PADDED, names="hf", true_vocab_size=True)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_recorded_vocabulary_that_does_not_pad_to_the_stored_rows_keeps_every_row(tmp_path, caplog):
+    """Args whose vocabulary Megatron would pad to another size describe another run: nothing is cut."""
+    root = _with_args(tmp_path, "gpt_tp2_padded", {"make_vocab_size_divisible_by": 128, "padded_vocab_size": 256})
+    with zeroio.open(root, names="hf") as ckpt:
+        assert ckpt.info("lm_head.weight").shape == (64, 16)
+        assert "which does not pad to the stored rows" in ckpt.describe()["metadata"]["vocab"]
+    assert "keeping them all" in caplog.text
+    root = _with_args(tmp_path / "tik", "gpt_tp2_padded", {"tokenizer_type": "TikTokenizer", "vocab_size": 60})
+    with zeroio.open(root, names="hf") as ckpt:  # TikTokenizer: --vocab-size is the whole vocabulary
+        assert ckpt.info("model.embed_tokens.weight").shape == (60, 16)

@@ -76,6 +76,7 @@ def convert(
     names: str | None = None,
     dcp_keys: str = "auto",
     quantized: QuantizedMode = "dequantize",
+    true_vocab_size: int | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint into the files Hugging Face tools load, streaming and all-or-nothing.
 
@@ -180,6 +181,9 @@ def convert(
         quantized: block-scaled FP8 weights are written dequantized (``"dequantize"``, DeepSeek's algorithm; the
             output's ``config.json`` loses ``quantization_config`` and names the dtype written) or as stored
             (``"raw"``), as for :func:`zeroio.open`.
+        true_vocab_size: with ``names="hf"``, write the first ``true_vocab_size`` rows of the embedding and output
+            layer (the tokenizer's vocabulary; the rest is Megatron's padding) and ``vocab_size`` in
+            ``config.json``, as for :func:`zeroio.open`.
 
     Returns:
         A :class:`ConvertResult`: files, index path, total size, tensor count, ties, model-card facts and the
@@ -211,8 +215,7 @@ def convert(
     read = read_options(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
         storage_options=storage_options, merge_lora=merge_lora, adapter_config=adapter_config, names=names,
-        dcp_keys=dcp_keys,
-        quantized=quantized,
+        dcp_keys=dcp_keys, quantized=quantized, true_vocab_size=true_vocab_size,
     )  # fmt: skip
     if merge_lora and (fmt in ("universal", "peft") or include_optimizer):
         what = "include_optimizer" if include_optimizer else f"fmt={fmt!r}"

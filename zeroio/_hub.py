@@ -91,6 +91,8 @@ def push_to_hub(
     verify_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     tp_rules: TPRules | None = None,
+    names: str | None = None,
+    true_vocab_size: int | None = None,
 ) -> PushResult:
     """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
 
@@ -132,6 +134,10 @@ def push_to_hub(
             endpoint, token; docs/remote.md); a URL source is converted locally, then pushed.
         tp_rules: how a tensor-parallel source's tensors are split where its files do not record it, as for
             :func:`zeroio.open` (``{regex: dim or "replicated"}``, ``"megatron"`` or ``"neox"``).
+        names: ``"hf"`` converts a Megatron GPT of the Llama family under transformers' names, with its
+            ``config.json``, as :func:`zeroio.convert` does (docs/formats.md).
+        true_vocab_size: with ``names="hf"``, the embedding and output rows to write (the tokenizer's vocabulary;
+            the rest is Megatron's padding), as for :func:`zeroio.convert`.
 
     Returns:
         A :class:`PushResult`: repo, ref, commit URL and hash, pull request URL, and the files pushed.
@@ -156,7 +162,7 @@ def push_to_hub(
             "create_pr to add a commit to an open pull request."
         )
     write = write_options(dtype=dtype, max_shard_size=max_shard_size, progress=progress)
-    read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules)
+    read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, names=names, true_vocab_size=true_vocab_size)
     src_path = as_path(src, storage_options)  # a URL's one listing serves the check and the conversion
     if not src_path.exists():
         from .errors import CheckpointNotFoundError

@@ -165,6 +165,7 @@ def open(
     names: str | None = None,
     dcp_keys: str = "auto",
     quantized: QuantizedMode = "dequantize",
+    true_vocab_size: int | None = None,
 ) -> Checkpoint:
     """Open a checkpoint lazily: read metadata now, tensor bytes only when asked.
 
@@ -203,6 +204,10 @@ def open(
             as its dequantized tensor, exactly as DeepSeek's ``fp8_cast_bf16.py`` computes it, with no
             ``*_scale_inv`` key; ``"raw"`` reads every tensor as stored (float8 values and scales). Any other
             quantized layout, and a float8 tensor without a scale, is refused unless ``"raw"`` (docs/fine-tunes.md).
+        true_vocab_size: with ``names="hf"``, the tokenizer's vocabulary size: the embedding and output layer keep
+            their first ``true_vocab_size`` rows (the rest is Megatron's vocabulary padding) and ``config.json``
+            says ``vocab_size: true_vocab_size``. Default: the size common.pt's args record where Megatron derives
+            it from them (``NullTokenizer``, ``TikTokenizer``), else every stored row (docs/formats.md).
 
     Returns:
         A read-only ``Mapping[str, torch.Tensor]`` with ``metadata``, ``info()``, ``tied`` and ``state_dict()``.
@@ -221,6 +226,7 @@ def open(
         tag=tag, verify_crc=verify_crc, trusted_globals=trusted_globals, tp_rules=tp_rules,
         ignore_recorded_tp=ignore_recorded_tp, storage_options=storage_options, merge_lora=merge_lora,
         adapter_config=adapter_config, names=names, dcp_keys=dcp_keys, quantized=quantized,
+        true_vocab_size=true_vocab_size,
     )  # fmt: skip
     return open_checkpoint(path, options)
 

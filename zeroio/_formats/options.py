@@ -35,6 +35,9 @@ class ReadOptions:
     """A LoRA adapter's ``adapter_config.json`` (file, folder or dict) where none lies beside the checkpoint."""
     names: str | None = None
     """``"hf"``: a Megatron GPT under transformers' names (docs/formats.md); None: the framework's own."""
+    true_vocab_size: int | None = None
+    """With ``names="hf"``: the tokenizer's vocabulary, the embedding and output rows kept (the rest is Megatron's
+    padding); None: the size common.pt's args give where Megatron derives it from them, else every stored row."""
     dcp_keys: str = "auto"
     """Which tensors of a DCP checkpoint are the model's, under which names (``_formats/dcp/keys.py``)."""
     quantized: Literal["dequantize", "raw"] = "dequantize"
@@ -61,16 +64,19 @@ def read_options(
     names: str | None = None,
     dcp_keys: str = "auto",
     quantized: Literal["dequantize", "raw"] = "dequantize",
+    true_vocab_size: int | None = None,
 ) -> ReadOptions:
     """Validate the reading keywords a public verb was given, once, into a :class:`ReadOptions`.
 
     Raises:
         TypeError, ValueError: ``trusted_globals`` is one string, or ``tp_rules`` is not a mapping, a preset or
             JSON of one (a bad rule is the caller's error, not a checkpoint's format error), or ``quantized``
-            is neither ``"dequantize"`` nor ``"raw"``.
+            is neither ``"dequantize"`` nor ``"raw"``, or ``true_vocab_size`` is not a positive int given with
+            ``names="hf"``.
     """
     if names not in (None, "hf"):
         raise ValueError(f"names must be None (the checkpoint's own) or 'hf', not {names!r}.")
+    _vocab(true_vocab_size, names)
     if dcp_keys not in ("auto", "model", "all"):
         raise ValueError(f"dcp_keys must be one of 'auto', 'model', 'all', got {dcp_keys!r}.")
 
@@ -88,7 +94,23 @@ def read_options(
         names=names,
         dcp_keys=dcp_keys,
         quantized=quantized,
+        true_vocab_size=true_vocab_size,
     )
+
+
+def _vocab(size: object, names: str | None) -> None:
+    """``true_vocab_size``: a positive int, and only where it cuts something (``names="hf"``)."""
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"true_vocab_size must be an int (the tokenizer's vocabulary size), not {size!r}.")
+    if size < 1:
+        raise ValueError(f"true_vocab_size must be at least 1, not {size}.")
+    if names != "hf":
+        raise ValueError(
+            "true_vocab_size cuts the padded vocabulary of a Megatron GPT written under transformers' names: "
+            "pass names='hf' with it."
+        )
 
 
 def _flag(name: str, value: object) -> bool:

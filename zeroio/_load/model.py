@@ -193,6 +193,7 @@ def load(
     quantized: QuantizedMode = "dequantize",
     names: str | None = None,
     dcp_keys: str = "auto",
+    true_vocab_size: int | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.
 
@@ -243,6 +244,8 @@ def load(
             under its names and layouts, as for :func:`zeroio.open` (docs/formats.md).
         dcp_keys: which tensors of a DCP checkpoint are the model's (``"auto"``, ``"model"``, ``"all"``), as for
             :func:`zeroio.open`.
+        true_vocab_size: with ``names="hf"``, the embedding and output rows to load (the tokenizer's vocabulary;
+            the rest is Megatron's padding), as for :func:`zeroio.open`.
 
     Returns:
         A :class:`LoadReport`: missing/unexpected/mismatched/loaded keys, ties, renames, hooks run.
@@ -287,7 +290,7 @@ def load(
             read = read_options(
                 tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, storage_options=storage_options,
                 merge_lora=merge_lora, adapter_config=adapter_config, quantized=quantized, names=names,
-                dcp_keys=dcp_keys,
+                dcp_keys=dcp_keys, true_vocab_size=true_vocab_size,
             )  # fmt: skip
             try:
                 ckpt = open_checkpoint(path, read)

@@ -37,6 +37,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         names=args.names,
         quantized=_quantized(args),
         dcp_keys=args.dcp_keys,
+        true_vocab_size=args.true_vocab_size,
     ) as ckpt:
         summary = ckpt.describe()
     if args.json:
@@ -68,6 +69,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             else meta.get("serialization"),
         ),
         ("optimizer", meta.get("optimizer")),
+        ("vocabulary", meta.get("vocab")),
         ("not read", meta.get("not_read")),
         ("dcp keys", cli_spelling(meta["dcp_keys"]) if meta.get("dcp_keys") else None),
     ]
@@ -131,6 +133,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             names=args.names,
             quantized=_quantized(args),
             dcp_keys=args.dcp_keys,
+            true_vocab_size=args.true_vocab_size,
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -229,6 +232,8 @@ def cmd_push(args: argparse.Namespace) -> int:
         progress=progress_for(choose_mode(args.progress, args.quiet), "zeroio push"),
         verify_crc=not args.no_verify_crc,
         tp_rules=args.tp_rules,
+        names=args.names,
+        true_vocab_size=args.true_vocab_size,
     )
     print(f"Pushed to {result.pr_url or result.commit_url}")
     return 0
@@ -301,6 +306,19 @@ def _add_dcp_keys(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_names(p: argparse.ArgumentParser, help: str) -> None:
+    """``--names hf`` and ``--true-vocab-size N`` (which cuts what ``--names hf`` writes)."""
+    p.add_argument("--names", choices=["hf"], help=help)
+    p.add_argument(
+        "--true-vocab-size",
+        type=_args.vocab_size,
+        metavar="N",
+        help="with --names hf: keep the first N embedding and output rows (the tokenizer's vocabulary; the rest is "
+        "Megatron's padding) and write vocab_size N in config.json (default: the size common.pt's args record "
+        "for NullTokenizer/TikTokenizer runs, else every stored row)",
+    )
+
+
 def _quantized(args: argparse.Namespace) -> Literal["dequantize", "raw"]:
     return "raw" if args.keep_quantized else "dequantize"
 
@@ -311,11 +329,7 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    p.add_argument(
-        "--names",
-        choices=["hf"],
-        help="hf: a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names",
-    )
+    _add_names(p, "hf: a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names")
     _add_tp_rules(p)
     _add_keep_quantized(p)
     _add_dcp_keys(p)
@@ -358,11 +372,10 @@ def _add_convert(sub: Any) -> None:
         help="with --format dcp: torchtitan (DST is the step-N folder; default) or accelerate "
         "(DST/pytorch_model_fsdp_0 + DST/optimizer_0)",
     )
-    p.add_argument(
-        "--names",
-        choices=["hf"],
-        help="hf: write a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names, "
-        "with config.json",
+    _add_names(
+        p,
+        "hf: write a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names, with "
+        "config.json",
     )
     p.add_argument("--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors")
     p.add_argument(
@@ -436,6 +449,7 @@ def _add_push(sub: Any) -> None:
     p.add_argument("--tag", help="tag folder to read when converting (default: the one in 'latest')")
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
+    _add_names(p, "hf: convert a Megatron GPT of the Llama family under transformers' names, with config.json")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_progress(p)
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")

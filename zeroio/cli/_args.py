@@ -66,6 +66,17 @@ def dtype(text: str) -> str:
     return key
 
 
+def vocab_size(text: str) -> int:
+    """``--true-vocab-size``: a positive number of vocabulary rows."""
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected the tokenizer's vocabulary size (a positive integer), got {text!r}")
+    return size
+
+
 def running_under_torchrun() -> bool:
     """True when torchrun (or the user, by hand) set every variable the ``env://`` rendezvous needs."""
     return all(os.environ.get(name) for name in TORCHRUN_ENV)

@@ -38,6 +38,8 @@ _VALUE_FLAGS = {
     "sub_group_size": "--sub-group-size",
     "adapter_config": "--adapter-config",
     "dcp_keys": "--dcp-keys",
+    "true_vocab_size": "--true-vocab-size",
+    "names": "--names",
 }
 _SWITCH_FLAGS = {
     "include_optimizer": "--include-optimizer",
@@ -50,6 +52,7 @@ _SWITCH_FLAGS = {
 }
 _BARE_NAMES = (
     "max_shard_size", "exclude_frozen", "include_optimizer", "sub_group_size", "output_tag", "merge_lora",
+    "true_vocab_size",
 )  # fmt: skip
 
 _SWITCH_WITH_FLAG = re.compile(r"\b(" + "|".join(_SWITCH_FLAGS) + r")=True \((--[a-z-]+)\)")

@@ -205,4 +205,4 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
     ckpt = MegatronCheckpoint(
         metadata, infos, entries, optim, {name: hyper for name in optim}, [part], step=common.step
     )
-    return hf_view(ckpt) if names == "hf" else ckpt
+    return hf_view(ckpt, options.true_vocab_size) if names == "hf" else ckpt

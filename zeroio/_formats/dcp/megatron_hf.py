@@ -6,7 +6,8 @@ Megatron fuses each layer's query, key and value projections into ``linear_qkv``
 group (for each group: its heads' queries, then its key, then its value) and the gated MLP's gate and up
 projections into ``linear_fc1`` (gate rows, then up rows). Each HF tensor is a list of row blocks of one stored
 tensor, i.e. flat element ranges: nothing is read until a tensor is, and then only its rows. Every element of
-every stored tensor must land in exactly one HF tensor: a tensor the mapping does not place is an error naming
+every stored tensor must land in exactly one HF tensor (before the embedding and output layer are cut to the
+tokenizer's vocabulary, :mod:`.megatron_vocab`): a tensor the mapping does not place is an error naming
 it, never a silent drop; so is a model outside the family (LayerNorm, biases, partial or interleaved rotary, QK
 norms, a router transformers computes differently).
 """
@@ -31,6 +32,7 @@ from .megatron_hf_moe import (
     moe_shape,
     rows,
 )
+from .megatron_vocab import Vocab, vocab_rows
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +56,7 @@ class LlamaShape:
     groups: int
     head_dim: int
     ffn: int
-    vocab: int
+    vocab: Vocab
     tied: bool
     moe: MoeShape | None
 
@@ -98,9 +100,10 @@ class HfNamedCheckpoint(Checkpoint):
         self._base.close()
 
     def describe(self) -> dict[str, Any]:
-        """:meth:`Checkpoint.describe` plus ``metadata.not_read``: the non-tensor state zeroio does not return."""
+        """:meth:`Checkpoint.describe` plus ``metadata.not_read`` (the non-tensor state zeroio does not return) and
+        ``metadata.vocab`` (the embedding rows kept, and why)."""
         summary = super().describe()
-        summary["metadata"].update(not_read(self._metadata.extra))
+        summary["metadata"].update(not_read(self._metadata.extra), vocab=self._metadata.extra.get("vocab"))
         return summary
 
     def optimizer_state(self, name: str) -> dict[str, Any]:
@@ -128,7 +131,7 @@ class HfNamedCheckpoint(Checkpoint):
         return state
 
 
-def _shape(ckpt: Checkpoint) -> LlamaShape:
+def _shape(ckpt: Checkpoint, true_vocab_size: int | None) -> LlamaShape:
     """The model's sizes from common.pt's args, checked against the Llama family."""
     meta = ckpt.metadata
     common = meta.extra.get("common")
@@ -153,6 +156,9 @@ def _shape(ckpt: Checkpoint) -> LlamaShape:
     heads, hidden = args["num_attention_heads"], args["hidden_size"]
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     ffn = args["ffn_hidden_size"]
+    embedding = "embedding.word_embeddings.weight"
+    if embedding not in ckpt:
+        raise hf_refusal(meta.path, f"lacks {embedding}")
     return LlamaShape(
         layers=args["num_layers"],
         hidden=hidden,
@@ -160,7 +166,7 @@ def _shape(ckpt: Checkpoint) -> LlamaShape:
         groups=groups or heads,
         head_dim=args.get("kv_channels") or hidden // heads,
         ffn=ffn,
-        vocab=ckpt.info("embedding.word_embeddings.weight").shape[0],
+        vocab=vocab_rows(true_vocab_size, args, ckpt.info(embedding).shape[0], embedding, meta.path),
         tied="output_layer.weight" not in ckpt,
         moe=moe_shape(args, args["num_layers"], ffn, meta.path),
     )
@@ -206,7 +212,7 @@ def hf_config(ckpt: Checkpoint, s: LlamaShape) -> dict[str, Any]:
         "num_attention_heads": s.heads,
         "num_key_value_heads": s.groups,
         "head_dim": s.head_dim,
-        "vocab_size": s.vocab,
+        "vocab_size": s.vocab.size,
         "max_position_embeddings": args.get("max_position_embeddings") or args.get("seq_length"),
         "rms_norm_eps": args.get("norm_epsilon", 1e-5),
         "rope_theta": base,
@@ -245,27 +251,38 @@ def _check_placement(ckpt: Checkpoint, recipes: Recipes) -> None:
             raise hf_refusal(where, f"stores '{source}' as {ckpt.info(source).shape}, not the size its args give")
 
 
-def hf_view(ckpt: Checkpoint) -> HfNamedCheckpoint:
-    """``ckpt`` (a Megatron reader) under transformers' names; every stored element must be placed exactly once."""
-    s = _shape(ckpt)
-    recipes: Recipes = {
+def _vocab_recipes(s: LlamaShape, count: int) -> Recipes:
+    """The embedding and the (untied) output layer as their first ``count`` rows."""
+    found: Recipes = {
         "model.embed_tokens.weight": (
-            (Piece("embedding.word_embeddings.weight", 0, s.vocab * s.hidden),),
-            (s.vocab, s.hidden),
+            rows("embedding.word_embeddings.weight", s.hidden, [(0, count)]),
+            (count, s.hidden),
         )
     }
+    if not s.tied:
+        found["lm_head.weight"] = (rows("output_layer.weight", s.hidden, [(0, count)]), (count, s.hidden))
+    return found
+
+
+def hf_view(ckpt: Checkpoint, true_vocab_size: int | None = None) -> HfNamedCheckpoint:
+    """``ckpt`` (a Megatron reader) under transformers' names; every stored element must be placed exactly once,
+    then the embedding and output layer are cut to the vocabulary (:mod:`.megatron_vocab`: ``true_vocab_size``,
+    else what common.pt's args record, else every stored row)."""
+    s = _shape(ckpt, true_vocab_size)
+    vocab = _vocab_recipes(s, s.vocab.stored)
+    recipes: Recipes = {"model.embed_tokens.weight": vocab.pop("model.embed_tokens.weight")}
     for i in range(s.layers):
         recipes.update(_layer_recipes(ckpt, s, i))
     recipes["model.norm.weight"] = ((Piece("decoder.final_layernorm.weight", 0, s.hidden),), (s.hidden,))
-    if not s.tied:
-        recipes["lm_head.weight"] = ((Piece("output_layer.weight", 0, s.vocab * s.hidden),), (s.vocab, s.hidden))
+    recipes.update(vocab)
     for name, (pieces, shape) in recipes.items():
         if sum(p.count for p in pieces) != math.prod(shape):
             raise hf_refusal(ckpt.metadata.path, f"gives '{name}' {shape}, which its pieces do not fill")
     _check_placement(ckpt, recipes)
+    recipes.update(_vocab_recipes(s, s.vocab.size))  # the vocabulary's rows: the padding is never read
     infos = {}
     for name, (pieces, shape) in recipes.items():
         source = ckpt.info(pieces[0].source)
         infos[name] = TensorInfo(name, shape, source.dtype_spec, source.kind, source.files)
-    extra = {**ckpt.metadata.extra, "names": "hf", "hf_config": hf_config(ckpt, s)}
+    extra = {**ckpt.metadata.extra, "names": "hf", "hf_config": hf_config(ckpt, s), "vocab": s.vocab.describe()}
     return HfNamedCheckpoint(ckpt, replace(ckpt.metadata, extra=extra), infos, {n: r[0] for n, r in recipes.items()})
