@@ -275,6 +275,7 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
             "stored_bits",
             "tp_rules",
             "name_patterns",
+            "view",
         ),
         # the families: each reads one kind of checkpoint, built on the contracts (and on each other)
         ("zero", "composite", "files", "dcp", "optimizer", "verl", "lora"),

@@ -11,6 +11,7 @@ from ..._io.byte_map import ByteMap
 from ..._io.sources import ByteRange
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
+from ..view import CheckpointView
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +85,7 @@ def _scale_columns(segment: torch.Tensor, scales: torch.Tensor, first: int, stop
         segment[a - first : z - first].mul_(scales[index])
 
 
-class BlockFP8Checkpoint(Checkpoint):
+class BlockFP8Checkpoint(CheckpointView):
     """Another reader's checkpoint with each block-scaled FP8 weight presented as its dequantized tensor.
 
     A quantized weight keeps its name; its ``*_scale_inv`` is no key of its own. :meth:`read_into` fills the
@@ -102,8 +103,7 @@ class BlockFP8Checkpoint(Checkpoint):
         tied: dict[str, str],
         weights: Mapping[str, ScaledWeight],
     ) -> None:
-        super().__init__(metadata, infos, tied)
-        self._inner = inner
+        super().__init__(inner, metadata, infos, tied)
         self._weights = dict(weights)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
@@ -133,21 +133,6 @@ class BlockFP8Checkpoint(Checkpoint):
     def byte_map(self, name: str) -> ByteMap | None:
         return None if name in self._weights else self._inner.byte_map(name)
 
-    @property
-    def verify_crc(self) -> bool:
-        return self._inner.verify_crc
-
-    @verify_crc.setter
-    def verify_crc(self, on: bool) -> None:
-        self._inner.verify_crc = on
-
-    def finish_crc_checks(self) -> None:
-        self.ensure_open()
-        self._inner.finish_crc_checks()
-
     def optimizer_state(self, name: str) -> dict[str, Any]:
         self._resolve(name)
         return self._inner.optimizer_state(name)
-
-    def _release(self) -> None:
-        self._inner.close()

@@ -19,6 +19,7 @@ from ..._io.sources import ByteRange
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..checkpoint import Checkpoint
 from ..metadata import TensorInfo
+from ..view import CheckpointView
 from .config import AdapterConfig, AdapterConfigSource, read_adapter_configs
 from .names import LoraPair, adapter_keys, adapter_names, base_names, lora_pairs
 
@@ -32,11 +33,10 @@ _DELTAS_KEPT = 8
 """Deltas kept for weights read in chunks (the writers read up to 4 weights at once, one per IO thread)."""
 
 
-class RenamedView(Checkpoint):
+class RenamedView(CheckpointView):
     """Some tensors of an open checkpoint under other names; reads, byte ranges and CRC checks go to it."""
 
     def __init__(self, inner: Checkpoint, names: Mapping[str, str], infos: dict[str, TensorInfo] | None = None) -> None:
-        self._inner = inner
         self._stored = dict(names)  # view name -> inner stored name
         inner_infos = inner.infos
         renamed = {stored: view_name for view_name, stored in self._stored.items()}
@@ -50,7 +50,7 @@ class RenamedView(Checkpoint):
                 view_name, info.shape, info.dtype_spec, info.kind, info.files, inner.stored_spec(stored),
                 tied.get(view_name),
             )  # fmt: skip
-        super().__init__(inner.metadata, {n: infos[n] for n in self._stored}, tied)
+        super().__init__(inner, inner.metadata, {n: infos[n] for n in self._stored}, tied)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         self._inner.read_into(self._inner.source_name(self._stored[name]), start, out)
@@ -65,27 +65,12 @@ class RenamedView(Checkpoint):
         info = self.info(name)
         return info.stored_spec or info.dtype_spec
 
-    @property
-    def verify_crc(self) -> bool:
-        return self._inner.verify_crc
-
-    @verify_crc.setter
-    def verify_crc(self, on: bool) -> None:
-        self._inner.verify_crc = on
-
-    def finish_crc_checks(self) -> None:
-        self.ensure_open()
-        self._inner.finish_crc_checks()
-
     def optimizer_state(self, name: str) -> dict[str, Any]:
         raise UnsupportedCheckpointError(
             f"'{self.metadata.path}': a LoRA view (merge_lora, fmt='peft') has no optimizer state; convert the "
             "weights alone (no include_optimizer).",
             path=self.metadata.path, name=name,
         )  # fmt: skip
-
-    def _release(self) -> None:
-        self._inner.close()
 
 
 class _MergedView(RenamedView):
