@@ -204,7 +204,8 @@ class GroupRanks:
             dist.all_gather(gathered, mine.to(self.device), group=self.group)
         except RuntimeError as exc:  # DistBackendError, DistNetworkError: a peer closed its connection or timed out
             raise RanksLost(gloo_detail(exc)) from exc
-        return [json.loads(bytes(t[:n].cpu().tolist())) if n else None for t, n in zip(gathered, sizes)]
+        # numpy's bytes, not tolist(): a fingerprint of 20,000 files (1.3 MB) took 40 ms a rank as Python ints
+        return [json.loads(t[:n].cpu().numpy().tobytes()) if n else None for t, n in zip(gathered, sizes)]
 
 
 def _dist_of_several() -> Any:
