@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
+from ..view import CheckpointView
 from .megatron_common import not_read
 from .megatron_hf_moe import (
     MoeShape,
@@ -61,7 +62,7 @@ class LlamaShape:
     moe: MoeShape | None
 
 
-class HfNamedCheckpoint(Checkpoint):
+class HfNamedCheckpoint(CheckpointView):
     """A Megatron checkpoint seen under transformers' Llama names; each tensor is row blocks of a stored one."""
 
     def __init__(
@@ -71,8 +72,7 @@ class HfNamedCheckpoint(Checkpoint):
         infos: dict[str, TensorInfo],
         recipes: dict[str, tuple[Piece, ...]],
     ) -> None:
-        super().__init__(metadata, infos, {})
-        self._base = base
+        super().__init__(base, metadata, infos, {})
         self._recipes = recipes
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
@@ -80,24 +80,8 @@ class HfNamedCheckpoint(Checkpoint):
         for piece in self._recipes[name]:
             a, b = max(start, at), min(end, at + piece.count)
             if a < b:
-                self._base.read_into(piece.source, piece.start + a - at, out[a - start : b - start])
+                self._inner.read_into(piece.source, piece.start + a - at, out[a - start : b - start])
             at += piece.count
-
-    @property
-    def verify_crc(self) -> bool:
-        """Whether reads check each zip record's CRC-32 (the Megatron reader's, which this view reads through)."""
-        return self._base.verify_crc
-
-    @verify_crc.setter
-    def verify_crc(self, on: bool) -> None:
-        self._base.verify_crc = on
-
-    def finish_crc_checks(self) -> None:
-        self.ensure_open()
-        self._base.finish_crc_checks()
-
-    def _release(self) -> None:
-        self._base.close()
 
     def describe(self) -> dict[str, Any]:
         """:meth:`Checkpoint.describe` plus ``metadata.not_read`` (the non-tensor state zeroio does not return) and
@@ -108,11 +92,11 @@ class HfNamedCheckpoint(Checkpoint):
 
     def optimizer_state(self, name: str) -> dict[str, Any]:
         """The stored parameter's optimizer state, its moments cut to this tensor's rows."""
-        return self._cut(name, self._base.optimizer_state(self._source(name)))
+        return self._cut(name, self._inner.optimizer_state(self._source(name)))
 
     def optimizer_state_spec(self, name: str) -> dict[str, Any]:
         """:meth:`optimizer_state` with the state tensors on the ``meta`` device (nothing read)."""
-        return self._cut(name, self._base.optimizer_state_spec(self._source(name)))  # type: ignore[attr-defined]
+        return self._cut(name, self._inner.optimizer_state_spec(self._source(name)))  # type: ignore[attr-defined]
 
     def _source(self, name: str) -> str:
         self._resolve(name)
@@ -121,7 +105,7 @@ class HfNamedCheckpoint(Checkpoint):
     def _cut(self, name: str, state: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        info, numel = self._infos[name], self._base.info(self._recipes[name][0].source).numel
+        info, numel = self._infos[name], self._inner.info(self._recipes[name][0].source).numel
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.numel() == numel and value.dim():
                 flat = value.reshape(-1)
