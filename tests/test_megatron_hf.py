@@ -298,3 +298,38 @@ def test_recorded_vocabulary_that_does_not_pad_to_the_stored_rows_keeps_every_ro
     root = _with_args(tmp_path / "tik", "gpt_tp2_padded", {"tokenizer_type": "TikTokenizer", "vocab_size": 60})
     with zeroio.open(root, names="hf") as ckpt:  # TikTokenizer: --vocab-size is the whole vocabulary
         assert ckpt.info("model.embed_tokens.weight").shape == (60, 16)
+
+
+# --------------------------------------------------------------------------- verify --names hf
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_verify_names_hf_checks_the_converted_folder_against_megatron(name, tmp_path):
+    zeroio.convert(MEGATRON / name, tmp_path / "hf", names="hf", progress=False)
+    report = zeroio.verify(MEGATRON / name, tmp_path / "hf", names="hf")
+    assert report.ok, report.summary()
+    assert report.num_tensors == len(load_file(tmp_path / "hf" / "model.safetensors"))
+    # Megatron's names against transformers': nothing in common
+    unnamed = zeroio.verify(MEGATRON / name, tmp_path / "hf")
+    assert {m.kind for m in unnamed.mismatches} == {"missing", "extra"}
+
+
+def test_verify_names_hf_finds_a_changed_element_a_cast_and_a_vocabulary_cut(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    out = tmp_path / "hf"
+    assert main(["convert", str(PADDED), str(out), "--names", "hf", "--dtype", "bf16", "--quiet"]) == 0
+    argv = ["verify", str(PADDED), str(out), "--names", "hf"]
+    assert main([*argv, "--dtype", "bf16"]) == 0
+    assert "OK: all 21 tensors" in capsys.readouterr().out
+    assert main(argv) == 1  # fp32 source against its bf16 copy, without --dtype
+    assert "dtype fp32 (A) vs bf16 (B)" in capsys.readouterr().out
+    assert main([*argv, "--dtype", "bf16", "--true-vocab-size", "64"]) == 1  # converted at 51 rows
+    assert "lm_head.weight: shape (64, 16) (A) vs (51, 16) (B)" in capsys.readouterr().out
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][3, 5] += 1
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert main([*argv, "--dtype", "bf16"]) == 1
+    assert "model.layers.1.self_attn.k_proj.weight: 1 of 128 elements differ; first at [3, 5]" in (
+        capsys.readouterr().out
+    )

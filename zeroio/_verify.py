@@ -165,6 +165,40 @@ def _shape_str(shape: tuple[int, ...]) -> str:
     return f"({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})"
 
 
+def _compare(ca: Checkpoint, cb: Checkpoint, target: torch.dtype | None) -> tuple[list[str], list[Mismatch]]:
+    """Every name of A then B's extra ones, and each difference: names, shapes and dtypes from metadata, values
+    chunk by chunk."""
+    infos_a, infos_b = ca.infos, cb.infos
+    tied_a, tied_b = ca.tied, cb.tied
+    keys = list(infos_a) + [n for n in infos_b if n not in infos_a]
+    mismatches: list[Mismatch] = []
+    for name in keys:
+        ia, ib = infos_a.get(name), infos_b.get(name)
+        if ib is None:
+            mismatches.append(Mismatch(name, "missing", "missing in B"))
+            continue
+        if ia is None:
+            mismatches.append(Mismatch(name, "extra", "not in A (extra in B)"))
+            continue
+        source = tied_a.get(name)
+        if source is not None and source == tied_b.get(name) and source in infos_b:
+            continue  # the same tie on both sides: checked through its source
+        if ia.shape != ib.shape:
+            detail = f"shape {_shape_str(ia.shape)} (A) vs {_shape_str(ib.shape)} (B)"
+            mismatches.append(Mismatch(name, "shape", detail))
+            continue
+        want = as_dtype(target) if (target is not None and ia.dtype_spec.is_floating_point) else ia.dtype_spec
+        if want != ib.dtype_spec:
+            cast = " after the cast" if want != ia.dtype_spec else ""
+            detail = f"dtype {dtype_name(want)} (A{cast}) vs {dtype_name(ib.dtype_spec)} (B)"
+            mismatches.append(Mismatch(name, "dtype", detail))
+            continue
+        found = _compare_values(ca, cb, name, target, ia.shape)
+        if found is not None:
+            mismatches.append(found)
+    return keys, mismatches
+
+
 def verify(
     a: StrPath,
     b: StrPath,
@@ -176,6 +210,8 @@ def verify(
     storage_options: Mapping[str, Any] | None = None,
     quantized: QuantizedMode = "dequantize",
     dcp_keys: str = "auto",
+    names: str | None = None,
+    true_vocab_size: int | None = None,
 ) -> VerifyReport:
     """Compare every tensor of two checkpoints of any kinds :func:`zeroio.open` reads, streaming.
 
@@ -198,6 +234,9 @@ def verify(
             stored (``"raw"``), as for :func:`zeroio.open`.
         dcp_keys: which tensors of either side, when a DCP checkpoint, are the model's (``"auto"``, ``"model"``,
             ``"all"``), as for :func:`zeroio.open`.
+        names: ``"hf"`` reads A, a Megatron checkpoint, under transformers' names (docs/formats.md), so the folder
+            ``zeroio.convert(A, B, names="hf")`` wrote verifies against it; B is read under its own names.
+        true_vocab_size: with ``names="hf"``, A's embedding and output rows, as given to :func:`zeroio.convert`.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when everything matches.
@@ -218,46 +257,22 @@ def verify(
         b = with_storage_options(b, storage_options) if is_url(b) else b
     if isinstance(max_report, bool) or not isinstance(max_report, int) or max_report < 0:
         raise ValueError(f"max_report must be a non-negative int, got {max_report!r}.")
-    read_a = read_options(tag=tag, verify_crc=verify_crc, quantized=quantized, dcp_keys=dcp_keys)
-    read_b = dataclasses.replace(read_a, tag=None)
+    read_a = read_options(
+        tag=tag, verify_crc=verify_crc, quantized=quantized, dcp_keys=dcp_keys, names=names,
+        true_vocab_size=true_vocab_size,
+    )  # fmt: skip
+    read_b = dataclasses.replace(read_a, tag=None, names=None, true_vocab_size=None)
     with open_checkpoint(a, read_a) as ca, open_checkpoint(b, read_b) as cb:
-        infos_a, infos_b = ca.infos, cb.infos
-        tied_a, tied_b = ca.tied, cb.tied
-        names = list(infos_a) + [n for n in infos_b if n not in infos_a]
-        mismatches: list[Mismatch] = []
-        for name in names:
-            ia, ib = infos_a.get(name), infos_b.get(name)
-            if ib is None:
-                mismatches.append(Mismatch(name, "missing", "missing in B"))
-                continue
-            if ia is None:
-                mismatches.append(Mismatch(name, "extra", "not in A (extra in B)"))
-                continue
-            source = tied_a.get(name)
-            if source is not None and source == tied_b.get(name) and source in infos_b:
-                continue  # the same tie on both sides: checked through its source
-            if ia.shape != ib.shape:
-                detail = f"shape {_shape_str(ia.shape)} (A) vs {_shape_str(ib.shape)} (B)"
-                mismatches.append(Mismatch(name, "shape", detail))
-                continue
-            want = as_dtype(target) if (target is not None and ia.dtype_spec.is_floating_point) else ia.dtype_spec
-            if want != ib.dtype_spec:
-                cast = " after the cast" if want != ia.dtype_spec else ""
-                detail = f"dtype {dtype_name(want)} (A{cast}) vs {dtype_name(ib.dtype_spec)} (B)"
-                mismatches.append(Mismatch(name, "dtype", detail))
-                continue
-            found = _compare_values(ca, cb, name, target, ia.shape)
-            if found is not None:
-                mismatches.append(found)
+        keys, mismatches = _compare(ca, cb, target)
         ca.finish_crc_checks()  # records read in part (flat-group padding)
         cb.finish_crc_checks()
     report = VerifyReport(
         a=as_path(a),
         b=as_path(b),
-        num_tensors=len(names),
+        num_tensors=len(keys),
         mismatches=tuple(mismatches),
         dtype=target,
         max_report=max_report,
     )
-    logger.info("verify %s vs %s: %d tensors, %d mismatches", a, b, len(names), len(mismatches))
+    logger.info("verify %s vs %s: %d tensors, %d mismatches", a, b, len(keys), len(mismatches))
     return report

@@ -6,14 +6,15 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Literal
+from typing import Any
 
 import zeroio
 
 from .. import errors
 from . import _args
 from ._errors import cli_spelling
-from ._progress import MODES, PROGRESS_ENV, choose_mode, progress_for
+from ._flags import add_dcp_keys, add_keep_quantized, add_names, add_progress, add_tp_rules, quantized
+from ._progress import choose_mode, progress_for
 
 
 def _human_bytes(n: int) -> str:
@@ -35,7 +36,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         tag=args.tag,
         tp_rules=args.tp_rules,
         names=args.names,
-        quantized=_quantized(args),
+        quantized=quantized(args),
         dcp_keys=args.dcp_keys,
         true_vocab_size=args.true_vocab_size,
     ) as ckpt:
@@ -131,7 +132,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             merge_lora=args.merge_lora,
             adapter_config=args.adapter_config,
             names=args.names,
-            quantized=_quantized(args),
+            quantized=quantized(args),
             dcp_keys=args.dcp_keys,
             true_vocab_size=args.true_vocab_size,
         )
@@ -198,8 +199,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         tag=args.tag,
         max_report=args.max_report,
         verify_crc=not args.no_verify_crc,
-        quantized=_quantized(args),
+        quantized=quantized(args),
         dcp_keys=args.dcp_keys,
+        names=args.names,
+        true_vocab_size=args.true_vocab_size,
     )
     print(report.summary())
     return 0 if report.ok else 1
@@ -268,71 +271,16 @@ def _validate_push(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 # --------------------------------------------------------------------------- parser
 
 
-def _add_progress(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--progress",
-        choices=MODES,
-        help=f"auto (default, or {PROGRESS_ENV}): a bar on a terminal, a line every 10%% or 10 s (percent, bytes, "
-        "rate, time left) when stderr is a file; bar, lines or none to force one",
-    )
-
-
-def _add_tp_rules(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tp-rules",
-        metavar="RULES",
-        help="tensor-parallel checkpoints: how tensors the files do not describe are split, as a preset (megatron, "
-        'neox) or JSON {"regex": dim or "replicated"}',
-    )
-
-
-def _add_keep_quantized(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--keep-quantized",
-        action="store_true",
-        help="read quantized weights as stored (float8 values and *_scale_inv scales) instead of dequantizing "
-        "block-scaled FP8",
-    )
-
-
-def _add_dcp_keys(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dcp-keys",
-        choices=_args.DCP_KEYS_CHOICES,
-        default="auto",
-        help="PyTorch DCP checkpoints: which tensors are the model's. auto (default): 'model.' stripped when every "
-        "other tensor is optimizer or training state, else every name as stored; model: only 'model.' tensors, "
-        "prefix stripped; all: every tensor but optimizer state, as stored (docs/dcp.md)",
-    )
-
-
-def _add_names(p: argparse.ArgumentParser, help: str) -> None:
-    """``--names hf`` and ``--true-vocab-size N`` (which cuts what ``--names hf`` writes)."""
-    p.add_argument("--names", choices=["hf"], help=help)
-    p.add_argument(
-        "--true-vocab-size",
-        type=_args.vocab_size,
-        metavar="N",
-        help="with --names hf: keep the first N embedding and output rows (the tokenizer's vocabulary; the rest is "
-        "Megatron's padding) and write vocab_size N in config.json (default: the size common.pt's args record "
-        "for NullTokenizer/TikTokenizer runs, else every stored row)",
-    )
-
-
-def _quantized(args: argparse.Namespace) -> Literal["dequantize", "raw"]:
-    return "raw" if args.keep_quantized else "dequantize"
-
-
 def _add_inspect(sub: Any) -> None:
     """``zeroio inspect``: list tensors and metadata."""
     p = sub.add_parser("inspect", allow_abbrev=False, help="list tensors and metadata (reads no tensor bytes)")
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    _add_names(p, "hf: a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names")
-    _add_tp_rules(p)
-    _add_keep_quantized(p)
-    _add_dcp_keys(p)
+    add_names(p, "hf: a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names")
+    add_tp_rules(p)
+    add_keep_quantized(p)
+    add_dcp_keys(p)
     p.set_defaults(func=cmd_inspect)
 
 
@@ -372,7 +320,7 @@ def _add_convert(sub: Any) -> None:
         help="with --format dcp: torchtitan (DST is the step-N folder; default) or accelerate "
         "(DST/pytorch_model_fsdp_0 + DST/optimizer_0)",
     )
-    _add_names(
+    add_names(
         p,
         "hf: write a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names, with "
         "config.json",
@@ -395,7 +343,7 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--workers", type=int, help="IO threads (default: chosen from the CPU count)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="push the result to this Hub repo afterwards")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary line")
-    _add_progress(p)
+    add_progress(p)
     p.add_argument(
         "--distributed",
         action="store_true",
@@ -403,9 +351,9 @@ def _add_convert(sub: Any) -> None:
         "a filesystem shared by all processes)",
     )
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
-    _add_tp_rules(p)
-    _add_keep_quantized(p)
-    _add_dcp_keys(p)
+    add_tp_rules(p)
+    add_keep_quantized(p)
+    add_dcp_keys(p)
     p.set_defaults(func=cmd_convert, validate=_validate_convert)
 
 
@@ -422,8 +370,13 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--tag", help="tag of A, when A is a DeepSpeed checkpoint root")
     p.add_argument("--max-report", type=int, default=10, help="mismatches to print (default: 10)")
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
-    _add_keep_quantized(p)
-    _add_dcp_keys(p)
+    add_names(
+        p,
+        "hf: read A, a Megatron GPT, under transformers' names, as convert --names hf wrote B (with the same "
+        "--true-vocab-size)",
+    )
+    add_keep_quantized(p)
+    add_dcp_keys(p)
     p.set_defaults(func=cmd_verify)
 
 
@@ -449,11 +402,11 @@ def _add_push(sub: Any) -> None:
     p.add_argument("--tag", help="tag folder to read when converting (default: the one in 'latest')")
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.add_argument("--no-model-card", action="store_true", help="do not write a README.md model card")
-    _add_names(p, "hf: convert a Megatron GPT of the Llama family under transformers' names, with config.json")
+    add_names(p, "hf: convert a Megatron GPT of the Llama family under transformers' names, with config.json")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    _add_progress(p)
+    add_progress(p)
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
-    _add_tp_rules(p)
+    add_tp_rules(p)
     p.set_defaults(func=cmd_push, validate=_validate_push)
 
 
@@ -472,7 +425,7 @@ def _add_reshard(sub: Any) -> None:
     p.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size of the run that will load it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_progress(p)
+    add_progress(p)
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     p.set_defaults(func=cmd_reshard)
 
