@@ -216,6 +216,28 @@ def test_moe_models_transformers_cannot_express_are_refused_by_name(tmp_path, na
         assert ckpt["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"].shape[0] == 4
 
 
+@pytest.mark.parametrize(
+    ("name", "change", "match"),
+    [
+        ("gpt_moe_ep2", {"num_experts": 10**9}, r"stores 'decoder\.layers\.0\.mlp\.router\.weight' as \(4, 32\)"),
+        ("gpt_tp2_tied", {"num_layers": 10**9}, r"lacks decoder\.layers\.999999999\.self_attention\.linear_qkv"),
+        ("gpt_moe_ep2", {"num_experts": "4"}, r"has num_experts='4', not a positive integer"),
+        ("gpt_tp2_tied", {"num_attention_heads": 0}, r"has num_attention_heads=0, not a positive integer"),
+        ("gpt_tp2_tied", {"ffn_hidden_size": None}, r"has ffn_hidden_size=None, not a positive integer"),
+        ("gpt_moe_ep2", {"moe_router_topk": 5}, r"routes each token to moe_router_topk=5 of its 4 experts"),
+        ("gpt_tp2_untied", {"num_query_groups": 10**9}, r"num_query_groups=1000000000, which does not divide"),
+        ("gpt_tp2_tied", {"num_attention_heads": 10**9, "kv_channels": 4}, r"linear_qkv\.weight' as \(48, 16\)"),
+    ],
+)
+def test_run_arguments_no_model_has_are_refused_by_name_at_once(tmp_path, name, change, match):
+    """Sizes in common.pt that no model has (10**9 experts or layers, a string, zero heads, more experts per token
+    than experts) are refused by name before any mapping is built: never a bare TypeError, ZeroDivisionError or
+    KeyError, nor a loop over 10**9 experts."""
+    root = _with_args(tmp_path, name, change)
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        zeroio.open(root, names="hf")
+
+
 # --------------------------------------------------------------------------- Megatron's vocabulary padding
 
 PADDED = MEGATRON / "gpt_tp2_padded"  # NullTokenizer, --vocab-size 50 (51 tokens), padded to 64 rows

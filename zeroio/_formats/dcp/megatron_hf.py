@@ -31,6 +31,7 @@ from .megatron_hf_moe import (
     moe_config,
     moe_mlp_recipes,
     moe_shape,
+    positive,
     rows,
 )
 from .megatron_vocab import Vocab, vocab_rows
@@ -137,23 +138,42 @@ def _shape(ckpt: Checkpoint, true_vocab_size: int | None) -> LlamaShape:
     for key, (found, wanted) in checks.items():
         if found != wanted:
             raise hf_refusal(meta.path, f"was trained with {key}={found!r} (the family needs {wanted!r})")
-    heads, hidden = args["num_attention_heads"], args["hidden_size"]
-    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-    ffn = args["ffn_hidden_size"]
+    layers, hidden, heads, ffn = (
+        positive(args, key, meta.path)
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+    )
+    groups = positive(args, "num_query_groups", meta.path, heads) if args.get("group_query_attention") else heads
     embedding = "embedding.word_embeddings.weight"
     if embedding not in ckpt:
         raise hf_refusal(meta.path, f"lacks {embedding}")
+    head_dim = positive(args, "kv_channels", meta.path, hidden // heads)
+    if heads % groups:
+        raise hf_refusal(meta.path, f"has num_query_groups={groups}, which does not divide num_attention_heads={heads}")
+    _check_rows(ckpt, f"{_LAYER}{layers - 1}.self_attention.linear_qkv.weight", (heads + 2 * groups) * head_dim, layers)
+    moe = moe_shape(args, layers, ffn, meta.path)
+    if moe is not None and moe.moe_layers:
+        _check_rows(ckpt, f"{_LAYER}{moe.moe_layers[0]}.mlp.router.weight", moe.experts, layers)
     return LlamaShape(
-        layers=args["num_layers"],
+        layers=layers,
         hidden=hidden,
         heads=heads,
-        groups=groups or heads,
-        head_dim=args.get("kv_channels") or hidden // heads,
+        groups=groups,
+        head_dim=head_dim,
         ffn=ffn,
         vocab=vocab_rows(true_vocab_size, args, ckpt.info(embedding).shape[0], embedding, meta.path),
         tied="output_layer.weight" not in ckpt,
-        moe=moe_shape(args, args["num_layers"], ffn, meta.path),
+        moe=moe,
     )
+
+
+def _check_rows(ckpt: Checkpoint, name: str, wanted: int, layers: int) -> None:
+    """``name`` stored with ``wanted`` rows: counts that recipes loop over (layers, query groups, experts) are held
+    to the stored tensors first, since 10**9 of any in a broken common.pt would loop for hours before
+    :func:`_check_placement` named the same tensor."""
+    if layers > len(ckpt) or name not in ckpt:
+        raise hf_refusal(ckpt.metadata.path, f"lacks {name}")
+    if ckpt.info(name).shape[0] != wanted:
+        raise hf_refusal(ckpt.metadata.path, f"stores '{name}' as {ckpt.info(name).shape}, not the size its args give")
 
 
 def _layer_recipes(ckpt: Checkpoint, s: LlamaShape, i: int) -> Recipes:

@@ -26,6 +26,7 @@ __all__ = [
     "moe_config",
     "moe_mlp_recipes",
     "moe_shape",
+    "positive",
     "rows",
 ]
 
@@ -55,6 +56,17 @@ def hf_refusal(path: Any, why: str) -> UnsupportedCheckpointError:
         f"Mixtral or Qwen2-MoE) to transformers' names; '{path}' {why}. Convert with the default names instead.",
         path=path,
     )
+
+
+def positive(args: dict[str, Any], key: str, where: Any, default: int | None = None) -> int:
+    """``args[key]`` (``default`` when absent or None) as a positive int, else refused by name: these sizes shape
+    every recipe, so a broken or hostile common.pt must name its value, not raise a bare TypeError deep inside."""
+    value = args.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise hf_refusal(where, f"has {key}={value!r:.60}, not a positive integer")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,23 +109,28 @@ def _pattern(args: dict[str, Any], layers: int, where: Any) -> tuple[int, ...]:
 
 def moe_shape(args: dict[str, Any], layers: int, dense_ffn: int, where: Any) -> MoeShape | None:
     """The MoE layout (None for a dense model); a router or shared expert transformers cannot express is refused."""
-    experts = args.get("num_experts")
-    if experts is None:
+    if args.get("num_experts") is None:
         return None
+    experts = positive(args, "num_experts", where)
     for key, (default, wanted) in _ROUTING.items():
         if args.get(key, default) != wanted:
             raise hf_refusal(where, f"routes its experts with {key}={args.get(key)!r} (the mapping needs {wanted!r})")
     if args.get("moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
         raise hf_refusal(where, "routes with sinkhorn (sigmoid scores at inference), which neither model computes")
-    shared = args.get("moe_shared_expert_intermediate_size")
+    shared = None
+    if args.get("moe_shared_expert_intermediate_size"):
+        shared = positive(args, "moe_shared_expert_intermediate_size", where)
     if shared and not args.get("moe_shared_expert_gate", False):
         raise hf_refusal(where, "has shared experts without a gate (Qwen2-MoE's shared expert is always gated)")
+    topk = positive(args, "moe_router_topk", where, 2)
+    if topk > experts:
+        raise hf_refusal(where, f"routes each token to moe_router_topk={topk} of its {experts} experts")
     moe = MoeShape(
         arch="qwen2_moe" if shared else "mixtral",
         experts=experts,
-        topk=args.get("moe_router_topk", 2),
-        ffn=args.get("moe_ffn_hidden_size") or dense_ffn,
-        shared=shared or None,
+        topk=topk,
+        ffn=positive(args, "moe_ffn_hidden_size", where, dense_ffn),
+        shared=shared,
         normalized=not args.get("moe_router_pre_softmax", False),
         moe_layers=_pattern(args, layers, where),
     )
