@@ -69,6 +69,10 @@ def test_split_tensors_are_megatrons_rows_bit_for_bit(name, tmp_path):
         assert torch.equal(out[f"model.layers.{i}.self_attn.q_proj.weight"], qkv[:, :per_group].reshape(-1, h))
         assert torch.equal(out[f"model.layers.{i}.self_attn.k_proj.weight"], qkv[:, per_group].reshape(-1, h))
         assert torch.equal(out[f"model.layers.{i}.self_attn.v_proj.weight"], qkv[:, per_group + 1].reshape(-1, h))
+        for hf, norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):  # Qwen3: --qk-layernorm
+            stored = live.get(f"decoder.layers.{i}.self_attention.{norm}.weight")
+            assert (stored is None) is (config["model_type"] not in ("qwen3", "qwen3_moe"))
+            assert stored is None or torch.equal(out[f"model.layers.{i}.self_attn.{hf}.weight"], stored)
         if f"decoder.layers.{i}.mlp.linear_fc1.weight" not in live:
             continue  # a MoE layer: test_every_expert_is_megatrons_block_bit_for_bit
         gate, up = live[f"decoder.layers.{i}.mlp.linear_fc1.weight"].chunk(2)
@@ -172,7 +176,11 @@ def _with_args(tmp_path: Path, name: str, change: dict) -> Path:
 
 @pytest.mark.parametrize(
     ("change", "match"),
-    [({"normalization": "LayerNorm"}, "normalization='LayerNorm'"), ({"swiglu": False}, "swiglu=False")],
+    [
+        ({"normalization": "LayerNorm"}, "normalization='LayerNorm'"),
+        ({"swiglu": False}, "swiglu=False"),
+        ({"qk_l2_norm": True}, "qk_l2_norm=True"),  # Llama 4's L2 QK norm: no weights, not Qwen3's RMSNorm
+    ],
 )
 def test_models_outside_the_llama_family_are_refused_by_name(tmp_path, change, match):
     root = _with_args(tmp_path, "gpt_tp2_tied", change)
@@ -191,6 +199,7 @@ def test_models_outside_the_llama_family_are_refused_by_name(tmp_path, change, m
         ("gpt_moe_ep2", {"moe_router_load_balancing_type": "sinkhorn"}, "sinkhorn"),
         ("gpt_moe_ep2", {"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True"),
         ("gpt_moe_shared_ep2", {"moe_shared_expert_gate": False}, "shared experts without a gate"),
+        ("gpt_moe_shared_ep2", {"qk_layernorm": True}, "has shared experts and QK norms"),
         (
             "gpt_moe_shared_ep2",
             {"moe_shared_expert_intermediate_size": None, "moe_router_pre_softmax": False},
@@ -236,6 +245,27 @@ def test_run_arguments_no_model_has_are_refused_by_name_at_once(tmp_path, name, 
     root = _with_args(tmp_path, name, change)
     with pytest.raises(UnsupportedCheckpointError, match=match):
         zeroio.open(root, names="hf")
+
+
+def test_qk_norms_the_args_do_not_declare_are_named_never_dropped(tmp_path):
+    """A Qwen3-style checkpoint whose args say qk_layernorm=False: its stored QK norms are not placed, so refused."""
+    root = _with_args(tmp_path, "gpt_qwen3_tp2", {"qk_layernorm": False})
+    with pytest.raises(UnsupportedCheckpointError, match=r"holds decoder\.layers\.0\.self_attention\.q_layernorm"):
+        zeroio.open(root, names="hf")
+
+
+def test_qwen3_config_is_transformers_own():
+    """config.json's fields are what Qwen3Config / Qwen3MoeConfig read: head_dim wider than hidden / heads, every
+    layer full attention, the dense first layer of the MoE model in mlp_only_layers, top-k renormalized."""
+    import transformers
+
+    with zeroio.open(MEGATRON / "gpt_qwen3_tp2", names="hf") as ckpt:
+        dense = transformers.Qwen3Config(**ckpt.metadata.extra["hf_config"])
+    assert (dense.head_dim, dense.hidden_size // dense.num_attention_heads, dense.tie_word_embeddings) == (8, 4, True)
+    assert set(dense.layer_types) == {"full_attention"}
+    with zeroio.open(MEGATRON / "gpt_qwen3_moe_ep2", names="hf") as ckpt:
+        moe = transformers.Qwen3MoeConfig(**ckpt.metadata.extra["hf_config"])
+    assert (moe.mlp_only_layers, moe.norm_topk_prob, moe.num_experts, moe.moe_intermediate_size) == ([0], True, 4, 8)
 
 
 # --------------------------------------------------------------------------- Megatron's vocabulary padding

@@ -176,8 +176,8 @@ def convert(
             its two factors are in memory at a time. DoRA and other variants are refused by name.
         adapter_config: the run's ``adapter_config.json`` (a file, a folder laid out as ``save_pretrained`` writes
             it, or a dict) for ``fmt="peft"`` / ``merge_lora`` when it is not in the training output folder.
-        names: ``"hf"`` writes a Megatron GPT of the Llama family (MoE models as Mixtral or Qwen2-MoE) under
-            transformers' names, with its ``config.json`` (docs/formats.md).
+        names: ``"hf"`` writes a Megatron GPT of the Llama family (Qwen3 with QK norms; MoE models as Mixtral,
+            Qwen2-MoE or Qwen3-MoE) under transformers' names, with its ``config.json`` (docs/formats.md).
         quantized: block-scaled FP8 weights are written dequantized (``"dequantize"``, DeepSeek's algorithm; the
             output's ``config.json`` loses ``quantization_config`` and names the dtype written) or as stored
             (``"raw"``), as for :func:`zeroio.open`.

@@ -192,8 +192,8 @@ def open(
             computed when read, in fp32, as ``merge_and_unload()`` computes it; docs/fine-tunes.md).
         adapter_config: with ``merge_lora``, the run's ``adapter_config.json`` (file, folder or dict) when it is
             not beside the checkpoint.
-        names: ``"hf"`` reads a Megatron GPT of the Llama family (MoE models as Mixtral or Qwen2-MoE) under
-            transformers' names (docs/formats.md).
+        names: ``"hf"`` reads a Megatron GPT of the Llama family (Qwen3 with QK norms; MoE models as Mixtral,
+            Qwen2-MoE or Qwen3-MoE) under transformers' names (docs/formats.md).
         dcp_keys: for a DCP checkpoint, which tensors are the model's: ``"auto"`` strips ``model.`` when every
             other tensor is optimizer or training state (``dcp.save({"model": ..., "optim": ...})``) and keeps
             every name as stored otherwise (a Hugging Face-style ``model.embed_tokens.weight`` beside

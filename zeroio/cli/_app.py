@@ -277,7 +277,11 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("path", help="checkpoint root, tag folder, or consolidated checkpoint")
     p.add_argument("--tag", help="tag folder to read (default: the one in 'latest')")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    add_names(p, "hf: a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names")
+    add_names(
+        p,
+        "hf: a Megatron GPT of the Llama family (Qwen3 with QK norms; MoE: Mixtral, Qwen2-MoE or Qwen3-MoE) under "
+        "transformers' names",
+    )
     add_tp_rules(p)
     add_keep_quantized(p)
     add_dcp_keys(p)
@@ -322,7 +326,8 @@ def _add_convert(sub: Any) -> None:
     )
     add_names(
         p,
-        "hf: write a Megatron GPT of the Llama family (MoE: Mixtral or Qwen2-MoE) under transformers' names, with "
+        "hf: write a Megatron GPT of the Llama family (Qwen3 with QK norms; MoE: Mixtral, Qwen2-MoE or Qwen3-MoE) "
+        "under transformers' names, with "
         "config.json",
     )
     p.add_argument("--dtype", type=_args.dtype, metavar="{fp32,fp16,bf16}", help="cast floating tensors")

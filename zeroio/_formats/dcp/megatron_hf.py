@@ -1,6 +1,6 @@
 """``names="hf"``: a Megatron-Core GPT of the Llama family under ``transformers``' ``LlamaForCausalLM`` names and
-layouts (``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for MoE models, :mod:`.megatron_hf_moe`), read lazily,
-plus the matching ``config.json``.
+layouts (``Qwen3ForCausalLM`` with QK norms; ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``
+for MoE models, :mod:`.megatron_hf_moe`), read lazily, plus the matching ``config.json``.
 
 Megatron fuses each layer's query, key and value projections into ``linear_qkv`` with rows grouped per query
 group (for each group: its heads' queries, then its key, then its value) and the gated MLP's gate and up
@@ -8,8 +8,9 @@ projections into ``linear_fc1`` (gate rows, then up rows). Each HF tensor is a l
 tensor, i.e. flat element ranges: nothing is read until a tensor is, and then only its rows. Every element of
 every stored tensor must land in exactly one HF tensor (before the embedding and output layer are cut to the
 tokenizer's vocabulary, :mod:`.megatron_vocab`): a tensor the mapping does not place is an error naming
-it, never a silent drop; so is a model outside the family (LayerNorm, biases, partial or interleaved rotary, QK
-norms, a router transformers computes differently).
+it, never a silent drop; so is a model outside the family (LayerNorm, biases, partial or interleaved rotary, L2 QK
+norms, a router transformers computes differently). Megatron's ``--qk-layernorm`` (RMSNorm over each head's queries
+and keys, before rotary) is Qwen3's ``q_norm`` / ``k_norm``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class LlamaShape:
     vocab: Vocab
     tied: bool
     moe: MoeShape | None
+    qk_norm: bool
+    """``--qk-layernorm``: each layer's ``q_layernorm`` / ``k_layernorm`` (Qwen3's ``q_norm`` / ``k_norm``)."""
 
 
 class HfNamedCheckpoint(CheckpointView):
@@ -133,7 +136,8 @@ def _shape(ckpt: Checkpoint, true_vocab_size: int | None) -> LlamaShape:
         "add_qkv_bias": (args.get("add_qkv_bias", False), False),
         "rotary_percent": (args.get("rotary_percent", 1.0), 1.0),
         "rotary_interleaved": (args.get("rotary_interleaved", False), False),
-        "qk_layernorm": (args.get("qk_layernorm", False), False),
+        "qk_l2_norm": (args.get("qk_l2_norm", False), False),
+        "multi_latent_attention": (args.get("multi_latent_attention", False), False),
     }
     for key, (found, wanted) in checks.items():
         if found != wanted:
@@ -163,6 +167,7 @@ def _shape(ckpt: Checkpoint, true_vocab_size: int | None) -> LlamaShape:
         vocab=vocab_rows(true_vocab_size, args, ckpt.info(embedding).shape[0], embedding, meta.path),
         tied="output_layer.weight" not in ckpt,
         moe=moe,
+        qk_norm=bool(args.get("qk_layernorm", False)),
     )
 
 
@@ -195,6 +200,9 @@ def _layer_recipes(ckpt: Checkpoint, s: LlamaShape, i: int) -> Recipes:
         rows(src + "self_attention.linear_proj.weight", s.heads * d, [(0, h)]),
         (h, s.heads * d),
     )
+    if s.qk_norm:  # one RMSNorm weight over head_dim, shared by every head (Qwen3's q_norm / k_norm)
+        for hf, norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+            found[f"{dst}self_attn.{hf}.weight"] = ((Piece(f"{src}self_attention.{norm}.weight", 0, d),), (d,))
     if s.moe is not None and i in s.moe.moe_layers:
         found.update(moe_mlp_recipes(src, dst, h, s.moe))
     else:
@@ -204,7 +212,8 @@ def _layer_recipes(ckpt: Checkpoint, s: LlamaShape, i: int) -> Recipes:
 
 
 def hf_config(ckpt: Checkpoint, s: LlamaShape) -> dict[str, Any]:
-    """transformers' ``LlamaConfig`` for the model (``config.json``); ``MixtralConfig`` / ``Qwen2MoeConfig`` for MoE."""
+    """transformers' ``LlamaConfig`` for the model (``config.json``), ``Qwen3Config`` with QK norms; for MoE models
+    ``MixtralConfig`` / ``Qwen2MoeConfig`` / ``Qwen3MoeConfig``."""
     args = ckpt.metadata.extra["common"]["args"]
     base = args.get("rotary_base", 10000)
     config = {
@@ -227,8 +236,15 @@ def hf_config(ckpt: Checkpoint, s: LlamaShape) -> dict[str, Any]:
         "tie_word_embeddings": s.tied,
         "dtype": str(ckpt.metadata.train_spec.name if ckpt.metadata.train_spec else "float32"),
     }
+    if s.qk_norm:  # Qwen3: full attention in every layer
+        del config["mlp_bias"]
+        config.update(
+            architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False, sliding_window=None,
+            max_window_layers=s.layers,
+        )  # fmt: skip
     if s.moe is not None:
-        del config["attention_bias"], config["mlp_bias"]
+        for key in ("attention_bias", "mlp_bias", "max_window_layers"):
+            config.pop(key, None)
         config.update(moe_config(s.moe, args, s.layers, s.ffn))
     return config
 

@@ -52,8 +52,9 @@ def rows(source: str, cols: int, blocks: list[tuple[int, int]], first: int = 0) 
 def hf_refusal(path: Any, why: str) -> UnsupportedCheckpointError:
     """The one error for a checkpoint ``names='hf'`` cannot map (the default names still read it)."""
     return UnsupportedCheckpointError(
-        f"names='hf' maps Megatron GPT models of the Llama family (RMSNorm, SwiGLU, rotary, no biases; MoE layers as "
-        f"Mixtral or Qwen2-MoE) to transformers' names; '{path}' {why}. Convert with the default names instead.",
+        f"names='hf' maps Megatron GPT models of the Llama family (RMSNorm, SwiGLU, rotary, no biases; QK norms as "
+        f"Qwen3; MoE layers as Mixtral, Qwen2-MoE or Qwen3-MoE) to transformers' names; '{path}' {why}. Convert with "
+        "the default names instead.",
         path=path,
     )
 
@@ -74,7 +75,8 @@ class MoeShape:
     """The MoE layers' sizes and routing, from Megatron-LM's args."""
 
     arch: str
-    """``mixtral`` (routed experts only) or ``qwen2_moe`` (plus a gated shared expert)."""
+    """``mixtral`` (routed experts only), ``qwen2_moe`` (plus a gated shared expert) or ``qwen3_moe`` (routed
+    experts only, QK norms)."""
     experts: int
     topk: int
     ffn: int
@@ -117,16 +119,19 @@ def moe_shape(args: dict[str, Any], layers: int, dense_ffn: int, where: Any) -> 
             raise hf_refusal(where, f"routes its experts with {key}={args.get(key)!r} (the mapping needs {wanted!r})")
     if args.get("moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
         raise hf_refusal(where, "routes with sinkhorn (sigmoid scores at inference), which neither model computes")
-    shared = None
+    shared, qk_norm = None, bool(args.get("qk_layernorm", False))
     if args.get("moe_shared_expert_intermediate_size"):
         shared = positive(args, "moe_shared_expert_intermediate_size", where)
     if shared and not args.get("moe_shared_expert_gate", False):
         raise hf_refusal(where, "has shared experts without a gate (Qwen2-MoE's shared expert is always gated)")
+    if shared and qk_norm:
+        raise hf_refusal(where, "has shared experts and QK norms (Qwen2-MoE has no QK norms, Qwen3-MoE no shared "
+                         "experts)")  # fmt: skip
     topk = positive(args, "moe_router_topk", where, 2)
     if topk > experts:
         raise hf_refusal(where, f"routes each token to moe_router_topk={topk} of its {experts} experts")
     moe = MoeShape(
-        arch="qwen2_moe" if shared else "mixtral",
+        arch="qwen2_moe" if shared else "qwen3_moe" if qk_norm else "mixtral",
         experts=experts,
         topk=topk,
         ffn=positive(args, "moe_ffn_hidden_size", where, dense_ffn),
@@ -181,7 +186,8 @@ def moe_mlp_recipes(src: str, dst: str, hidden: int, moe: MoeShape) -> Recipes:
 
 
 def moe_config(moe: MoeShape, args: dict[str, Any], layers: int, dense_ffn: int) -> dict[str, Any]:
-    """What transformers' ``MixtralConfig`` / ``Qwen2MoeConfig`` adds to the Llama fields for these MoE layers."""
+    """What transformers' ``MixtralConfig`` / ``Qwen2MoeConfig`` / ``Qwen3MoeConfig`` adds to the Llama fields for
+    these MoE layers."""
     aux = args.get("moe_aux_loss_coeff", 0.0)
     common = {"num_experts_per_tok": moe.topk, "router_aux_loss_coef": aux if isinstance(aux, float) else 0.0}
     if moe.arch == "mixtral":
@@ -193,17 +199,22 @@ def moe_config(moe: MoeShape, args: dict[str, Any], layers: int, dense_ffn: int)
             "sliding_window": None,
             **common,
         }
-    return {
-        "architectures": ["Qwen2MoeForCausalLM"],
-        "model_type": "qwen2_moe",
+    sparse = {
         "intermediate_size": dense_ffn,
         "moe_intermediate_size": moe.ffn,
-        "shared_expert_intermediate_size": moe.shared,
         "num_experts": moe.experts,
         "norm_topk_prob": moe.normalized,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(layers) if i not in moe.moe_layers],
-        "qkv_bias": False,
         "use_sliding_window": False,
         **common,
+    }
+    if moe.arch == "qwen3_moe":
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "sliding_window": None, **sparse}
+    return {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "shared_expert_intermediate_size": moe.shared,
+        "qkv_bias": False,
+        **sparse,
     }
