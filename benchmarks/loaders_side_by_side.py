@@ -6,7 +6,8 @@ the clock starts before the loader's import and stops after ``torch.cuda.synchro
 model is on the GPU. Methods:
 
 - ``zeroio``: ``zeroio.load(folder, model, device="cuda")`` (``zeroio@tT`` / ``zeroio@tTcC``: with
-  ``ZEROIO_READ_THREADS=T`` and ``ZEROIO_STAGING_BYTES=C`` MiB).
+  ``ZEROIO_READ_THREADS=T`` and ``ZEROIO_STAGING_BYTES=C`` MiB; ``zeroio-direct`` / ``zeroio-buffered``: with
+  ``ZEROIO_DIRECT_READS=1`` / ``0``).
 - ``zeroio-zero3``: the same from the ZeRO-3 checkpoint the files were converted from (``--zero``; its fp32
   records, cast on the GPU to the files' dtype).
 - ``safetensors``: ``safetensors.torch.load_file(f, device="cuda")`` per file + ``load_state_dict(assign=True)``.
@@ -132,6 +133,8 @@ def _env(method: str, before: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     tree = str(before) if before is not None and method.endswith("-before") else str(HERE.parent)
     env["PYTHONPATH"] = os.pathsep.join([tree, str(HERE), env.get("PYTHONPATH", "")])
+    if method.startswith(("zeroio-direct", "zeroio-buffered")):
+        env["ZEROIO_DIRECT_READS"] = "1" if method.startswith("zeroio-direct") else "0"
     if "@" in method:  # zeroio@t16c32: reader threads, staging MiB
         spec = method.split("@", 1)[1]
         threads, _, chunk = spec.lstrip("t").partition("c")

@@ -6,8 +6,10 @@ import functools
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from torch import nn
 
 import zeroio
 from zeroio import LoadReport, load
-from zeroio.errors import InitHookError, StateDictMismatchError, ZeroIOError
+from zeroio.errors import CheckpointFormatError, InitHookError, StateDictMismatchError, ZeroIOError
 
 MODES = ["normal", "meta", "hook"]
 
@@ -834,6 +836,95 @@ def test_load_to_cuda_through_pinned_chunks_equals_cpu(name, dtype, monkeypatch)
     for key, value in model.state_dict().items():
         assert value.device.type == "cuda", key
         assert value.dtype == cpu[key].dtype and torch.equal(value.cpu(), cpu[key]), key
+
+
+def _evict(path: Path) -> None:
+    """Make ``path`` cold: its next reads go to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("read_ahead", ["0", "1GiB"])
+@pytest.mark.parametrize("chunk", ["24", "5000", "16MiB"])
+def test_load_to_cuda_from_files_not_in_the_page_cache(tmp_path, monkeypatch, chunk, read_ahead):
+    """Bytes the page cache does not hold are read as the aligned blocks around them (O_DIRECT on a local disk),
+    and the tensor taken from inside them: exactly what safetensors saved, for any chunk size and offset."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "a": torch.randn(3, 1001, generator=g).to(torch.bfloat16),  # odd sizes: every entry at an unaligned offset
+        "b": torch.randn(7, generator=g),
+        "c": torch.randint(-(2**31), 2**31 - 1, (4099,), generator=g, dtype=torch.int32),
+        "d": torch.randn(2048, 9, generator=g).to(torch.float16),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    _evict(path)
+    monkeypatch.setenv("ZEROIO_DIRECT_READS", "1")
+    monkeypatch.setenv("ZEROIO_STAGING_BYTES", chunk)
+    monkeypatch.setenv("ZEROIO_PREFETCH_BYTES", read_ahead)
+    model = _plain_module(tensors)
+    report = load(path, model, device="cuda", strict=False)
+    assert report.missing_keys == () and report.unexpected_keys == ()
+    for key, value in model.state_dict().items():
+        assert value.device.type == "cuda" and torch.equal(value.cpu(), tensors[key]), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_load_to_cuda_refuses_a_file_swapped_before_its_direct_read(tmp_path, monkeypatch, kind):
+    """The O_DIRECT descriptor is opened at the first read the page cache cannot serve, after the descriptor pool
+    recorded the file: one swapped since for a link (to a copy of its bytes) or a FIFO is refused, never blocking,
+    as the pool refuses a reopened file that changed (tests/test_trust_low.py)."""
+    from safetensors.torch import save_file
+
+    if os.major(os.stat(tmp_path).st_dev) == 0:  # tmpfs, overlay: no block device, so no direct reads
+        pytest.skip("the temporary folder is not on a block device")
+    tensors = {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(5))}  # 4 MiB
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    shutil.copy(path, tmp_path / "copy.safetensors")
+    monkeypatch.setenv("ZEROIO_DIRECT_READS", "1")
+    monkeypatch.setenv("ZEROIO_PREFETCH_BYTES", "0")  # nothing read ahead: the tensor's bytes stay cold
+    monkeypatch.setenv("ZEROIO_STAGING_BYTES", "1MiB")
+    model = _plain_module(tensors)
+    found: list[BaseException] = []
+    with zeroio.open(path) as ckpt:
+        load(ckpt, _plain_module(tensors), device="cuda")  # warm: the page cache serves it, the pool records the file
+        _evict(path)  # cold again: the next load opens its O_DIRECT descriptor
+        path.unlink()
+        if kind == "link":
+            path.symlink_to(tmp_path / "copy.safetensors")
+        else:
+            os.mkfifo(path)
+
+        def run() -> None:
+            try:
+                load(ckpt, model, device="cuda")
+            except BaseException as exc:  # noqa: BLE001 - checked below, in the test's thread
+                found.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the load blocked"
+    assert found and isinstance(found[0], CheckpointFormatError), found
+    assert str(found[0]).startswith(f"'{path}' changed while zeroio was reading it"), found[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_to_cuda_refuses_a_misspelled_direct_reads_switch(tmp_path, monkeypatch):
+    """``ZEROIO_DIRECT_READS`` is 0 or 1: anything else is refused naming the variable, before anything is read."""
+    monkeypatch.setenv("ZEROIO_DIRECT_READS", "yes")
+    model = build()
+    with pytest.raises(ValueError, match=r"^ZEROIO_DIRECT_READS='yes' is not 0 or 1"):
+        load(FIXTURES / "z3_ws2_fp32", model, device="cuda")
 
 
 def test_load_report_is_frozen():

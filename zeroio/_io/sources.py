@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from ..errors import CheckpointFormatError
-from .fd_pool import FileIdentity, pool
+from .direct_read import cached_read, direct_read, supports_direct
+from .fd_pool import FileIdentity, open_regular, pool
 
 if TYPE_CHECKING:
     import torch
@@ -130,6 +131,8 @@ class LocalFile:
         self._size = size if size is not None or identity is None else identity[2]
         self._identity: FileIdentity | None = identity  # from the stat at open: the first open must find that file
         self._lock = threading.Lock()
+        self._direct: int | None = None  # an O_DIRECT descriptor (read_aligned), outside the pool
+        self._direct_refused = False
 
     def __repr__(self) -> str:
         return f"LocalFile('{self.path}')"
@@ -163,6 +166,53 @@ class LocalFile:
 
     def close(self) -> None:
         pool.release(self)
+        with self._lock:
+            if self._direct is not None:
+                os.close(self._direct)
+                self._direct = None
+
+    def _direct_fd(self) -> int | None:
+        """This file's ``O_DIRECT`` descriptor (opened once, outside the pool), or None where direct reads are off
+        or not possible here. It is opened as the pool opens (:func:`~.fd_pool.open_regular`): the file must be
+        the regular file first opened, so one swapped since for a link or a FIFO is refused, never blocking."""
+        with self._lock:
+            if self._direct is None and not self._direct_refused:
+                self._direct_refused = True
+                if supports_direct(self.path):
+                    try:
+                        fd, _ = open_regular(self.path, self._identity, os.O_DIRECT)
+                    except OSError:  # refused O_DIRECT (EINVAL: this file system, or a FIFO swapped in) or EMFILE
+                        self._check_unchanged()
+                        return None  # the very file, only not directly: read it buffered
+                    self._direct, self._direct_refused = fd, False
+            return self._direct
+
+    def _check_unchanged(self) -> None:
+        """Raise :class:`~zeroio.errors.CheckpointFormatError` if the path no longer opens the file first opened."""
+        try:
+            fd, _ = open_regular(self.path, self._identity)
+        except OSError:  # no descriptor to check with: the pool checks its own reopens
+            return
+        os.close(fd)
+
+    def read_aligned(self, offset: int, nbytes: int, buffer: memoryview) -> int:
+        """Read ``nbytes`` at ``offset`` into the page-aligned ``buffer`` (``nbytes + 2 * ALIGN`` bytes at least);
+        returns where in ``buffer`` they start. From the page cache where it holds them, else with ``O_DIRECT``
+        when the cache has none of them (:mod:`.direct_read`), else buffered."""
+        fd = self._lease()
+        try:
+            got = cached_read(fd, offset, buffer[:nbytes])
+        finally:
+            pool.end_lease(self)
+        if got == 0:
+            direct = self._direct_fd()
+            at = None if direct is None else direct_read(direct, offset, nbytes, buffer)
+            if at is not None:
+                return at
+        got = max(got, 0)
+        if got < nbytes:
+            self.read_many([(offset + got, buffer[got:nbytes])])
+        return 0
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         fd = self._lease()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .._formats import Checkpoint
+from .._io.direct_read import ALIGN, direct_reads_enabled
+from .._io.sources import LocalFile, tensor_bytes
 from .pinned_ring import PinnedRing
 from .prefetch import StartupPrefetch
 from .shard_reads import staging_bytes
@@ -64,7 +66,8 @@ def read_threads() -> int:
 @dataclass(slots=True)
 class _Piece:
     """One chunk of one job's tensor: elements ``[source, source + numel)`` of ``name`` into elements
-    ``[start, start + numel)`` of ``dest``'s flat view."""
+    ``[start, start + numel)`` of ``dest``'s flat view; ``direct``: past the bytes read ahead (so the disk may be
+    read directly where the page cache holds none of it)."""
 
     job: int
     name: str
@@ -72,6 +75,7 @@ class _Piece:
     start: int
     numel: int
     source: int
+    direct: bool = True
 
 
 Ranges = Sequence[tuple[int, int]] | None
@@ -83,8 +87,7 @@ local part); None: the whole tensor."""
 class _InFlight:
     piece: _Piece
     slot: int
-    host: torch.Tensor
-    read: Future[None] = field(default_factory=Future)
+    read: Future[int | None] = field(default_factory=Future)  # where in the slot's buffer the bytes start
 
 
 class _Slots:
@@ -133,13 +136,15 @@ class DeviceFiller:
         self.chunk_bytes = max(8, wanted - wanted % 8)  # whole elements of every dtype
         self.threads = max(1, (ring - 1) if ring else read_threads())
         self.ring = ring or self.threads + SPARE_SLOTS
+        self.direct = direct_reads_enabled()
+        self.slot_bytes = self.chunk_bytes + (2 * ALIGN if self.direct else 0)  # room for a direct read's blocks
         self._pinned: PinnedRing | None = None
         self._ahead: StartupPrefetch | None = None
 
     def prepare(self) -> None:
         """Start making the CUDA context and the pinned ring now, on a thread (see :mod:`.pinned_ring`)."""
         if self._pinned is None:
-            self._pinned = PinnedRing(self.device, self.ring, self.chunk_bytes)
+            self._pinned = PinnedRing(self.device, self.ring, self.slot_bytes)
 
     def read_ahead(self, ckpt: Checkpoint, names: Sequence[str]) -> None:
         """Have the kernel start reading tensors ``names``, in this order, until :meth:`fill` starts reading them
@@ -147,10 +152,14 @@ class DeviceFiller:
         self._stop_ahead()
         self._ahead = StartupPrefetch(ckpt, names)
 
-    def _stop_ahead(self) -> None:
+    def _stop_ahead(self) -> int:
+        """Stop reading ahead; the bytes asked for (the first of the plan, in order)."""
+        advised = 0
         if self._ahead is not None:
             self._ahead.stop()
+            advised = self._ahead.advised
             self._ahead = None
+        return advised
 
     def close(self) -> None:
         """Stop reading ahead; wait for :meth:`prepare`'s thread, if any."""
@@ -166,9 +175,12 @@ class DeviceFiller:
     def _pinned_buffer(self) -> torch.Tensor:
         if self._pinned is not None:
             return self._pinned.take()
-        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
 
-    def _pieces(self, ckpt: Checkpoint, jobs: Sequence[tuple[str, torch.Tensor, Ranges]]) -> Iterator[_Piece]:
+    def _pieces(
+        self, ckpt: Checkpoint, jobs: Sequence[tuple[str, torch.Tensor, Ranges]], advised: int
+    ) -> Iterator[_Piece]:
+        read = 0  # bytes of the plan before this piece, in the order they were read ahead
         for job, (name, dest, ranges) in enumerate(jobs):
             stored = ckpt.stored_dtype(name)
             step = max(1, self.chunk_bytes // stored.itemsize)
@@ -181,8 +193,9 @@ class DeviceFiller:
             for first, length in spans:
                 for at in range(0, length, step):
                     n = min(step, length - at)
-                    yield _Piece(job, name, dest, out, n, first + at)
+                    yield _Piece(job, name, dest, out, n, first + at, read >= advised)
                     out += n
+                    read += n * stored.itemsize
 
     def fill(
         self,
@@ -197,9 +210,9 @@ class DeviceFiller:
         has completed. Chunks are read in the stored dtype and cast on the device: widening to the checkpoint's
         logical dtype first, as the CPU path does, would change no value (stored dtypes are never wider).
         """
-        self._stop_ahead()  # from here the reader threads read, in the same order
+        advised = self._stop_ahead()  # from here the reader threads read, in the same order
         jobs = list(jobs)
-        pieces = list(self._pieces(ckpt, jobs))
+        pieces = list(self._pieces(ckpt, jobs, advised))
         left = [0] * len(jobs)  # pieces of each job not yet queued on the device
         for piece in pieces:
             left[piece.job] += 1
@@ -237,31 +250,50 @@ class _Fill:
         if self.left[piece.job] == 0:
             self.done(self.jobs[piece.job][0])
 
+    def _local_range(self, source: str, piece: _Piece) -> tuple[LocalFile, int, int] | None:
+        """The one plain local file range holding ``piece`` (a safetensors entry), for :meth:`LocalFile.read_aligned`;
+        None for anything else (CRC-checked records, remote objects, pieces spread over files)."""
+        where = self.ckpt.byte_map(source) if piece.direct and self.filler.direct else None
+        ranges = [] if where is None else where.locate(piece.source, piece.numel)
+        if len(ranges) != 1:
+            return None
+        file, offset, nbytes = ranges[0]
+        if not isinstance(file, LocalFile) or offset % self.ckpt.stored_dtype(source).itemsize:
+            return None
+        return file, offset, nbytes
+
     def _submit(self, readers: ThreadPoolExecutor, piece: _Piece, slot: int) -> None:
         ckpt = self.ckpt
         ckpt.ensure_open(piece.name)
-        buffer = self.slots.host[slot].view(ckpt.stored_dtype(piece.name))[: piece.numel]
-        entry = _InFlight(piece, slot, buffer)
+        source = ckpt.source_name(piece.name)
+        entry = _InFlight(piece, slot)
         self.reading.add(entry)
-        entry.read = readers.submit(ckpt.read_into, ckpt.source_name(piece.name), piece.source, buffer)
+        local = self._local_range(source, piece)
+        host = self.slots.host[slot]
+        if local is not None:
+            entry.read = readers.submit(local[0].read_aligned, local[1], local[2], tensor_bytes(host))
+        else:
+            out = host.view(ckpt.stored_dtype(source))[: piece.numel]
+            entry.read = readers.submit(ckpt.read_into, source, piece.source, out)
         entry.read.add_done_callback(lambda _: self.landed.put(entry))
 
     def _ship(self, entry: _InFlight) -> None:
         """Queue a landed read's copy (and cast) on the device; its slot is busy until the copy has passed."""
         self.reading.discard(entry)
-        entry.read.result()  # re-raises a read's error
+        at = entry.read.result() or 0  # re-raises a read's error
         piece = entry.piece
         target = piece.dest.view(-1)[piece.start : piece.start + piece.numel]
-        stored = entry.host.dtype
+        stored = self.ckpt.stored_dtype(piece.name)
+        host = self.slots.host[entry.slot][at : at + piece.numel * stored.itemsize].view(stored)
         if piece.dest.dtype == stored:
-            target.copy_(entry.host, non_blocking=True)
+            target.copy_(host, non_blocking=True)
         else:
             staging = self.slots.staging[entry.slot]
             if staging is None:
                 staging = torch.empty(self.filler.chunk_bytes, dtype=torch.uint8, device=self.filler.device)
                 self.slots.staging[entry.slot] = staging
             staged = staging.view(stored)[: piece.numel]
-            staged.copy_(entry.host, non_blocking=True)
+            staged.copy_(host, non_blocking=True)
             target.copy_(staged)
         self.slots.copying(entry.slot, self.stream.record_event())
         self._finished(piece)
