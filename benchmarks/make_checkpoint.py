@@ -190,13 +190,15 @@ def make_checkpoint(
     world_size: int = 2,
     overwrite: bool = False,
     launcher: str = "deepspeed",
+    cfg: GPTConfig | None = None,
 ) -> dict:
     """Build the checkpoint at ``out`` (a DeepSpeed checkpoint root) and return its manifest.
 
     ``launcher="torchrun"`` starts the ranks with ``torch.distributed.run`` instead of DeepSpeed's launcher: the
     same ranks, engine and files, ~8 s sooner (DeepSpeed's runner and its launch.py each import DeepSpeed first).
-    The tests use it; the benchmarks keep DeepSpeed's own launcher."""
-    cfg = config_for(params, vocab=vocab, n_ctx=n_ctx, tied=tied)
+    The tests use it; the benchmarks keep DeepSpeed's own launcher. ``cfg`` gives the exact shape instead of
+    ``params`` (benchmarks/scale.py: narrow, deep models of thousands of tensors)."""
+    cfg = cfg or config_for(params, vocab=vocab, n_ctx=n_ctx, tied=tied)
     out = out.resolve()
     repo = HERE.parent.parent
     if out == repo or repo in out.parents:
@@ -270,8 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
-                        help="torchrun: the same ranks and files, without DeepSpeed's launcher (~8 s sooner)")
+    parser.add_argument(
+        "--launcher",
+        choices=["deepspeed", "torchrun"],
+        default="deepspeed",
+        help="torchrun: the same ranks and files, without DeepSpeed's launcher (~8 s sooner)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the shape and parameter count only")
     # worker mode (used by DeepSpeed's launcher, which also passes --local_rank)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,22 +1,34 @@
-"""Scale in ranks and tensors: open, inspect, plan and convert of a ZeRO-3 layout of R ranks x T tensors, against
-DeepSpeed's lazy mode on the same layout. Each measurement is a fresh process (wall seconds, peak RSS).
+"""Scale in ranks and tensors: open, inspect, plan and convert of ZeRO layouts of R ranks x T tensors (and of an
+MoE checkpoint of thousands of expert files), against DeepSpeed's lazy mode on the same files. Each measurement is
+a fresh process: wall seconds, CPU seconds (user + system: the box may be shared) and peak RSS.
 
-The layout is built cheaply: a real DeepSpeed ZeRO-3 checkpoint of a narrow, deep GPT (``--layers`` blocks of
-width 64: 12 tensors each, so 170 layers give 2,045 tensors; vocabulary 512, context 64: ~9M parameters) made on 2
-CPU ranks by benchmarks/make_checkpoint.py, then ``zeroio.reshard`` to each rank count (DeepSpeed's own record
-layout, written by zeroio's writer, as ``engine.load_checkpoint`` reads it).
+Layouts, built cheaply and genuine:
 
-    python benchmarks/scale.py --work /tmp/zeroio-scale --ranks 64 256 1024 --json benchmarks/results/scale.json
+- ``gpt``: a real DeepSpeed ZeRO-3 checkpoint of a narrow, deep GPT (``--layers`` blocks of width 64: 12 tensors
+  each, plus 4, so 41 / 166 / 666 layers give 496 / 1,996 / 7,996 parameters; vocabulary 512, context 64, tied
+  head) made on 2 CPU ranks by ``benchmarks/make_checkpoint.py`` (torchrun, DeepSpeed's engine and
+  ``save_checkpoint``), then ``zeroio.reshard`` to each rank count: DeepSpeed's own record layout at that world
+  size, as ``engine.load_checkpoint`` reads it (tests/test_reshard.py resumes DeepSpeed from such files).
+- ``moe``: a real DeepSpeed ZeRO-2 checkpoint of ``deepspeed.moe.layer.MoE`` layers (``--moe LAYERSxEXPERTS``:
+  each expert a 2-layer MLP, 4 tensors; one ``layer_L_expert_E_mp_rank_00_model_states.pt`` file per expert),
+  trained one step on 2 CPU ranks with expert parallelism 2 and saved by ``engine.save_checkpoint``.
 
-Methods (each in its own process, after one warm-up read of the files):
+    python benchmarks/scale.py --work /tmp/zeroio-scale --layers 166 --ranks 64 256 1024 \\
+        --json benchmarks/results/scale-2core-ranks.json
+    python benchmarks/scale.py --work /tmp/zeroio-scale --layers 41 166 666 --ranks 256 \\
+        --json benchmarks/results/scale-2core-tensors.json
+    python benchmarks/scale.py --work /tmp/zeroio-scale --moe 8x64 16x128 --json benchmarks/results/scale-2core-moe.json
+
+Methods (each in its own process, after one warm-up read of the files, so the page cache holds them):
 
 - ``open``: ``zeroio.open(ckpt)`` and its ``infos`` (every tensor's name, shape, dtype): the metadata parse.
 - ``inspect``: ``python -m zeroio inspect CKPT`` (the CLI: parse + describe + print).
-- ``plan``: ``zeroio.open`` + ``list(ckpt.iter_chunks(name))`` of no tensor: as ``open``, plus each tensor's read plan
-  (``ckpt.byte_ranges`` of every tensor).
-- ``convert``: ``python -m zeroio convert CKPT OUT --quiet`` (safetensors, fsynced).
-- ``ds_lazy``: ``get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)`` (DeepSpeed 0.19.8), every
-  tensor's shape read from its lazy stand-in (no data materialised).
+- ``plan``: ``zeroio.open`` + ``ckpt.byte_ranges(name)`` of every tensor: each tensor's read plan, as file byte ranges.
+- ``convert``: ``python -m zeroio convert CKPT OUT --quiet`` (fp32 safetensors, fsynced).
+- ``ds_lazy``: ``get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)`` (DeepSpeed 0.19.8): its metadata
+  pass, every tensor a lazy stand-in (no data materialised).
+
+Each child also reports the seconds of the call itself (``call_s``: after its imports).
 """
 
 from __future__ import annotations
@@ -24,44 +36,56 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import platform
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
+_TIMED = "import json, time\n{imports}\nt0 = time.perf_counter()\n{body}\nprint(json.dumps({{'call_s': time.perf_counter() - t0, 'n': n}}))\n"
 CHILD = {
-    "open": "import zeroio\nc = zeroio.open(SRC)\nn = len(c.infos)\nc.close()\nprint(n)",
-    "plan": (
-        "import zeroio\nc = zeroio.open(SRC)\nn = 0\nfor name in c.infos:\n"
-        "    n += len(c.byte_ranges(c.source_name(name)) or ())\nc.close()\nprint(n)"
+    "open": _TIMED.format(imports="import zeroio", body="c = zeroio.open(SRC)\nn = len(c.infos)\nc.close()"),
+    "plan": _TIMED.format(
+        imports="import zeroio",
+        body="c = zeroio.open(SRC)\nn = 0\nfor name in c.infos:\n    n += len(c.byte_ranges(name) or ())\nc.close()",
     ),
-    "ds_lazy": (
-        "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g\n"
-        "sd = g(SRC, lazy_mode=True)\nprint(sum(1 for k, v in sd.items() if v.shape is not None))"
+    "ds_lazy": _TIMED.format(
+        imports="from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g",
+        body="sd = g(SRC, lazy_mode=True)\nn = sum(1 for v in sd.values() if v.shape is not None)",
     ),
 }
 
+_WRAPPER = """import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+p = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+dt = time.perf_counter() - t0
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+out = {'seconds': dt, 'cpu_s': ru.ru_utime + ru.ru_stime, 'peak_rss_bytes': ru.ru_maxrss * 1024,
+       'exit': p.returncode}
+for line in reversed(p.stdout.strip().splitlines()):
+    if line.startswith('{'):
+        out.update(json.loads(line))
+        break
+if p.returncode:
+    out['err'] = p.stderr.strip()[-600:]
+print(json.dumps(out))
+"""
+
 
 def _measure(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Wall time and peak RSS of one fresh process (``ru_maxrss`` of a waited child: use a wrapper per run)."""
-    wrapper = (
-        "import resource, subprocess, sys, time, json\n"
-        "t0 = time.perf_counter()\n"
-        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-        "dt = time.perf_counter() - t0\n"
-        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
-        "print(json.dumps({'seconds': dt, 'peak_rss_bytes': rss, 'exit': p.returncode, "
-        "'out': p.stdout.strip()[-200:], 'err': p.stderr.strip()[-800:]}))\n"
-    )
+    """Wall and CPU seconds and peak RSS of one fresh process (measured by a wrapper process, its only child)."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", wrapper, *cmd], env=env, capture_output=True, text=True, timeout=timeout, check=False
+            [sys.executable, "-c", _WRAPPER, *cmd],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return {"seconds": None, "timed_out": timeout}
@@ -73,66 +97,203 @@ def _tree_bytes(path: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def build(work: Path, layers: int) -> Path:
-    """The 2-rank source checkpoint (real DeepSpeed ZeRO-3)."""
+def _warm(path: Path) -> None:
+    """Read every file once, so each method finds the page cache warm."""
+    for p in path.rglob("*.pt"):
+        with p.open("rb") as fh:
+            while fh.read(1 << 24):
+                pass
+
+
+def build_gpt(work: Path, layers: int) -> Path:
+    """The 2-rank DeepSpeed ZeRO-3 source checkpoint of ``layers`` blocks of width 64."""
     src = work / f"src-{layers}"
     if not (src / "manifest.json").is_file():
         sys.path.insert(0, str(HERE))
         import make_checkpoint as make
 
-        cfg_params = str(make.GPTConfig(512, 64, layers, 64, True).num_params())
-        make.make_checkpoint(src, params=cfg_params, vocab=512, n_ctx=64, world_size=2, overwrite=True)
+        cfg = make.GPTConfig(vocab=512, n_ctx=64, n_layer=layers, d_model=64, tied=True)
+        make.make_checkpoint(src, params=str(cfg.num_params()), cfg=cfg, vocab=512, n_ctx=64, world_size=2,
+                             overwrite=True, launcher="torchrun")  # fmt: skip
     return src
+
+
+def reshard(src: Path, dst: Path, ranks: int, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """``zeroio.reshard(src, dst, world_size=ranks)`` in a fresh process (timed), unless ``dst`` exists."""
+    if (dst / "latest").is_file():
+        return {"reused": True}
+    body = f"import zeroio\nzeroio.reshard({str(src)!r}, {str(dst)!r}, world_size={ranks})\nn = {ranks}"
+    return _measure([sys.executable, "-c", _TIMED.format(imports="", body=body)], env, timeout)
+
+
+# --------------------------------------------------------------------------- the MoE checkpoint (DeepSpeed, 2 ranks)
+
+
+def moe_worker(layers: int, experts: int, out: Path) -> None:
+    """Runs on each of 2 ranks under torchrun: ``layers`` MoE layers of ``experts`` experts, one step, save."""
+    import deepspeed
+    import torch
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(1234)
+    dim, hidden, vocab = 8, 8, 64
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.moes = nn.ModuleList(
+                MoE(hidden_size=dim, expert=nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim)),
+                    num_experts=experts, ep_size=2, k=1, min_capacity=4, drop_tokens=False)
+                for _ in range(layers)
+            )  # fmt: skip
+            self.head = nn.Linear(dim, vocab)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids)
+            for moe in self.moes:
+                x = x + moe(x)[0]
+            return self.head(x)
+
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    model = Net()
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    loss = engine(ids).float().logsumexp(-1).mean()
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(str(out), tag="global_step1")
+    torch.distributed.barrier()
+
+
+def build_moe(work: Path, layers: int, experts: int) -> Path:
+    """The DeepSpeed MoE checkpoint (2 ranks, expert parallel 2, ZeRO-2), built once."""
+    out = work / f"moe-{layers}x{experts}"
+    if (out / "latest").is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    sys.path.insert(0, str(HERE))
+    import make_checkpoint as make
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(make._free_port()), str(Path(__file__).resolve()),
+           "--moe-worker", f"{layers}x{experts}", "--work", str(out)]  # fmt: skip
+    log = work / f".moe-{layers}x{experts}.log"
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode:
+        raise SystemExit(f"DeepSpeed MoE build failed; see {log}")
+    for script in out.glob("*.py"):
+        script.unlink()
+    return out
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+def run_methods(
+    ckpt: Path, methods: list[str], work: Path, env: dict[str, str], timeout: float, facts: dict[str, Any]
+) -> list[dict[str, Any]]:
+    files, nbytes = _tree_bytes(ckpt)
+    results = []
+    for method in methods:
+        _warm(ckpt)
+        if method in CHILD:
+            cmd = [sys.executable, "-c", f"SRC = {str(ckpt)!r}\n" + CHILD[method]]
+        elif method == "inspect":
+            cmd = [sys.executable, "-m", "zeroio", "inspect", str(ckpt)]
+        else:
+            out = work / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, "-m", "zeroio", "convert", str(ckpt), str(out), "--quiet"]
+        run = {**facts, "files": files, "bytes": nbytes, "method": method, "load_avg": os.getloadavg()[0]}
+        run.update(_measure(cmd, env, timeout))
+        results.append(run)
+        print(json.dumps({k: v for k, v in run.items() if k != "err"}), flush=True)
+        if run.get("exit"):
+            print(run.get("err"), file=sys.stderr, flush=True)
+    shutil.rmtree(work / "out", ignore_errors=True)
+    return results
+
+
+def _host() -> dict[str, Any]:
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    mem = next((line.split(":")[1].strip() for line in meminfo if line.startswith("MemTotal")), None)
+    cpu = next((line.split(":")[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    import deepspeed
+    import torch
+
+    git = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(git, check=False, capture_output=True, text=True).stdout.strip()
+    return {"cpus": os.cpu_count(), "cpu": cpu, "mem_total": mem, "python": platform.python_version(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "zeroio_commit": commit,
+            "load_avg_start": os.getloadavg()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/zeroio-scale"))
-    parser.add_argument("--layers", type=int, default=170)
+    parser.add_argument("--layers", type=int, nargs="*", default=[], help="GPT sources: blocks of 12 tensors each")
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--moe", nargs="*", default=[], help="MoE sources: LAYERSxEXPERTS, e.g. 8x64")
     parser.add_argument("--methods", nargs="+", default=["open", "inspect", "plan", "convert", "ds_lazy"])
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--moe-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.moe_worker:
+        layers, experts = map(int, args.moe_worker.split("x"))
+        moe_worker(layers, experts, args.work)
+        return 0
     args.work.mkdir(parents=True, exist_ok=True)
-    src = build(args.work, args.layers)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    sys.path.insert(0, str(REPO))
-    import zeroio
+    # Bytecode compiled once and kept, as an installed wheel has it (this box sets PYTHONDONTWRITEBYTECODE=1, so
+    # each process would otherwise compile zeroio from source first).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "zeroio")], env=env, check=True)
+    out: dict[str, Any] = {"host": _host(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "runs": []}
+    out["host"]["bytecode"] = "zeroio compiled once (compileall), PYTHONDONTWRITEBYTECODE unset in the runs"
 
-    results: list[dict[str, Any]] = []
-    for ranks in args.ranks:
-        ckpt = args.work / f"r{ranks}"
-        if not ckpt.is_dir():
-            t0 = time.perf_counter()
-            zeroio.reshard(src, ckpt, world_size=ranks)
-            print(f"resharded to {ranks} ranks in {time.perf_counter() - t0:.1f} s", flush=True)
-        files, nbytes = _tree_bytes(ckpt)
-        subprocess.run(["cat", *map(str, ckpt.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=False)  # warm
-        for method in args.methods:
-            if method in CHILD:
-                cmd = [sys.executable, "-c", f"SRC = {str(ckpt)!r}\n" + CHILD[method]]
-            elif method == "inspect":
-                cmd = [sys.executable, "-m", "zeroio", "inspect", str(ckpt)]
-            else:
-                out = args.work / "out"
-                shutil.rmtree(out, ignore_errors=True)
-                cmd = [sys.executable, "-m", "zeroio", "convert", str(ckpt), str(out), "--quiet"]
-            run = {"ranks": ranks, "files": files, "bytes": nbytes, "method": method}
-            run.update(_measure(cmd, env, args.timeout))
-            results.append(run)
-            shown = {k: v for k, v in run.items() if k not in ("err",)}
-            print(json.dumps(shown), flush=True)
-            if run.get("exit"):
-                print(run.get("err"), file=sys.stderr)
-    tensors = None
-    with zeroio.open(args.work / f"r{args.ranks[0]}") as c:
-        tensors = len(c.infos)
-    out = {"layers": args.layers, "tensors": tensors, "runs": results, "cpus": os.cpu_count()}
-    out["load_avg"] = os.getloadavg()
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
-    _ = resource  # peak RSS is read in the wrapper process
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+    for layers in args.layers:
+        src = build_gpt(args.work, layers)
+        for ranks in args.ranks:
+            ckpt = args.work / f"r{layers}-{ranks}"
+            made = reshard(src, ckpt, ranks, env, args.timeout)
+            facts = {"layout": "gpt", "layers": layers, "tensors": 12 * layers + 4, "ranks": ranks}
+            out["runs"].append(
+                {**facts, "method": "reshard", **made, **dict(zip(("files", "bytes"), _tree_bytes(ckpt)))}
+            )
+            print(json.dumps(out["runs"][-1]), flush=True)
+            out["runs"] += run_methods(ckpt, args.methods, args.work, env, args.timeout, facts)
+            save()
+    for spec in args.moe:
+        layers, experts = map(int, spec.split("x"))
+        ckpt = build_moe(args.work, layers, experts)
+        facts = {"layout": "moe", "layers": layers, "experts": layers * experts, "tensors": None, "ranks": 2}
+        runs = run_methods(ckpt, args.methods, args.work, env, args.timeout, facts)
+        for run in runs:
+            run["expert_tensors"] = 4 * layers * experts
+        out["runs"] += runs
+        save()
+    out["host"]["load_avg_end"] = os.getloadavg()
+    save()
     return 0
 
 

@@ -47,7 +47,7 @@ def _watch_copy_file_range(monkeypatch) -> list[tuple[str, str, int, int]]:
         calls.append((name, os.readlink(f"/proc/self/fd/{dst}"), offset_dst, done))
         return done
 
-    monkeypatch.delenv("ZEROIO_NO_COPY_FILE_RANGE", raising=False)
+    monkeypatch.setenv("ZEROIO_NO_COPY_FILE_RANGE", "0")  # every run, however short (the fixtures' are bytes)
     monkeypatch.setattr(os, "copy_file_range", recording)
     return calls
 
@@ -88,3 +88,27 @@ def test_trainable_tensors_take_the_kernel_path(tmp_path, monkeypatch):
     zeroio.convert(src, tmp_path / "bf16", dtype="bf16", progress=False)
     begin, end = _data_range(tmp_path / "bf16" / "model.safetensors", "emb.weight")
     assert not [c for c in calls if c[1].endswith("model.safetensors") and begin <= c[2] < end]
+
+
+def test_short_runs_are_packed_into_one_write(tmp_path, monkeypatch):
+    """By default runs shorter than KERNEL_RUN (a ZeRO-3 parameter over many ranks) are read into one buffer and
+    written once: no copy_file_range, one pwrite for all of emb.weight's 4 rank pieces, the same bytes."""
+    calls = _watch_copy_file_range(monkeypatch)
+    monkeypatch.delenv("ZEROIO_NO_COPY_FILE_RANGE")
+    writes: list[tuple[int, int]] = []
+    real = os.pwrite
+
+    def recording(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("model.safetensors"):
+            writes.append((offset, len(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", recording)
+    src = FIXTURES / "z3_ws4_fp32"
+    zeroio.convert(src, tmp_path / "out", progress=False)
+    out = tmp_path / "out" / "model.safetensors"
+    begin, end = _data_range(out, "emb.weight")
+    assert not [c for c in calls if c[1].endswith("model.safetensors")]
+    assert [(o, n) for o, n in writes if begin <= o < end] == [(begin, end - begin)]
+    with zeroio.open(src) as ckpt:
+        assert out.read_bytes()[begin:end] == ckpt["emb.weight"].numpy().tobytes()

@@ -6,6 +6,7 @@ import pytest
 
 from zeroio._formats.partition import (
     Piece,
+    Zero3Pieces,
     locate,
     split_pieces,
     zero3_offsets,
@@ -76,6 +77,26 @@ def test_zero3_plans_rebuild_every_parameter(world_size, numels, group_counts):
     for p, numel in enumerate(numels):
         plan = zero3_plan(numel, offsets[p], world_size, sizes)
         assert _rebuild(plan, numel, world_size, groups) == [(p, i) for i in range(numel)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("sizes", [[400], [13, 0, 387], [1, 1, 1, 397]])
+def test_zero3_pieces_made_on_demand_equal_the_plan(world_size, sizes):
+    """Zero3Pieces iterates, counts, indexes and picks overlapping pieces exactly as zero3_plan's list."""
+    for numel in (0, 1, 5, 63, 64, 65, 130):
+        for offset in (0, 1, 12):
+            part = zero3_partition_numel(numel, world_size)
+            if offset + part > sum(sizes):
+                continue
+            plan, lazy = zero3_plan(numel, offset, world_size, sizes), Zero3Pieces(numel, offset, world_size, sizes)
+            assert list(lazy) == plan and len(lazy) == len(plan) and lazy == plan
+            assert [lazy[i] for i in range(-len(plan), len(plan))] == plan + plan and list(lazy[1:3]) == plan[1:3]
+            for start in range(0, numel + 1, 7):
+                for end in (start, start + 1, start + 9, numel):
+                    touched = [p for p in plan if p.dest < end and p.dest + p.length > start and start < end]
+                    assert list(lazy.overlapping(start, end)) == touched, (numel, offset, start, end)
+            with pytest.raises(IndexError):
+                lazy[len(plan)]
 
 
 def test_locate_crosses_group_boundaries_and_skips_empty_groups():

@@ -229,6 +229,19 @@ def test_tiny_chunks_write_the_same_tensors(tmp_path: Path) -> None:
         _assert_same_except_padding(_load(tmp_path / "tiny" / "global_step2" / path.name), _load(path), "", {})
 
 
+def test_read_ahead_over_a_few_ranks_writes_the_same_bytes(tmp_path: Path) -> None:
+    """Windows read once for several consecutive ranks (3 of 7 here, a chunk of 3 ranks' bytes) and for all of
+    them (a big chunk) write the files that reading each rank's part alone (a chunk under one rank's) writes."""
+    whole = reshard(FIXTURES / "z3_ws3_fp32", tmp_path / "all", world_size=7)
+    per_rank = whole.total_size // 7
+    reshard(FIXTURES / "z3_ws3_fp32", tmp_path / "three", world_size=7, chunk_bytes=3 * per_rank + 4)
+    reshard(FIXTURES / "z3_ws3_fp32", tmp_path / "one", world_size=7, chunk_bytes=per_rank // 2)
+    for path in whole.files:
+        name = path.relative_to(tmp_path / "all")
+        assert (tmp_path / "three" / name).read_bytes() == path.read_bytes(), name
+        assert (tmp_path / "one" / name).read_bytes() == path.read_bytes(), name
+
+
 def test_output_tag_and_progress(tmp_path: Path) -> None:
     """output_tag names the tag folder and `latest`; a progress callback sees every byte."""
     seen: list[tuple[int, int]] = []

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from itertools import islice
+from typing import NamedTuple, overload
 
 __all__ = [
     "Piece",
+    "Zero3Pieces",
     "locate",
     "split_pieces",
     "zero3_offsets",
@@ -23,10 +25,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
+class Piece(NamedTuple):
     """Read ``length`` elements of ``rank``'s flat group ``group`` from ``start``; they are the
-    parameter's flattened elements ``[dest, dest + length)``."""
+    parameter's flattened elements ``[dest, dest + length)``.
+
+    A named tuple, not a dataclass: a 1,024-rank ZeRO-3 checkpoint of 2,000 tensors plans 2 million of them, and a
+    tuple is made in a quarter of the time."""
 
     rank: int
     group: int
@@ -84,17 +88,88 @@ def zero3_plan(numel: int, offset: int, world_size: int, group_sizes: Sequence[i
     ``numel`` on the last ranks is padding and is never read.
     """
     part = zero3_partition_numel(numel, world_size)
-    pieces = []
+    pieces: list[Piece] = []
+    if part == 0:
+        return pieces
+    full = locate(group_sizes, offset, part)  # every rank's flat vector has the same layout: one lookup for all
     for rank in range(world_size):
         first = rank * part
         length = min(part, numel - first)
         if length <= 0:
             break
-        # Every rank's flat vector has the same layout, so the same offset applies on each.
-        for group, start, run in locate(group_sizes, offset, length):
+        for group, start, run in full if length == part else locate(group_sizes, offset, length):
             pieces.append(Piece(rank, group, start, run, first))
             first += run
     return pieces
+
+
+class Zero3Pieces(Sequence[Piece]):
+    """:func:`zero3_plan`'s pieces, made when asked for, not held.
+
+    A ZeRO-3 parameter has a piece (or a few) on every rank, all at the same place in each rank's flat groups:
+    2,000 parameters on 1,024 ranks would be 2 million objects made at open and kept for the checkpoint's life.
+    This holds the parameter's one layout and makes the pieces when iterated; :meth:`overlapping` makes only those of
+    the ranks a read touches.
+    """
+
+    __slots__ = ("_full", "_numel", "_part", "_ranks", "_tail")
+
+    def __init__(self, numel: int, offset: int, world_size: int, group_sizes: Sequence[int]) -> None:
+        part = zero3_partition_numel(numel, world_size)
+        self._numel, self._part = numel, part
+        self._ranks = -(-numel // part) if part else 0  # ranks holding elements; the last may hold fewer
+        last = numel - (self._ranks - 1) * part if part else 0
+        self._full = tuple(locate(group_sizes, offset, part)) if part else ()
+        self._tail = self._full if last == part else tuple(locate(group_sizes, offset, last))
+
+    def __len__(self) -> int:
+        return (self._ranks - 1) * len(self._full) + len(self._tail) if self._ranks else 0
+
+    def _rank(self, rank: int) -> Iterator[Piece]:
+        first = rank * self._part
+        for group, start, run in self._full if rank < self._ranks - 1 else self._tail:
+            yield Piece(rank, group, start, run, first)
+            first += run
+
+    def __iter__(self) -> Iterator[Piece]:
+        for rank in range(self._ranks):
+            yield from self._rank(rank)
+
+    def overlapping(self, start: int, end: int) -> Iterator[Piece]:
+        """The pieces holding any of the parameter's elements ``[start, end)``, in order."""
+        end = min(end, self._numel)
+        if end <= start or not self._part:
+            return
+        for rank in range(max(0, start // self._part), min(self._ranks, -(-end // self._part))):
+            for piece in self._rank(rank):
+                if piece.dest < end and piece.dest + piece.length > start:
+                    yield piece
+
+    @overload
+    def __getitem__(self, index: int) -> Piece: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Piece]: ...
+
+    def __getitem__(self, index: int | slice) -> Piece | Sequence[Piece]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("piece index out of range")
+        rank = min(index // len(self._full), self._ranks - 1)
+        return next(islice(self._rank(rank), index - rank * len(self._full), None))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Zero3Pieces({list(self)!r})"
 
 
 def zero12_offsets(numels: Sequence[int], alignment_paddings: Sequence[int] | None = None) -> tuple[list[int], int]:

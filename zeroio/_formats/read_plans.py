@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -10,7 +11,7 @@ from .._dtypes import FLOAT32, DType, as_dtype, to_torch
 from .._io.sources import ByteRange
 from .._pickles import RankFile, TensorRef
 from .metadata import CheckpointMetadata, TensorInfo, require
-from .partition import Piece
+from .partition import Piece, Zero3Pieces
 from .stored_bits import ref_bytes, rounds_to
 from .validate import tensor_ref
 
@@ -36,7 +37,8 @@ __all__ = [
 class FlatPlan:
     """Elements gathered from the ranks' flat groups (trainable params, ZeRO-3 frozen fragments)."""
 
-    pieces: tuple[Piece, ...]
+    pieces: Sequence[Piece]
+    """A tuple, or a :class:`~.partition.Zero3Pieces` (ZeRO-3 trainable parameters: made when iterated)."""
     groups: tuple[tuple[TensorRef, ...], ...]  # groups[rank][group]
 
 
@@ -57,7 +59,8 @@ def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor) 
     if isinstance(source, WholePlan):
         source.ref.read(start, out.numel(), out)
         return
-    for piece in source.pieces:
+    pieces = source.pieces
+    for piece in pieces.overlapping(start, end) if isinstance(pieces, Zero3Pieces) else pieces:
         lo = max(start, piece.dest)
         hi = min(end, piece.dest + piece.length)
         if lo >= hi:

@@ -7,6 +7,8 @@ over the bytes. It lets reads of one record arrive in any order, from any thread
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["crc32_combine"]
 
 _POLY = 0xEDB88320
@@ -40,8 +42,10 @@ def _x2n_table() -> tuple[int, ...]:
 _X2N = _x2n_table()
 
 
+@functools.lru_cache(maxsize=4096)
 def _x8nmodp(nbytes: int) -> int:
-    """``x^(8 * nbytes)`` modulo the polynomial: the shift of appending ``nbytes`` bytes."""
+    """``x^(8 * nbytes)`` modulo the polynomial: the shift of appending ``nbytes`` bytes (cached: the pieces of a
+    ZeRO-3 parameter are one length on every rank)."""
     p = 1 << 31  # x^0
     k = 3  # 8 = 2^3 bits per byte
     while nbytes:

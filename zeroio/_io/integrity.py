@@ -37,6 +37,21 @@ _SCRATCH_BYTES = 8 * 2**20
 """Largest read made only to check a CRC (padding, bytes about to be kernel-copied): bounds its memory."""
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """This thread's buffer for reads made only to check CRCs: one for all files (a checkpoint of 1,024 rank files
+    held a buffer of ``_SCRATCH_BYTES`` per file, 4 GB), as large as asked, up to ``_SCRATCH_BYTES``.
+
+    A bytearray, not a tensor: a torch-free conversion stays torch-free."""
+    buffer: memoryview | None = getattr(_SCRATCH, "buffer", None)
+    wanted = min(max(nbytes, 1), _SCRATCH_BYTES)
+    if buffer is None or len(buffer) < wanted:
+        buffer = _SCRATCH.buffer = memoryview(bytearray(max(wanted, 64 * 1024)))
+    return buffer
+
+
 @dataclass(slots=True)
 class _Record:
     """One zip record: where its data lies, its stored CRC, and the CRCs of the disjoint runs seen so far."""
@@ -82,6 +97,23 @@ class _Record:
             crc, hi = crc32_combine(crc, n_crc, n_hi - hi), n_hi
         self.seen.insert(i, (lo, hi, crc))
 
+    def run_ending_at(self, lo: int) -> tuple[int, int, int] | None:
+        """The seen run that ends at ``lo``, if any."""
+        i = bisect.bisect_left(self.seen, (lo, 0)) - 1
+        return self.seen[i] if i >= 0 and self.seen[i][1] == lo else None
+
+    def extend(self, run: tuple[int, int, int], hi: int, crc: int) -> bool:
+        """Make ``run`` reach ``hi`` with ``crc`` (the CRC from its start), merging a run that starts at ``hi``;
+        False when ``run`` is no longer a run as it was (another thread merged it meanwhile)."""
+        i = bisect.bisect_left(self.seen, (run[0], 0))
+        if i >= len(self.seen) or self.seen[i] != run:
+            return False
+        if i + 1 < len(self.seen) and self.seen[i + 1][0] == hi:
+            _, n_hi, n_crc = self.seen.pop(i + 1)
+            crc, hi = crc32_combine(crc, n_crc, n_hi - hi), n_hi
+        self.seen[i] = (run[0], hi, crc)
+        return True
+
     def settle(self) -> None:
         """Once every byte is seen: verified, or ``found`` holds the disagreeing CRC."""
         if len(self.seen) == 1 and self.seen[0][:2] == (0, self.size) or self.size == 0:
@@ -109,7 +141,6 @@ class CheckedFile:
         self._starts: list[int] = []
         self._pending: dict[int, _Record] = {}  # read in part, not yet checked, by start
         self._crc_lock = threading.Lock()
-        self._scratch = threading.local()
 
     def expect(self, name: str, start: int, size: int, crc: int) -> None:
         """Register the record ``name`` (data at byte ``start``, ``size`` bytes, stored CRC ``crc``); idempotent."""
@@ -219,12 +250,10 @@ class CheckedFile:
 
     def _read_and_check(self, lo: int, hi: int) -> None:
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""
-        buffer = getattr(self._scratch, "buffer", None)
-        if buffer is None:  # a bytearray, not a tensor: a torch-free conversion stays torch-free
-            buffer = self._scratch.buffer = memoryview(bytearray(_SCRATCH_BYTES))
+        buffer = _scratch(hi - lo)
         at = lo
         while at < hi:
-            piece = buffer[: min(_SCRATCH_BYTES, hi - at)]
+            piece = buffer[: min(len(buffer), hi - at)]
             self.source.read_into(at, piece, "a tensor record")  # a short source raises, naming itself
             self._saw(at, piece)
             at += len(piece)
@@ -238,13 +267,21 @@ class CheckedFile:
             base = record.start - offset  # data index of record byte 0
             with self._crc_lock:
                 gaps = [] if record.verified or record.found is not None else record.gaps(lo, hi)
-            crcs = [(a, b, zlib.crc32(data[base + a : base + b])) for a, b in gaps]  # releases the GIL
+                before = record.run_ending_at(gaps[0][0]) if gaps else None
+            # Bytes right after a run already seen (reading a record in order) continue its CRC: no combine.
+            crcs = [
+                (a, b, zlib.crc32(data[base + a : base + b], before[2] if i == 0 and before else 0))
+                for i, (a, b) in enumerate(gaps)
+            ]  # zlib.crc32 releases the GIL
             with self._crc_lock:
-                for a, b, crc in crcs:
+                for i, (a, b, crc) in enumerate(crcs):
                     if record.verified or record.found is not None:
                         break
                     raced = record.gaps(a, b)
-                    if raced == [(a, b)]:
+                    if raced == [(a, b)] and i == 0 and before is not None:
+                        if not record.extend(before, b, crc):  # the run changed meanwhile: add the bytes alone
+                            record.add(a, b, zlib.crc32(data[base + a : base + b]))
+                    elif raced == [(a, b)]:
                         record.add(a, b, crc)
                     else:  # another thread saw part of it meanwhile
                         for c, d in raced:

@@ -26,6 +26,7 @@ __all__ = [
     "LocalFile",
     "can_copy_in_kernel",
     "kernel_copy_enabled",
+    "kernel_copy_forced",
     "open_source",
     "tensor_bytes",
     "writable_bytes",
@@ -102,6 +103,12 @@ def kernel_copy_enabled() -> bool:
         and sys.byteorder == "little"
         and os.environ.get("ZEROIO_NO_COPY_FILE_RANGE") != "1"
     )
+
+
+def kernel_copy_forced() -> bool:
+    """``ZEROIO_NO_COPY_FILE_RANGE=0``: ``copy_file_range`` even for runs short enough to pack (tests use it on
+    small fixtures); unset, short runs are packed through memory (``zeroio._write.byte_writes.KERNEL_RUN``)."""
+    return kernel_copy_enabled() and os.environ.get("ZEROIO_NO_COPY_FILE_RANGE") == "0"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

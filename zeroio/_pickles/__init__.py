@@ -3,19 +3,21 @@
 Modules, lowest first: ``standins`` (inert stand-ins for the classes a pickle names), ``limits`` (how much work a
 pickle may ask for), ``archive`` (the torch zip archive, :class:`RankFile` and lazy :class:`TensorRef`), ``allowed``
 (the globals a pickle may name, sealed against change), ``read`` (the restricted unpickler, :func:`load_pickle`),
-``plain`` (one walk from a parsed tree to plain objects), ``write`` (DeepSpeed-class records and rank files
+``replica`` (rank files repeating another's pickle, read without unpickling it), ``plain`` (one walk from a parsed
+tree to plain objects), ``write`` (DeepSpeed-class records and rank files
 written chunk by chunk).
 """
 
 from __future__ import annotations
 
 from .allowed import short_repr
-from .archive import RankFile, TensorRef
+from .archive import RankFile, TensorRef, read_archive
 from .dcp_metadata_unpickler import load_dcp_metadata
 from .embedded import EmbeddedTensor
 from .limits import MAX_DEPTH, MAX_DIMS, MAX_NUMEL, MAX_PICKLE_BYTES, too_large
 from .plain_tree import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
 from .read import load_embedded, load_pickle
+from .replica import Replica, template_of
 from .standins import (
     ZERO_STAGE_ENUM,
     Inert,
@@ -42,6 +44,7 @@ __all__ = [
     "InertParts",
     "RankFile",
     "RankFileBuilder",
+    "Replica",
     "StandinRule",
     "TensorRef",
     "TensorRule",
@@ -56,8 +59,10 @@ __all__ = [
     "load_dcp_metadata",
     "load_embedded",
     "load_pickle",
+    "read_archive",
     "read_tensor",
     "short_repr",
+    "template_of",
     "to_plain",
     "too_large",
     "where_text",

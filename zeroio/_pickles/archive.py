@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import bisect
+import io
 import os
 import struct
 import zipfile
@@ -22,6 +23,7 @@ from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .legacy import is_legacy_head
 from .limits import MAX_PICKLE_BYTES
+from .zip_directory import ZipRecord, read_directory, read_stored
 
 if TYPE_CHECKING:
     import torch
@@ -29,11 +31,15 @@ if TYPE_CHECKING:
 __all__ = [
     "Archive",
     "RankFile",
+    "RecordInfo",
     "Storage",
     "TensorRef",
     "check_pickle_record",
     "read_archive",
 ]
+
+RecordInfo = zipfile.ZipInfo | ZipRecord
+"""A zip record's directory entry: :class:`zipfile.ZipInfo`, or the same fields read by :mod:`.zip_directory`."""
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
@@ -133,13 +139,17 @@ class RankFile:
     """
 
     path: Path
-    _records: dict[str, zipfile.ZipInfo] = field(default_factory=dict, repr=False)
+    _records: dict[str, RecordInfo] = field(default_factory=dict, repr=False)
     _data_offsets: dict[str, int] = field(default_factory=dict, repr=False)
     size: int = 0
     legacy_offsets: dict[str, int] | None = field(default=None, repr=False)
     """For a legacy (non-zip) stream: each storage's data offset, indexed at parse time (see ``.legacy``)."""
     identity: FileIdentity | None = field(default=None, repr=False)
     """The file whose directory was read at open: a file swapped before the first tensor read is refused."""
+    root: str | None = None
+    """The zip archive's root folder (``torch.save`` names it after the file's stem, or ``archive``)."""
+    empty_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    """Storages known to hold no bytes whose records are not kept (see ``.replica``): nothing is ever read there."""
     _header_starts: list[int] | None = field(default=None, init=False, repr=False)
     source: CheckedFile = field(init=False, repr=False)
     """The file's bytes; reads of zip storage records are checked against their CRC-32 (``zeroio._io.integrity``).
@@ -158,6 +168,13 @@ class RankFile:
         return "zip" if self.legacy_offsets is None else "legacy"
 
     @property
+    def storage_records(self) -> dict[str, tuple[int, int]]:
+        """``{storage key: (CRC-32, bytes)}`` of every storage record."""
+        found = dict.fromkeys(self.empty_keys, (0, 0))
+        found.update((key, (int(info.CRC), int(info.file_size))) for key, info in self._records.items())
+        return found
+
+    @property
     def read_offsets(self) -> dict[str, int]:
         """Storage records whose data offset has been looked up (i.e. that were read), by key."""
         return dict(self._data_offsets)
@@ -171,6 +188,8 @@ class RankFile:
             self._data_offsets[key] = self.legacy_offsets[key]
             return self.legacy_offsets[key]
         info = self._records.get(key)
+        if info is None and key in self.empty_keys:
+            return 0  # a storage of no bytes: any offset reads nothing
         if info is None:
             raise CheckpointFormatError(
                 f"'{self.path}' has no record for storage '{key}': the file is truncated or corrupted. "
@@ -189,7 +208,7 @@ class RankFile:
         self._data_offsets[key] = offset
         return offset
 
-    def _record_end(self, info: zipfile.ZipInfo) -> int:
+    def _record_end(self, info: RecordInfo) -> int:
         """Where the record starting at ``info.header_offset`` ends at the latest: the next storage record's header
         (only small records and the zip directory follow the last one)."""
         if self._header_starts is None:
@@ -197,7 +216,7 @@ class RankFile:
         i = bisect.bisect_right(self._header_starts, int(info.header_offset))
         return self._header_starts[i] if i < len(self._header_starts) else self.source.size
 
-    def _expect_crc(self, info: zipfile.ZipInfo, offset: int) -> None:
+    def _expect_crc(self, info: RecordInfo, offset: int) -> None:
         """Tell the byte source where record ``info``'s data lies and its stored CRC, before any read of it."""
         self.source.expect(info.filename, offset, int(info.file_size), int(info.CRC))
 
@@ -233,10 +252,21 @@ class Archive:
     """Its size in bytes."""
     pickle: bytes
     """The ``data.pkl`` record: the object tree."""
-    records: dict[str, zipfile.ZipInfo]
+    records: dict[str, RecordInfo]
     """Storage records by key (``data/<key>``), all stored uncompressed."""
     identity: FileIdentity | None = None
     """The local file read (``fd_pool.file_identity``): later reads must find the same file."""
+    root: str | None = None
+    """The archive's root folder (``torch.save`` names it after the file's stem, or ``archive``)."""
+    empty_keys: frozenset[str] = frozenset()
+    """Storage records of no bytes, by key, not in :attr:`records` (read by :mod:`.zip_directory`)."""
+
+    def has_record(self, key: str, nbytes: int) -> int | None:
+        """The bytes of storage record ``key`` when it holds at least ``nbytes``, else None."""
+        info = self.records.get(key)
+        if info is not None:
+            return int(info.file_size) if info.file_size >= nbytes else None
+        return 0 if nbytes == 0 and key in self.empty_keys else None
 
 
 def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo], directory: int) -> None:
@@ -249,7 +279,7 @@ def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo],
         prefetch(record.header_offset, min([upper, directory, *after]))
 
 
-def check_pickle_record(info: zipfile.ZipInfo, path: Path) -> None:
+def check_pickle_record(info: RecordInfo, path: Path) -> None:
     """Refuse a ``data.pkl`` record that would unpack to more than the file holds or :data:`MAX_PICKLE_BYTES`.
 
     torch.save stores every record uncompressed; a compressed pickle is how a 2.6 MB zip bomb becomes 2.5 GiB.
@@ -292,6 +322,34 @@ def _open_archive(path: Path) -> tuple[IO[bytes], FileIdentity | None]:
     return os.fdopen(fd, "rb"), identity
 
 
+def _read_plain(fh: io.BufferedReader, path: Path, size: int, identity: FileIdentity | None) -> Archive | None:
+    """:func:`read_archive` of a local file in ``torch.save``'s plain layout (:mod:`.zip_directory`); None for any
+    other file, which :mod:`zipfile` then reads (and names what is wrong with it)."""
+    head = fh.read(2)
+    if head != b"PK":
+        return None
+    found = read_directory(fh, size)
+    if found is None:
+        return None
+    infos, empty_keys, start_dir = found
+    pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+    if len(pickles) != 1:
+        return None
+    root = pickles[0].filename[: -len("data.pkl")]
+    prefix = root + "data/"
+    records: dict[str, RecordInfo] = {}
+    for info in infos:
+        if info.filename.startswith(prefix):
+            if info.compress_type != zipfile.ZIP_STORED:
+                return None
+            records[info.filename[len(prefix) :]] = info
+    check_pickle_record(pickles[0], path)
+    data = read_stored(fh, pickles[0], start_dir)
+    if data is None:
+        return None
+    return Archive(path, size, data, records, identity, root.rstrip("/") or None, empty_keys)
+
+
 def read_archive(path: Path) -> Archive | None:
     """Read the zip directory and the pickle of a ``torch.save`` file; None for torch's legacy (non-zip) stream.
 
@@ -305,6 +363,10 @@ def read_archive(path: Path) -> Archive | None:
         fh, identity = _open_archive(path)
         size = path.stat().st_size if identity is None else identity[2]
         with fh:
+            if isinstance(fh, io.BufferedReader):  # a local file: torch's plain layout is read without zipfile
+                fast = _read_plain(fh, path, size, identity)
+                if fast is not None:
+                    return fast
             try:
                 archive = zipfile.ZipFile(fh)
             except Exception:  # not a zip: the first bytes say what it is
@@ -324,7 +386,7 @@ def read_archive(path: Path) -> Archive | None:
                     path=path,
                 )
             root = pickles[0].filename[: -len("data.pkl")]
-            records: dict[str, zipfile.ZipInfo] = {}
+            records: dict[str, RecordInfo] = {}
             for info in infos:
                 if info.filename.startswith(root + "data/"):
                     if info.compress_type != zipfile.ZIP_STORED:
@@ -347,4 +409,4 @@ def read_archive(path: Path) -> Archive | None:
             path=path,
         ) from exc
 
-    return Archive(path, size, data, records, identity)
+    return Archive(path, size, data, records, identity, root.rstrip("/") or None)

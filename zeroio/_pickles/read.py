@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +19,13 @@ from .._io.remote_path import as_path
 from .._io.sources import Fenced, LocalFile, open_source
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
-from .archive import RankFile, Storage, TensorRef, read_archive
+from .archive import Archive, RankFile, Storage, TensorRef, read_archive
 from .embedded import EmbeddedTensor, PRead, read_embedded_archive
 from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH, too_large
 from .standins import Device, Inert, Size, inert_class
 
-__all__ = ["load_embedded", "load_pickle"]
+__all__ = ["check_records", "load_embedded", "load_pickle", "parse_archive", "parse_archive_storages"]
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -253,21 +254,41 @@ def load_pickle(
             "Re-save it with torch.save (zip format).",
             path=path,
         )
+    return parse_archive(archive, trusted_globals)
+
+
+def parse_archive(archive: Archive, trusted_globals: frozenset[str]) -> tuple[Any, RankFile]:
+    """The object tree of a read zip archive (tensors bound to a :class:`RankFile` of it), as :func:`load_pickle`."""
+    tree, file, _ = parse_archive_storages(archive, trusted_globals)
+    return tree, file
+
+
+def parse_archive_storages(
+    archive: Archive, trusted_globals: frozenset[str]
+) -> tuple[Any, RankFile, tuple[Storage, ...]]:
+    """:func:`parse_archive`, and every storage the pickle named."""
     path, records = archive.path, archive.records
     unpickler = _RestrictedUnpickler(archive.pickle, path, trusted_globals)
     tree = _unpickle(unpickler, path)
-    file = RankFile(path, records, size=archive.size, identity=archive.identity)
+    file = RankFile(
+        path, records, size=archive.size, identity=archive.identity, root=archive.root, empty_keys=archive.empty_keys
+    )
     _check_unchanged(unpickler, path)
-    for storage in unpickler.storages.values():
-        record = records.get(storage.key)
+    check_records(unpickler.storages.values(), archive)
+    return _bind(tree, file), file, tuple(unpickler.storages.values())
+
+
+def check_records(storages: Iterable[Storage], archive: Archive) -> None:
+    """Every storage the pickle names has a record in the archive holding its bytes."""
+    for storage in storages:
         needed = storage.numel * storage.dtype.itemsize
-        if record is None or record.file_size < needed:
+        if archive.has_record(storage.key, needed) is None:
+            record = archive.records.get(storage.key)
             raise CheckpointFormatError(
-                f"'{path}' is truncated or corrupted: storage '{storage.key}' needs {needed} bytes, "
+                f"'{archive.path}' is truncated or corrupted: storage '{storage.key}' needs {needed} bytes, "
                 f"the archive holds {0 if record is None else record.file_size}. Copy the file again.",
-                path=path,
+                path=archive.path,
             )
-    return _bind(tree, file), file
 
 
 def load_embedded(pread: PRead, path: Path, offset: int, length: int, trusted: frozenset[str] = frozenset()) -> Any:

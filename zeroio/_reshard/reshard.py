@@ -188,6 +188,7 @@ def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progre
     """Plan every file (trees with data-less tensors) to know the total, then write rank by rank."""
     meta, world_size = plan.ckpt.metadata, plan.world_size
     total = sum(trees.model_file(r)[1].nbytes + trees.optim_file(r)[1].nbytes for r in range(world_size))
+    trees.read_ahead(total // max(1, world_size))
     meter = ByteProgress(progress, total, "Resharding")
     meter.start()
     files: list[Path] = []

@@ -23,10 +23,16 @@ from .._dtypes import DType
 from .._formats import TensorReader, output_spec
 from .._io.casts import can_cast, cast_into
 from .._io.fileio import ByteBuffers, pwrite_all
-from .._io.sources import ByteRange, kernel_copy_enabled
+from .._io.sources import ByteRange, kernel_copy_enabled, kernel_copy_forced
 from .safetensors_writer import TensorSlot
 
-__all__ = ["copy_in_kernel", "copy_through_memory"]
+__all__ = ["KERNEL_RUN", "copy_in_kernel", "copy_through_memory"]
+
+KERNEL_RUN = 256 * 1024
+"""Runs shorter than this on average are copied through memory, packed into one write: a ZeRO-3 parameter on 1,024
+ranks is 1,024 runs of a few bytes each, and a ``copy_file_range`` per run (after reading it to check its CRC) cost
+two syscalls a run where packing costs one read a run and one write a chunk. ``ZEROIO_NO_COPY_FILE_RANGE=0`` copies
+every run in the kernel (tests of that path on small fixtures)."""
 
 
 def _ranges(ckpt: TensorReader, name: str, stored: DType) -> list[ByteRange] | None:
@@ -59,6 +65,8 @@ def copy_in_kernel(
         return False
     ranges = _ranges(ckpt, name, stored)
     if ranges is None or sum(n for _, _, n in ranges) != slot.nbytes:
+        return False
+    if slot.nbytes < KERNEL_RUN * len(ranges) and not kernel_copy_forced():
         return False
     offset = slot.begin
     for source, src_offset, nbytes in ranges:
@@ -101,21 +109,32 @@ def copy_through_memory(
     if ranges is None or info.numel * wanted.itemsize != slot.nbytes:
         return False
     step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize)) * stored.itemsize
-    offset = slot.begin
-    for source, at, nbytes in ranges:
+    packed = buffers.get("read", min(step, sum(n for _, _, n in ranges)))
+    offset, fill = slot.begin, 0
+
+    def flush() -> None:
+        nonlocal offset, fill
+        raw = data = packed[:fill]
+        if stored != wanted:
+            data = buffers.get("cast", fill // stored.itemsize * wanted.itemsize)
+            if not cast_into(raw, stored, wanted, data):
+                _cast_with_torch(raw, stored, wanted, data)
+        pwrite_all(fd, data, offset)
+        offset += len(data)
+        on_bytes(len(data))
+        fill = 0
+
+    for source, at, nbytes in ranges:  # runs packed back to back into one buffer, written when it is full
         for start in range(0, nbytes, step):
             if stop.is_set():
                 return True
-            raw = buffers.get("read", min(step, nbytes - start))
-            source.read_into(at + start, raw)  # a CheckedFile folds the bytes into their record's CRC
-            data = raw
-            if stored != wanted:
-                data = buffers.get("cast", len(raw) // stored.itemsize * wanted.itemsize)
-                if not cast_into(raw, stored, wanted, data):
-                    _cast_with_torch(raw, stored, wanted, data)
-            pwrite_all(fd, data, offset)
-            offset += len(data)
-            on_bytes(len(data))
+            n = min(step, nbytes - start)
+            if fill + n > len(packed):
+                flush()
+            source.read_into(at + start, packed[fill : fill + n])  # a CheckedFile folds the bytes into their CRC
+            fill += n
+    if fill:
+        flush()
     return True
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from ... import _constants as C
 from ...errors import PartitionMismatchError
 from ..metadata import TensorInfo, require, require_dict
-from ..partition import Piece, zero3_offsets, zero3_partition_numel, zero3_plan
+from ..partition import Piece, Zero3Pieces, zero3_offsets, zero3_partition_numel
 from ..read_plans import FlatPlan, TensorPlans
 from ..validate import numel_of, tensor_ref
 from .flat_partitions import OptimizerPartitions
@@ -84,11 +84,11 @@ def zero3_trainable(
                 found=sizes,
             )
     found = TensorPlans()
+    sizes_tuple, groups_tuple = tuple(group_sizes), tuple(flat_groups)
     names_shapes = [(n, s) for g in groups for n, s in g]
     for (name, shape), numel, offset in zip(names_shapes, numels, offsets):
-        pieces = tuple(zero3_plan(numel, offset, world_size, group_sizes))
         found.add(
             TensorInfo(name, shape, flat_groups[0][0].dtype_spec, "trainable", tuple(optim.files)),
-            FlatPlan(tuple(pieces), tuple(flat_groups)),
+            FlatPlan(Zero3Pieces(numel, offset, world_size, sizes_tuple), groups_tuple),
         )
     return found
