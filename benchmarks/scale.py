@@ -23,7 +23,8 @@ Methods (each in its own process, after one warm-up read of the files, so the pa
 
 - ``open``: ``zeroio.open(ckpt)`` and its ``infos`` (every tensor's name, shape, dtype): the metadata parse.
 - ``inspect``: ``python -m zeroio inspect CKPT`` (the CLI: parse + describe + print).
-- ``plan``: ``zeroio.open`` + ``ckpt.byte_ranges(name)`` of every tensor: each tensor's read plan, as file byte ranges.
+- ``plan``: ``zeroio.open`` + ``ckpt.byte_ranges`` of every tensor (tied names: of their source): each tensor's read
+  plan, as file byte ranges.
 - ``convert``: ``python -m zeroio convert CKPT OUT --quiet`` (fp32 safetensors, fsynced).
 - ``ds_lazy``: ``get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)`` (DeepSpeed 0.19.8): its metadata
   pass, every tensor a lazy stand-in (no data materialised).
@@ -51,7 +52,10 @@ CHILD = {
     "open": _TIMED.format(imports="import zeroio", body="c = zeroio.open(SRC)\nn = len(c.infos)\nc.close()"),
     "plan": _TIMED.format(
         imports="import zeroio",
-        body="c = zeroio.open(SRC)\nn = 0\nfor name in c.infos:\n    n += len(c.byte_ranges(name) or ())\nc.close()",
+        body=(
+            "c = zeroio.open(SRC)\nn = 0\nfor name in c.infos:\n    n += len(c.byte_ranges(c.source_name(name)) or ())"
+            "\nc.close()"
+        ),
     ),
     "ds_lazy": _TIMED.format(
         imports="from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g",

@@ -459,7 +459,11 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         from .metadata import dtype_name
 
         rows = []
+        names: dict[int, tuple[Any, list[str]]] = {}  # id(files) -> (files, names): ZeRO-3 shares one tuple
         for name, info in self._infos.items():
+            known = names.get(id(info.files))
+            if known is None or known[0] is not info.files:
+                known = names[id(info.files)] = (info.files, [as_path(f).name for f in info.files])
             rows.append(
                 {
                     "name": name,
@@ -470,7 +474,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
                     "nbytes": info.nbytes,
                     "kind": info.kind,
                     "tied_to": info.tied_to,
-                    "files": [as_path(f).name for f in info.files],
+                    "files": known[1],
                 }
             )
         distinct = [i for n, i in self._infos.items() if n not in self._tied]

@@ -85,10 +85,11 @@ def zero3_trainable(
             )
     found = TensorPlans()
     sizes_tuple, groups_tuple = tuple(group_sizes), tuple(flat_groups)
+    files = tuple(optim.files)  # one tuple for all: every parameter lies in every rank's file
     names_shapes = [(n, s) for g in groups for n, s in g]
     for (name, shape), numel, offset in zip(names_shapes, numels, offsets):
         found.add(
-            TensorInfo(name, shape, flat_groups[0][0].dtype_spec, "trainable", tuple(optim.files)),
+            TensorInfo(name, shape, flat_groups[0][0].dtype_spec, "trainable", files),
             FlatPlan(Zero3Pieces(numel, offset, world_size, sizes_tuple), groups_tuple),
         )
     return found
