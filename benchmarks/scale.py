@@ -28,6 +28,8 @@ Methods (each in its own process, after one warm-up read of the files, so the pa
 - ``convert``: ``python -m zeroio convert CKPT OUT --quiet`` (fp32 safetensors, fsynced).
 - ``ds_lazy``: ``get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)`` (DeepSpeed 0.19.8): its metadata
   pass, every tensor a lazy stand-in (no data materialised).
+- ``verify`` (GPT layouts): ``python -m zeroio verify SRC CKPT``, every tensor of the resharded layout against the
+  2-rank checkpoint DeepSpeed saved (exit 0: all equal).
 
 Each child also reports the seconds of the call itself (``call_s``: after its imports).
 """
@@ -208,13 +210,23 @@ def build_moe(work: Path, layers: int, experts: int) -> Path:
 
 
 def run_methods(
-    ckpt: Path, methods: list[str], work: Path, env: dict[str, str], timeout: float, facts: dict[str, Any]
+    ckpt: Path,
+    methods: list[str],
+    work: Path,
+    env: dict[str, str],
+    timeout: float,
+    facts: dict[str, Any],
+    source: Path | None = None,
 ) -> list[dict[str, Any]]:
     files, nbytes = _tree_bytes(ckpt)
     results = []
     for method in methods:
+        if method == "verify" and source is None:
+            continue
         _warm(ckpt)
-        if method in CHILD:
+        if method == "verify":  # every tensor of the resharded layout against DeepSpeed's own 2-rank save
+            cmd = [sys.executable, "-m", "zeroio", "verify", str(source), str(ckpt)]
+        elif method in CHILD:
             cmd = [sys.executable, "-c", f"SRC = {str(ckpt)!r}\n" + CHILD[method]]
         elif method == "inspect":
             cmd = [sys.executable, "-m", "zeroio", "inspect", str(ckpt)]
@@ -253,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="*", default=[], help="GPT sources: blocks of 12 tensors each")
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--moe", nargs="*", default=[], help="MoE sources: LAYERSxEXPERTS, e.g. 8x64")
-    parser.add_argument("--methods", nargs="+", default=["open", "inspect", "plan", "convert", "ds_lazy"])
+    parser.add_argument("--methods", nargs="+", default=["open", "inspect", "plan", "convert", "ds_lazy", "verify"])
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--moe-worker", help=argparse.SUPPRESS)
@@ -285,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 {**facts, "method": "reshard", **made, **dict(zip(("files", "bytes"), _tree_bytes(ckpt)))}
             )
             print(json.dumps(out["runs"][-1]), flush=True)
-            out["runs"] += run_methods(ckpt, args.methods, args.work, env, args.timeout, facts)
+            out["runs"] += run_methods(ckpt, args.methods, args.work, env, args.timeout, facts, src)
             save()
     for spec in args.moe:
         layers, experts = map(int, spec.split("x"))
