@@ -13,11 +13,15 @@ Layouts, built cheaply and genuine:
   each expert a 2-layer MLP, 4 tensors; one ``layer_L_expert_E_mp_rank_00_model_states.pt`` file per expert),
   trained one step on 2 CPU ranks with expert parallelism 2 and saved by ``engine.save_checkpoint``.
 
-    python benchmarks/scale.py --work /tmp/zeroio-scale --layers 166 --ranks 64 256 1024 \\
-        --json benchmarks/results/scale-2core-ranks.json
-    python benchmarks/scale.py --work /tmp/zeroio-scale --layers 41 166 666 --ranks 256 \\
-        --json benchmarks/results/scale-2core-tensors.json
-    python benchmarks/scale.py --work /tmp/zeroio-scale --moe 8x64 16x128 --json benchmarks/results/scale-2core-moe.json
+    python benchmarks/scale.py --work /tmp/zeroio-scale --layers 166 41 666 --ranks 64 256 1024 \\
+        --json benchmarks/results/scale-2core-gpt.json
+    python benchmarks/scale.py --work /tmp/zeroio-scale --moe 8x64 16x128 32x256 --json benchmarks/results/scale-2core-moe.json
+    # zeroio before this work, on the same files (--tree: the tree whose zeroio the timed processes import):
+    mkdir -p /tmp/zeroio-before && git archive 641a1ba zeroio | tar -x -C /tmp/zeroio-before
+    python benchmarks/scale.py --work /tmp/zeroio-scale --tree /tmp/zeroio-before --layers 166 --ranks 1024 \\
+        --methods open inspect plan --json benchmarks/results/scale-2core-before.json
+    python benchmarks/scale.py --work /tmp/zeroio-scale --tree /tmp/zeroio-before --layers 166 --ranks 256 \\
+        --methods convert --json benchmarks/results/scale-2core-before-convert.json
 
 Methods (each in its own process, after one warm-up read of the files, so the page cache holds them):
 
@@ -43,6 +47,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +93,7 @@ def _measure(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, A
         proc = subprocess.run(
             [sys.executable, "-c", _WRAPPER, *cmd],
             env=env,
+            cwd=tempfile.gettempdir(),  # not a checkout: its zeroio would come before PYTHONPATH's (--tree)
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -267,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", nargs="*", default=[], help="MoE sources: LAYERSxEXPERTS, e.g. 8x64")
     parser.add_argument("--methods", nargs="+", default=["open", "inspect", "plan", "convert", "ds_lazy", "verify"])
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--tree", type=Path, default=REPO, help="the tree whose zeroio the timed processes import")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--moe-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -278,10 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     # Bytecode compiled once and kept, as an installed wheel has it (this box sets PYTHONDONTWRITEBYTECODE=1, so
     # each process would otherwise compile zeroio from source first).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "zeroio")], env=env, check=True)
+    env.update(PYTHONPATH=str(args.tree), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(args.tree / "zeroio")], env=env, check=True)
     out: dict[str, Any] = {"host": _host(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "runs": []}
     out["host"]["bytecode"] = "zeroio compiled once (compileall), PYTHONDONTWRITEBYTECODE unset in the runs"
+    out["host"]["tree"] = str(args.tree)
 
     def save() -> None:
         if args.json:
