@@ -1,7 +1,7 @@
 """A DCP whose keys include ``model.``-prefixed names beside others (issue 30, item 5): a Hugging Face-style
 ``dcp.save`` (``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``) converted without
 ``lm_head.weight``. Now no tensor is dropped silently, the split is said, and ``dcp_keys`` (``--dcp-keys`` on
-``inspect``, ``convert`` and ``verify``) chooses."""
+``inspect``, ``convert``, ``verify`` and ``push``) chooses."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from hub_server import DEFAULT_TOKEN, DEFAULT_USER, HubServer
+from safetensors.torch import load, load_file
 from torch import nn
 
 import zeroio
 from zeroio.cli import main
+
+pytest_plugins = ["hub_fixtures"]
 
 
 class _Inner(nn.Module):
@@ -101,3 +104,23 @@ def test_cli_dcp_keys_all_keeps_every_name(saved, tmp_path, capsys):
     assert (
         "argument --dcp-keys: invalid choice: 'strip' (choose from 'auto', 'model', 'all')" in capsys.readouterr().err
     )
+
+
+def test_push_dcp_keys(saved, hub_server: HubServer, tmp_path, monkeypatch, capsys):
+    """``zeroio push --dcp-keys`` and ``push_to_hub(dcp_keys=)`` upload what ``convert`` writes with the same choice."""
+    folder, state = saved
+    model = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    monkeypatch.setenv("HF_TOKEN", DEFAULT_TOKEN)
+    repo = f"{DEFAULT_USER}/dcp-keys"
+    assert main(["push", str(folder), repo, "--endpoint", hub_server.endpoint, "--dcp-keys", "model", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    pushed = load(hub_server.read_file(repo, "model.safetensors"))
+    assert sorted(pushed) == sorted(model) and all(torch.equal(pushed[k], model[k]) for k in model)
+    zeroio.convert(folder, tmp_path / "model", dcp_keys="model", progress=False)
+    assert hub_server.read_file(repo, "model.safetensors") == (tmp_path / "model" / "model.safetensors").read_bytes()
+
+    zeroio.push_to_hub(folder, repo, endpoint=hub_server.endpoint, progress=False, dcp_keys="all")
+    pushed = load(hub_server.read_file(repo, "model.safetensors"))
+    assert sorted(pushed) == sorted(state) and all(torch.equal(pushed[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match="dcp_keys must be one of 'auto', 'model', 'all'"):
+        zeroio.push_to_hub(folder, repo, endpoint=hub_server.endpoint, progress=False, dcp_keys="strip")

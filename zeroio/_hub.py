@@ -20,7 +20,7 @@ from ._messages import get_logger, redact_exception
 from ._model_card import default_commit_message, render_model_card, written_card_facts
 from ._write import write_output
 from ._write.options import WriteOptions, write_options
-from .errors import HubError
+from .errors import CheckpointNotFoundError, HubError
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +93,7 @@ def push_to_hub(
     tp_rules: TPRules | None = None,
     names: str | None = None,
     true_vocab_size: int | None = None,
+    dcp_keys: str = "auto",
 ) -> PushResult:
     """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
 
@@ -138,6 +139,8 @@ def push_to_hub(
             ``config.json``, as :func:`zeroio.convert` does (docs/formats.md).
         true_vocab_size: with ``names="hf"``, the embedding and output rows to write (the tokenizer's vocabulary;
             the rest is Megatron's padding), as for :func:`zeroio.convert`.
+        dcp_keys: which tensors of a DCP source are the model's (``"auto"``, ``"model"``, ``"all"``), as for
+            :func:`zeroio.convert`.
 
     Returns:
         A :class:`PushResult`: repo, ref, commit URL and hash, pull request URL, and the files pushed.
@@ -162,16 +165,11 @@ def push_to_hub(
             "create_pr to add a commit to an open pull request."
         )
     write = write_options(dtype=dtype, max_shard_size=max_shard_size, progress=progress)
-    read = read_options(tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, names=names, true_vocab_size=true_vocab_size)
+    read = read_options(
+        tag=tag, verify_crc=verify_crc, tp_rules=tp_rules, names=names, true_vocab_size=true_vocab_size,
+        dcp_keys=dcp_keys,
+    )  # fmt: skip
     src_path = as_path(src, storage_options)  # a URL's one listing serves the check and the conversion
-    if not src_path.exists():
-        from .errors import CheckpointNotFoundError
-
-        raise CheckpointNotFoundError(
-            f"Nothing to push: '{src_path}' does not exist. Pass a folder written by zeroio.convert or a DeepSpeed "
-            "checkpoint folder.",
-            path=src_path,
-        )
     converted = _is_converted(src_path) and dtype is None and not is_url(str(src_path))  # a URL: converted here
     _check_source(src_path, dataclasses.replace(read, tag=None) if converted else read)
     try:
@@ -344,6 +342,12 @@ def _check_source(src: Path, read: ReadOptions) -> None:
     """Everything push can check locally, before it creates a repo: a readable source (arguments are checked)."""
     from ._formats import open_checkpoint
 
+    if not src.exists():
+        raise CheckpointNotFoundError(
+            f"Nothing to push: '{src}' does not exist. Pass a folder written by zeroio.convert or a DeepSpeed "
+            "checkpoint folder.",
+            path=src,
+        )
     with open_checkpoint(src, read):  # metadata only: headers, rank-file layout
         pass
 

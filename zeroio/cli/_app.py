@@ -13,7 +13,7 @@ import zeroio
 from .. import errors
 from . import _args
 from ._errors import cli_spelling
-from ._flags import add_dcp_keys, add_keep_quantized, add_names, add_progress, add_tp_rules, quantized
+from ._flags import add_dcp_keys, add_keep_quantized, add_names, add_progress, add_tp_rules, read_keywords
 from ._progress import choose_mode, progress_for
 
 
@@ -34,11 +34,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with zeroio.open(
         args.path,
         tag=args.tag,
-        tp_rules=args.tp_rules,
-        names=args.names,
-        quantized=quantized(args),
-        dcp_keys=args.dcp_keys,
-        true_vocab_size=args.true_vocab_size,
+        **read_keywords(args),
     ) as ckpt:
         summary = ckpt.describe()
     if args.json:
@@ -127,14 +123,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             distributed=args.distributed,
             include_optimizer=args.include_optimizer,
             verify_crc=not args.no_verify_crc,
-            tp_rules=args.tp_rules,
             dcp_layout=args.dcp_layout,
             merge_lora=args.merge_lora,
             adapter_config=args.adapter_config,
-            names=args.names,
-            quantized=quantized(args),
-            dcp_keys=args.dcp_keys,
-            true_vocab_size=args.true_vocab_size,
+            **read_keywords(args),
         )
     except errors.OutputError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C: say what was cleaned up, exit like SIGINT
@@ -199,10 +191,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         tag=args.tag,
         max_report=args.max_report,
         verify_crc=not args.no_verify_crc,
-        quantized=quantized(args),
-        dcp_keys=args.dcp_keys,
-        names=args.names,
-        true_vocab_size=args.true_vocab_size,
+        **read_keywords(args),
     )
     print(report.summary())
     return 0 if report.ok else 1
@@ -234,9 +223,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         model_card=not args.no_model_card,
         progress=progress_for(choose_mode(args.progress, args.quiet), "zeroio push"),
         verify_crc=not args.no_verify_crc,
-        tp_rules=args.tp_rules,
-        names=args.names,
-        true_vocab_size=args.true_vocab_size,
+        **read_keywords(args),
     )
     print(f"Pushed to {result.pr_url or result.commit_url}")
     return 0
@@ -412,6 +399,7 @@ def _add_push(sub: Any) -> None:
     add_progress(p)
     p.add_argument("--no-verify-crc", action="store_true", help="do not check the CRC-32 of the records read")
     add_tp_rules(p)
+    add_dcp_keys(p)
     p.set_defaults(func=cmd_push, validate=_validate_push)
 
 

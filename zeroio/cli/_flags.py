@@ -4,7 +4,7 @@ DCP keys, and ``--names hf`` with ``--true-vocab-size``."""
 from __future__ import annotations
 
 import argparse
-from typing import Literal
+from typing import Any, Literal
 
 from . import _args
 from ._progress import MODES, PROGRESS_ENV
@@ -61,5 +61,22 @@ def add_names(p: argparse.ArgumentParser, help: str) -> None:
     )
 
 
-def quantized(args: argparse.Namespace) -> Literal["dequantize", "raw"]:
+def _quantized(args: argparse.Namespace) -> Literal["dequantize", "raw"]:
     return "raw" if args.keep_quantized else "dequantize"
+
+
+def read_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """The reading keywords for the flags this subcommand defined (``add_tp_rules``, ``add_names``,
+    ``add_keep_quantized``, ``add_dcp_keys``), so each command passes every flag it has and no keyword it lacks."""
+    given = vars(args)
+    keywords: dict[str, Any] = {}
+    if "tp_rules" in given:
+        keywords["tp_rules"] = args.tp_rules
+    if "names" in given:
+        keywords["names"] = args.names
+        keywords["true_vocab_size"] = args.true_vocab_size
+    if "keep_quantized" in given:
+        keywords["quantized"] = _quantized(args)
+    if "dcp_keys" in given:
+        keywords["dcp_keys"] = args.dcp_keys
+    return keywords
