@@ -18,7 +18,7 @@ import torch
 from fixture_data import FIXTURES
 
 import zeroio
-from zeroio._io.fd_pool import DescriptorPool, FileIdentity, open_regular
+from zeroio._io.fd_pool import DescriptorPool
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_NOFILE is POSIX")
 
@@ -112,6 +112,14 @@ def _descriptors_of(path: Path) -> int:
     return found
 
 
+def _open(path: Path) -> tuple[int, object]:
+    """A descriptor and an identity, as the file system gives them: the pool's thread contract is under test here,
+    not the identity check (``open_regular``, tested through the public API in test_trust_low.py)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    return fd, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 RANK0, RANK1 = sorted((WS4 / "global_step2").glob("*_optim_states.pt"))[:2]
 
 
@@ -122,11 +130,11 @@ def test_release_while_another_thread_opens_closes_before_returning() -> None:
     deleted one's space is freed, and an NFS folder keeps no .nfs file that blocks its removal."""
     inside = threading.Event()
 
-    def opener(path: Path, identity: FileIdentity | None) -> tuple[int, FileIdentity]:
+    def opener(path: Path, identity: object) -> tuple[int, object]:
         if path == RANK1:
             inside.set()
             time.sleep(1.0)
-        return open_regular(path, identity)
+        return _open(path)
 
     pool = DescriptorPool(8, opener)
     pool.acquire("rank0", RANK0, None)
@@ -147,10 +155,10 @@ def test_release_inside_the_pool_never_waits_for_its_own_thread() -> None:
     """A release run inside the pool by the thread that is in it (the garbage collector closing a dropped
     checkpoint during an allocation there) returns at once; the file is closed when that thread's lease ends."""
 
-    def opener(path: Path, identity: FileIdentity | None) -> tuple[int, FileIdentity]:
+    def opener(path: Path, identity: object) -> tuple[int, object]:
         if path == RANK1:
             pool.release("rank0")  # as a finalizer run by the collector inside the pool's lock
-        return open_regular(path, identity)
+        return _open(path)
 
     pool = DescriptorPool(8, opener)
     pool.acquire("rank0", RANK0, None)

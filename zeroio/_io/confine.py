@@ -3,7 +3,8 @@
 A checkpoint names some of its own files: a universal checkpoint's parameter names become ``zero/<name>/`` folders,
 an NVMe optimizer state's keys become swap file names, an index's ``weight_map`` names its shards. Whoever wrote
 the checkpoint chose those strings, and the links in its folders: without these checks ``../../victim/x`` or a
-link to ``~/.ssh/id_rsa`` would make zeroio read (and ``convert``/``push`` publish) a file outside it.
+link to ``~/.ssh/id_rsa`` would make zeroio read (and ``convert``/``push`` publish) a file outside it. A file
+checked at open keeps its identity (:func:`open_regular`): one swapped afterwards for a link or a FIFO is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from ..errors import CheckpointFormatError
 
-__all__ = ["confined_path", "hub_cache_blobs", "require_regular_file"]
+__all__ = ["FileIdentity", "confined_path", "file_identity", "hub_cache_blobs", "open_regular", "require_regular_file"]
 
 _HUB_REPO_FOLDERS = ("models--", "datasets--", "spaces--")
 """How huggingface_hub names a repository's folder in its cache (``repo_folder_name``)."""
@@ -48,6 +49,43 @@ def require_regular_file(path: Path, *, source: Path | None = None) -> None:
             f"'{path}' is not a regular file (it is a {_file_kind(mode)}). Point zeroio at a checkpoint file or folder.",
             path=path,
         )
+
+
+# --------------------------------------------------------------------------- the file a checked path opened
+
+FileIdentity = tuple[int, int, int, int]
+"""``(st_dev, st_ino, st_size, st_mtime_ns)`` of a file when it was first opened."""
+
+
+def file_identity(st: os.stat_result) -> FileIdentity:
+    """What a file must still be when read: its ``stat`` at open (links followed), compared at every open."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_regular(path: Path, identity: FileIdentity | None = None, flags: int = 0) -> tuple[int, FileIdentity]:
+    """A read-only descriptor of ``path`` and the identity of the file it opened, refused unless that file is
+    regular and, when ``identity`` is given, the very file recorded then (a file swapped since, for a link to
+    elsewhere or a FIFO, is refused). ``O_NONBLOCK``: opening a FIFO swapped in never blocks (no effect on files).
+    ``flags``: more open flags (``O_DIRECT`` for :meth:`~zeroio._io.sources.LocalFile.read_aligned`).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0) | flags)
+    st = os.fstat(fd)
+    found = file_identity(st)
+    if identity is not None and found != identity:
+        os.close(fd)
+        raise CheckpointFormatError(
+            f"'{path}' changed while zeroio was reading it (device, inode, size or modification time differ "
+            "from when it was opened). Let the writer finish, then run zeroio again.",
+            path=path,
+        )
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or device: positional reads fail (ESPIPE) or never end
+        os.close(fd)
+        raise CheckpointFormatError(
+            f"'{path}' is not a regular file (it was replaced by a FIFO, device or folder). Point zeroio at a "
+            "checkpoint of regular files.",
+            path=path,
+        )
+    return fd, found
 
 
 def _file_kind(mode: int) -> str:

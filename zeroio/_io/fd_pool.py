@@ -11,28 +11,16 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from ..errors import CheckpointFormatError, ZeroIOError
+from ..errors import ZeroIOError
+from .confine import FileIdentity, open_regular
 
-__all__ = [
-    "CAPACITY",
-    "DescriptorPool",
-    "FileIdentity",
-    "Opener",
-    "default_capacity",
-    "file_identity",
-    "open_regular",
-    "pool",
-]
-
-FileIdentity = tuple[int, int, int, int]
-"""``(st_dev, st_ino, st_size, st_mtime_ns)`` of a file when it was first opened."""
+__all__ = ["CAPACITY", "DescriptorPool", "Opener", "default_capacity", "pool"]
 
 Opener = Callable[[Path, FileIdentity | None], tuple[int, FileIdentity]]
 """Opens a file for the pool (:func:`open_regular`): a descriptor and the identity of the file it opened."""
@@ -56,37 +44,6 @@ def default_capacity() -> int:
     if soft == resource.RLIM_INFINITY:
         return CAPACITY
     return max(1, min(CAPACITY, soft // 4))
-
-
-def file_identity(st: os.stat_result) -> FileIdentity:
-    """What a file must still be when read: its ``stat`` at open (links followed), compared at every open."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def open_regular(path: Path, identity: FileIdentity | None = None, flags: int = 0) -> tuple[int, FileIdentity]:
-    """A read-only descriptor of ``path`` and the identity of the file it opened, refused unless that file is
-    regular and, when ``identity`` is given, the very file recorded then (a file swapped since, for a link to
-    elsewhere or a FIFO, is refused). ``O_NONBLOCK``: opening a FIFO swapped in never blocks (no effect on files).
-    ``flags``: more open flags (``O_DIRECT`` for :meth:`~zeroio._io.sources.LocalFile.read_aligned`).
-    """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0) | flags)
-    st = os.fstat(fd)
-    found = file_identity(st)
-    if identity is not None and found != identity:
-        os.close(fd)
-        raise CheckpointFormatError(
-            f"'{path}' changed while zeroio was reading it (device, inode, size or modification time differ "
-            "from when it was opened). Let the writer finish, then run zeroio again.",
-            path=path,
-        )
-    if not stat.S_ISREG(st.st_mode):  # a FIFO or device: positional reads fail (ESPIPE) or never end
-        os.close(fd)
-        raise CheckpointFormatError(
-            f"'{path}' is not a regular file (it was replaced by a FIFO, device or folder). Point zeroio at a "
-            "checkpoint of regular files.",
-            path=path,
-        )
-    return fd, found
 
 
 class DescriptorPool:

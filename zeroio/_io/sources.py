@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from ..errors import CheckpointFormatError
+from .confine import FileIdentity, open_regular
 from .direct_read import cached_read, direct_read, supports_direct
-from .fd_pool import FileIdentity, open_regular, pool
+from .fd_pool import pool
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +181,7 @@ class LocalFile:
 
     def _direct_fd(self) -> int | None:
         """This file's ``O_DIRECT`` descriptor (opened once, outside the pool), or None where direct reads are off
-        or not possible here. It is opened as the pool opens (:func:`~.fd_pool.open_regular`): the file must be
+        or not possible here. It is opened as the pool opens (:func:`~.confine.open_regular`): the file must be
         the regular file first opened, so one swapped since for a link or a FIFO is refused, never blocking."""
         with self._lock:
             if self._direct is None and not self._direct_refused:

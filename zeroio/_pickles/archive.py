@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from .._dtypes import DType
-from .._io.confine import require_regular_file
-from .._io.fd_pool import FileIdentity, open_regular
+from .._io.confine import FileIdentity, open_regular, require_regular_file
 from .._io.integrity import CheckedFile
 from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError

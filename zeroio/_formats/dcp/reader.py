@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._dtypes import FLOAT32, DType
-from ..._io.confine import confined_path, hub_cache_blobs, require_regular_file
-from ..._io.fd_pool import FileIdentity, file_identity
+from ..._io.confine import FileIdentity, confined_path, file_identity, hub_cache_blobs, require_regular_file
 from ..._io.integrity import CheckedFile
 from ..._io.sources import ByteRange, open_source
 from ..._messages import get_logger

@@ -19,8 +19,7 @@ from typing import Any
 
 from ... import _constants as C
 from ..._dtypes import FLOAT32
-from ..._io.confine import confined_path, require_regular_file
-from ..._io.fd_pool import file_identity
+from ..._io.confine import confined_path, file_identity, require_regular_file
 from ..._pickles.archive import RankFile, Storage, TensorRef
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, PartitionMismatchError
 from ..partition import zero3_partition_numel, zero3_sub_groups
