@@ -19,7 +19,7 @@ from ._write.options import DEFAULT_CHUNK_BYTES, DcpLayout, OutputFormat, write_
 if TYPE_CHECKING:
     import torch
 
-    from ._formats import QuantizedMode, TPRules
+    from ._formats import DcpKeys, NamesMode, QuantizedMode, TPRules
 
 __all__ = ["ConvertResult", "convert"]
 
@@ -73,8 +73,8 @@ def convert(
     dcp_layout: DcpLayout = "torchtitan",
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-    names: str | None = None,
-    dcp_keys: str = "auto",
+    names: NamesMode | None = None,
+    dcp_keys: DcpKeys = "auto",
     quantized: QuantizedMode = "dequantize",
     true_vocab_size: int | None = None,
 ) -> ConvertResult:

@@ -25,7 +25,7 @@ from .errors import CheckpointNotFoundError, HubError
 if TYPE_CHECKING:
     import torch
 
-    from ._formats import TPRules
+    from ._formats import DcpKeys, NamesMode, TPRules
     from ._io.progress import Progress
     from ._types import StrPath
 
@@ -91,9 +91,9 @@ def push_to_hub(
     verify_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     tp_rules: TPRules | None = None,
-    names: str | None = None,
+    names: NamesMode | None = None,
     true_vocab_size: int | None = None,
-    dcp_keys: str = "auto",
+    dcp_keys: DcpKeys = "auto",
 ) -> PushResult:
     """Push a checkpoint to the Hugging Face Hub as safetensors, converting it first when needed.
 

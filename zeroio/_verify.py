@@ -17,7 +17,7 @@ from ._types import StrPath
 if TYPE_CHECKING:
     import torch
 
-    from ._formats import QuantizedMode
+    from ._formats import DcpKeys, NamesMode, QuantizedMode
 
 __all__ = ["Mismatch", "VerifyReport", "verify"]
 
@@ -209,8 +209,8 @@ def verify(
     verify_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     quantized: QuantizedMode = "dequantize",
-    dcp_keys: str = "auto",
-    names: str | None = None,
+    dcp_keys: DcpKeys = "auto",
+    names: NamesMode | None = None,
     true_vocab_size: int | None = None,
 ) -> VerifyReport:
     """Compare every tensor of two checkpoints of any kinds :func:`zeroio.open` reads, streaming.

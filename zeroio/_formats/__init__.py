@@ -53,7 +53,7 @@ from .optimizer.state import (
     trainable_source,
 )
 from .optimizer.views import ComposedOptimizerState
-from .options import ReadOptions, read_options
+from .options import DcpKeys, NamesMode, ReadOptions, read_options
 from .partition import zero3_partition_numel, zero3_sub_groups
 from .read_plans import FlatPlan, ReadPlan, WholePlan, read_plan_into
 from .tp_rules import TPRules
@@ -67,8 +67,10 @@ __all__ = [
     "Checkpoint",
     "CheckpointMetadata",
     "ComposedOptimizerState",
+    "DcpKeys",
     "FlatPlan",
     "Format",
+    "NamesMode",
     "OptimizerLayout",
     "PartitionedCheckpoint",
     "QuantizedMode",
@@ -162,8 +164,8 @@ def open(
     storage_options: Mapping[str, Any] | None = None,
     merge_lora: bool = False,
     adapter_config: AdapterConfigSource = None,
-    names: str | None = None,
-    dcp_keys: str = "auto",
+    names: NamesMode | None = None,
+    dcp_keys: DcpKeys = "auto",
     quantized: QuantizedMode = "dequantize",
     true_vocab_size: int | None = None,
 ) -> Checkpoint:

@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 from .tp_rules import Rule, TPRules, parse_tp_rules
 
-__all__ = ["ReadOptions", "read_options", "trusted_names"]
+__all__ = ["DcpKeys", "NamesMode", "ReadOptions", "read_options", "trusted_names"]
+
+DcpKeys = Literal["auto", "model", "all"]
+"""``dcp_keys=``: which tensors of a DCP checkpoint are the model's (``_formats/dcp/keys.py``)."""
+
+NamesMode = Literal["hf"]
+"""``names=``: ``"hf"`` reads a Megatron GPT under transformers' names (None: the framework's own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +39,12 @@ class ReadOptions:
     """Present a PEFT checkpoint as its base model with the LoRA adapter merged in (``_formats/lora_views.py``)."""
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None
     """A LoRA adapter's ``adapter_config.json`` (file, folder or dict) where none lies beside the checkpoint."""
-    names: str | None = None
+    names: NamesMode | None = None
     """``"hf"``: a Megatron GPT under transformers' names (docs/formats.md); None: the framework's own."""
     true_vocab_size: int | None = None
     """With ``names="hf"``: the tokenizer's vocabulary, the embedding and output rows kept (the rest is Megatron's
     padding); None: the size common.pt's args give where Megatron derives it from them, else every stored row."""
-    dcp_keys: str = "auto"
+    dcp_keys: DcpKeys = "auto"
     """Which tensors of a DCP checkpoint are the model's, under which names (``_formats/dcp/keys.py``)."""
     quantized: Literal["dequantize", "raw"] = "dequantize"
     """Block-scaled FP8 weights: ``dequantize`` them (DeepSeek's algorithm) or read them ``raw``, as stored."""
@@ -61,8 +67,8 @@ def read_options(
     storage_options: Mapping[str, Any] | None = None,
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-    names: str | None = None,
-    dcp_keys: str = "auto",
+    names: NamesMode | None = None,
+    dcp_keys: DcpKeys = "auto",
     quantized: Literal["dequantize", "raw"] = "dequantize",
     true_vocab_size: int | None = None,
 ) -> ReadOptions:

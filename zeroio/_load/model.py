@@ -24,7 +24,7 @@ from .key_map import KeyMap, apply_key_map, normalise_prefixes
 from .mismatch import strict_failure
 
 if TYPE_CHECKING:
-    from .._formats import QuantizedMode, TPRules
+    from .._formats import DcpKeys, NamesMode, QuantizedMode, TPRules
 
 __all__ = ["KeyMap", "LoadReport", "load"]
 
@@ -191,8 +191,8 @@ def load(
     merge_lora: bool = False,
     adapter_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     quantized: QuantizedMode = "dequantize",
-    names: str | None = None,
-    dcp_keys: str = "auto",
+    names: NamesMode | None = None,
+    dcp_keys: DcpKeys = "auto",
     true_vocab_size: int | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, one tensor at a time.

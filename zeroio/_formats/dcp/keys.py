@@ -12,11 +12,12 @@ checkpoint's ``metadata.extra["dcp_keys"]`` says what was done.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, TypeVar
+from typing import TypeVar
 
-__all__ = ["DCP_KEYS", "NOT_MODEL", "OPTIM_ROOTS", "DcpKeys", "KeySplit", "split_keys"]
+from ..options import DcpKeys
 
-DcpKeys = Literal["auto", "model", "all"]
+__all__ = ["DCP_KEYS", "NOT_MODEL", "OPTIM_ROOTS", "KeySplit", "split_keys"]
+
 DCP_KEYS: tuple[str, ...] = ("auto", "model", "all")
 """``auto``: as below; ``model``: only ``model.``-prefixed tensors, prefix stripped; ``all``: every tensor that is not
 optimizer state, named as stored."""
@@ -30,7 +31,7 @@ KeySplit = tuple[dict[str, T], list[str], str]
 """``({model name: item}, [names of tensors left out], one line saying how the keys were split)``."""
 
 
-def split_keys(tensors: Sequence[tuple[str, T]], mode: str) -> KeySplit[T]:
+def split_keys(tensors: Sequence[tuple[str, T]], mode: DcpKeys) -> KeySplit[T]:
     """Split the non-optimizer tensors ``(stored name, item)`` into the model's (renamed) and the rest."""
     prefixed = [name for name, _ in tensors if name.startswith("model.")]
     strays = [name for name, _ in tensors if not name.startswith(("model.", *NOT_MODEL))]
