@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import struct
-import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 from fixture_data import FIXTURES
 from hostile_dcp import hub_blobs_link_out, long_data_file_name, size_past_int64, transposed_chunks
 from hostile_files import archive, state_dict
+from no_blocking import refused_without_blocking
 from safetensors.torch import load_file
 
 import zeroio
@@ -174,31 +174,13 @@ def _swap(victim: Path, kind: str, elsewhere: Path) -> None:
         os.mkfifo(victim)
 
 
-def _refused_without_blocking(read) -> CheckpointFormatError:
-    """``read()`` raises a CheckpointFormatError within seconds (a FIFO must never block it)."""
-    found: list[Exception] = []
-
-    def run() -> None:
-        try:
-            read()
-        except Exception as exc:  # noqa: BLE001 - any exception is checked below, in the test's thread
-            found.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "the read blocked"
-    assert found and isinstance(found[0], CheckpointFormatError), found
-    return found[0]
-
-
 @pytest.mark.parametrize("kind", ["link", "fifo"])
 def test_dcp_data_file_swapped_after_open_is_refused_at_first_read(tmp_path, kind):
     """``__0_0.distcp`` holds no pickled value, so ``open`` confines it but reads none of it."""
     root = shutil.copytree(DCP, tmp_path / "ckpt")
     with zeroio.open(root) as ckpt:
         _swap(root / "__0_0.distcp", kind, tmp_path / "secret.distcp")
-        exc = _refused_without_blocking(ckpt.state_dict)
+        exc = refused_without_blocking(ckpt.state_dict)
     assert str(exc) == (
         f"'{root / '__0_0.distcp'}' changed while zeroio was reading it (device, inode, size or modification time "
         "differ from when it was opened). Let the writer finish, then run zeroio again."
@@ -220,5 +202,5 @@ def test_rank_files_swapped_after_open_are_refused_at_first_read(tmp_path, kind,
     with zeroio.open(root) as ckpt:
         for i, victim in enumerate(victims):
             _swap(victim, kind, tmp_path / f"secret{i}")
-        exc = _refused_without_blocking(ckpt.state_dict)
+        exc = refused_without_blocking(ckpt.state_dict)
     assert exc.path in victims and str(exc).startswith(f"'{exc.path}' changed while zeroio was reading it")
