@@ -73,12 +73,35 @@ def test_split_tensors_are_megatrons_rows_bit_for_bit(name, tmp_path):
             stored = live.get(f"decoder.layers.{i}.self_attention.{norm}.weight")
             assert (stored is None) is (config["model_type"] not in ("qwen3", "qwen3_moe"))
             assert stored is None or torch.equal(out[f"model.layers.{i}.self_attn.{hf}.weight"], stored)
-        if f"decoder.layers.{i}.mlp.linear_fc1.weight" not in live:
+        halves = _gate_up(live, f"decoder.layers.{i}.mlp.linear_fc1.weight")
+        if halves is None:
             continue  # a MoE layer: test_every_expert_is_megatrons_block_bit_for_bit
-        gate, up = live[f"decoder.layers.{i}.mlp.linear_fc1.weight"].chunk(2)
+        gate, up = halves
         assert torch.equal(out[f"model.layers.{i}.mlp.gate_proj.weight"], gate)
         assert torch.equal(out[f"model.layers.{i}.mlp.up_proj.weight"], up)
     assert ("lm_head.weight" in out) is not config["tie_word_embeddings"]
+
+
+def _gate_up(live: dict[str, torch.Tensor], fc1: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A gated MLP's gate and up projections in Megatron's live state: the halves of ``fc1``, or in its per-expert
+    form (``singleton_local_shards``) the tensors ``fc1_w`` and ``fc1_v``; None where neither is."""
+    if fc1 in live:
+        gate, up = live[fc1].chunk(2)
+        return gate, up
+    return (live[f"{fc1}_w"], live[f"{fc1}_v"]) if f"{fc1}_w" in live else None
+
+
+def _expert(live: dict[str, torch.Tensor], src: str, e: int, experts: int) -> tuple[torch.Tensor, ...]:
+    """Routed expert ``e`` (of ``experts``)'s gate, up and down in Megatron's live state: blocks of the expert-stacked tensors, or
+    in the per-expert form its own tensors (``mlp.experts.experts.<e>.linear_fc1.weight_w``)."""
+    stacked = f"{src}experts.experts.linear_fc1.weight"
+    if stacked in live:
+        fc1, fc2 = live[stacked], live[f"{src}experts.experts.linear_fc2.weight"]
+        assert fc1.shape[0] == fc2.shape[0] == experts
+        return (*fc1[e].chunk(2), fc2[e])
+    halves = _gate_up(live, f"{src}experts.experts.{e}.linear_fc1.weight")
+    assert halves is not None
+    return (*halves, live[f"{src}experts.experts.{e}.linear_fc2.weight"])
 
 
 def _expert_names(config: dict) -> tuple[str, tuple[str, str, str]]:
@@ -105,13 +128,12 @@ def test_every_expert_is_megatrons_block_bit_for_bit(name, tmp_path):
     for i in layers:
         src, dst = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.{block}."
         assert torch.equal(out[f"{dst}gate.weight"], live[f"{src}router.weight"])
-        fc1, fc2 = live[f"{src}experts.experts.linear_fc1.weight"], live[f"{src}experts.experts.linear_fc2.weight"]
-        assert fc1.shape[0] == fc2.shape[0] == experts
         for e in range(experts):
-            gate, up = fc1[e].chunk(2)
+            gate, up, down = _expert(live, src, e, experts)
             assert torch.equal(out[f"{dst}experts.{e}.{w_gate}.weight"], gate)
             assert torch.equal(out[f"{dst}experts.{e}.{w_up}.weight"], up)
-            assert torch.equal(out[f"{dst}experts.{e}.{w_down}.weight"], fc2[e])
+            assert torch.equal(out[f"{dst}experts.{e}.{w_down}.weight"], down)
+        assert f"{src}experts.experts.{experts}.linear_fc2.weight" not in live  # no expert beyond the count
         if manifest.get("moe_shared_expert_intermediate_size"):
             gate, up = live[f"{src}shared_experts.linear_fc1.weight"].chunk(2)
             assert torch.equal(out[f"{dst}shared_expert.{w_gate}.weight"], gate)

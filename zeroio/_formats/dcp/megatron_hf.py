@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 __all__ = ["HfNamedCheckpoint", "hf_view"]
 
 _LAYER = "decoder.layers."
+_SPLIT_FC1 = ".linear_fc1.weight_w"
+"""The gate half of a gated fc1 saved in Megatron's per-expert form (``singleton_local_shards``)."""
 _NORMS = {
     "input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
@@ -64,6 +66,9 @@ class LlamaShape:
     moe: MoeShape | None
     qk_norm: bool
     """``--qk-layernorm``: each layer's ``q_layernorm`` / ``k_layernorm`` (Qwen3's ``q_norm`` / ``k_norm``)."""
+    split: bool
+    """Megatron's per-expert form (``singleton_local_shards``): gated fc1s saved as ``linear_fc1.weight_w`` (gate)
+    and ``_v`` (up), each expert under its own keys."""
 
 
 class HfNamedCheckpoint(CheckpointView):
@@ -168,6 +173,7 @@ def _shape(ckpt: Checkpoint, true_vocab_size: int | None) -> LlamaShape:
         tied="output_layer.weight" not in ckpt,
         moe=moe,
         qk_norm=bool(args.get("qk_layernorm", False)),
+        split=any(name.endswith(_SPLIT_FC1) for name in ckpt),
     )
 
 
@@ -204,10 +210,10 @@ def _layer_recipes(ckpt: Checkpoint, s: LlamaShape, i: int) -> Recipes:
         for hf, norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
             found[f"{dst}self_attn.{hf}.weight"] = ((Piece(f"{src}self_attention.{norm}.weight", 0, d),), (d,))
     if s.moe is not None and i in s.moe.moe_layers:
-        found.update(moe_mlp_recipes(src, dst, h, s.moe))
+        found.update(moe_mlp_recipes(src, dst, h, s.moe, s.split))
     else:
         fc1, fc2 = src + "mlp.linear_fc1.weight", src + "mlp.linear_fc2.weight"
-        found.update(mlp_recipes(fc1, fc2, h, s.ffn, dst + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+        found.update(mlp_recipes(fc1, fc2, h, s.ffn, dst + "mlp.", ("gate_proj", "up_proj", "down_proj"), 0, s.split))
     return found
 
 

@@ -4,7 +4,9 @@
 Megatron's ``torch_dist`` stores a MoE layer's experts stacked on an expert axis whatever the module that trained
 them (``SequentialMLP``'s ``local_experts.N``, ``GroupedMLP``'s ``weight1``/``weight2``, TE's ``linear_fc1.weightN``
 all save ``mlp.experts.experts.linear_fc1.weight`` as ``[experts, 2 * ffn, hidden]`` across expert-parallel ranks):
-expert ``e``'s gate and up projections are rows of its block, its down projection its block of ``linear_fc2``.
+expert ``e``'s gate and up projections are rows of its block, its down projection its block of ``linear_fc2``. In
+the per-expert form (``singleton_local_shards``) each expert has its own keys and fc1 is two tensors, ``_w`` (gate)
+and ``_v`` (up).
 Which transformers model fits is decided by the router and shared experts Megatron-LM's args describe; anything
 transformers' model would compute differently (sigmoid scores, expert bias, group-limited or scaled top-k, ungated
 shared experts) is refused by name, never approximated.
@@ -148,20 +150,31 @@ def moe_shape(args: dict[str, Any], layers: int, dense_ffn: int, where: Any) -> 
     return moe
 
 
-def mlp_recipes(fc1: str, fc2: str, hidden: int, ffn: int, at: str, names: tuple[str, ...], index: int = 0) -> Recipes:
+def mlp_recipes(
+    fc1: str, fc2: str, hidden: int, ffn: int, at: str, names: tuple[str, ...], index: int = 0, split: bool = False
+) -> Recipes:
     """A gated MLP's projections ``at + names``: gate and up are the row halves of ``fc1``'s block ``index`` (of
-    experts stacked on a leading axis; 0 for a lone MLP), down is ``fc2``'s block ``index``."""
+    experts stacked on a leading axis; 0 for a lone MLP), down is ``fc2``'s block ``index``. ``split``: Megatron's
+    per-expert form (``singleton_local_shards``), which saves gate and up as tensors of their own, ``fc1 + "_w"``
+    and ``fc1 + "_v"``."""
     gate, up, down = (f"{at}{n}.weight" for n in names)
     first1, first2 = index * 2 * ffn * hidden, index * hidden * ffn
+    halves = (
+        (rows(f"{fc1}_w", hidden, [(0, ffn)]), rows(f"{fc1}_v", hidden, [(0, ffn)]))
+        if split
+        else (rows(fc1, hidden, [(0, ffn)], first1), rows(fc1, hidden, [(ffn, 2 * ffn)], first1))
+    )
     return {
-        gate: (rows(fc1, hidden, [(0, ffn)], first1), (ffn, hidden)),
-        up: (rows(fc1, hidden, [(ffn, 2 * ffn)], first1), (ffn, hidden)),
+        gate: (halves[0], (ffn, hidden)),
+        up: (halves[1], (ffn, hidden)),
         down: (rows(fc2, ffn, [(0, hidden)], first2), (hidden, ffn)),
     }
 
 
-def moe_mlp_recipes(src: str, dst: str, hidden: int, moe: MoeShape) -> Recipes:
-    """One MoE layer's router, every routed expert and the shared expert: ``src``/``dst`` are the layer prefixes."""
+def moe_mlp_recipes(src: str, dst: str, hidden: int, moe: MoeShape, split: bool = False) -> Recipes:
+    """One MoE layer's router, every routed expert and the shared expert: ``src``/``dst`` are the layer prefixes.
+    ``split``: the per-expert form, each expert under its own keys (``mlp.experts.experts.<e>.linear_fc1.weight_w``,
+    whatever module trained them) instead of a block of the expert-stacked tensor."""
     if moe.arch == "mixtral":
         block, names = f"{dst}block_sparse_moe.", ("w1", "w3", "w2")
     else:
@@ -170,15 +183,16 @@ def moe_mlp_recipes(src: str, dst: str, hidden: int, moe: MoeShape) -> Recipes:
     found: Recipes = {f"{block}gate.weight": (router, (moe.experts, hidden))}
     experts = f"{src}mlp.experts.experts."
     for e in range(moe.experts):
+        at, index = (f"{experts}{e}.", 0) if split else (experts, e)
         found.update(
-            mlp_recipes(f"{experts}linear_fc1.weight", f"{experts}linear_fc2.weight", hidden, moe.ffn,
-                        f"{block}experts.{e}.", names, e)
+            mlp_recipes(f"{at}linear_fc1.weight", f"{at}linear_fc2.weight", hidden, moe.ffn,
+                        f"{block}experts.{e}.", names, index, split)
         )  # fmt: skip
     if moe.shared:
         shared = f"{src}mlp.shared_experts."
         found.update(
             mlp_recipes(f"{shared}linear_fc1.weight", f"{shared}linear_fc2.weight", hidden, moe.shared,
-                        f"{block}shared_expert.", names)
+                        f"{block}shared_expert.", names, split=split)
         )  # fmt: skip
         gate = rows(f"{shared}gate_weight", hidden, [(0, 1)])
         found[f"{block}shared_expert_gate.weight"] = (gate, (1, hidden))
