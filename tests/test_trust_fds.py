@@ -96,7 +96,7 @@ def test_a_rank_file_swapped_after_eviction_is_refused(tmp_path: Path) -> None:
     """
     result = _limited(code, 16)
     assert result.returncode == 0, result.stderr
-    assert "changed while zeroio was reading it (device, inode, size or modification time differ" in result.stdout
+    assert "changed while zeroio was reading it (inode differs from when it was opened)" in result.stdout
 
 
 # The pool's thread contract, on a pool of its own whose opener stands for the file system: no public call can make

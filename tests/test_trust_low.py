@@ -178,12 +178,56 @@ def _swap(victim: Path, kind: str, elsewhere: Path) -> None:
 def test_dcp_data_file_swapped_after_open_is_refused_at_first_read(tmp_path, kind):
     """``__0_0.distcp`` holds no pickled value, so ``open`` confines it but reads none of it."""
     root = shutil.copytree(DCP, tmp_path / "ckpt")
+    victim = root / "__0_0.distcp"
     with zeroio.open(root) as ckpt:
-        _swap(root / "__0_0.distcp", kind, tmp_path / "secret.distcp")
+        before = victim.stat()
+        _swap(victim, kind, tmp_path / "secret.distcp")
+        exc = refused_without_blocking(ckpt.state_dict)
+    now = victim.stat()  # a FIFO may take the freed inode's number: the message names what differs
+    names = ("inode", "size", "modification time")
+    differ = [n for n, a, b in zip(names, _identity(before), _identity(now), strict=True) if a != b]
+    assert len(differ) >= 2 and differ[-1] == "modification time"  # a copy: a new time, and a new inode or size
+    assert str(exc) == (
+        f"'{victim}' changed while zeroio was reading it ({', '.join(differ[:-1])} and {differ[-1]} differ from when "
+        "it was opened). Let the writer finish, then run zeroio again."
+    )
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def test_a_file_replaced_by_an_identical_copy_is_refused_naming_the_inode(tmp_path):
+    """A copy with the same bytes, size and modification time is a new inode: refused (a link swapped in for a file
+    whose size and time were set to match looks the same), and the message says what a FUSE file system that
+    numbers inodes anew (the same file under a new number) can do about it."""
+    root = shutil.copytree(DCP, tmp_path / "ckpt")
+    data = root / "__0_0.distcp"
+    with zeroio.open(root) as ckpt:
+        before = data.stat()
+        shutil.copy2(data, tmp_path / "copy")
+        os.replace(tmp_path / "copy", data)
+        os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert (data.stat().st_size, data.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+        exc = refused_without_blocking(ckpt.state_dict)
+    assert str(exc).startswith(f"'{data}' changed while zeroio was reading it (inode differs from when it was opened)")
+    assert str(exc).endswith(
+        "Its size and modification time are the same: on a FUSE file system that numbers inodes anew (libfuse "
+        "without -o use_ino or -o noforget), mount it with one of those, or raise `ulimit -n` so zeroio need not "
+        "reopen files (it keeps up to min(4096, the limit / 4) open)."
+    )
+
+
+def test_a_file_touched_after_open_is_refused_naming_its_time(tmp_path):
+    """The same file (its inode), its modification time changed: refused, naming only the time."""
+    root = shutil.copytree(DCP, tmp_path / "ckpt")
+    data = root / "__0_0.distcp"
+    with zeroio.open(root) as ckpt:
+        os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 1))
         exc = refused_without_blocking(ckpt.state_dict)
     assert str(exc) == (
-        f"'{root / '__0_0.distcp'}' changed while zeroio was reading it (device, inode, size or modification time "
-        "differ from when it was opened). Let the writer finish, then run zeroio again."
+        f"'{data}' changed while zeroio was reading it (modification time differs from when it was opened). Let "
+        "the writer finish, then run zeroio again."
     )
 
 

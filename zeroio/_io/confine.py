@@ -73,11 +73,7 @@ def open_regular(path: Path, identity: FileIdentity | None = None, flags: int = 
     found = file_identity(st)
     if identity is not None and found != identity:
         os.close(fd)
-        raise CheckpointFormatError(
-            f"'{path}' changed while zeroio was reading it (device, inode, size or modification time differ "
-            "from when it was opened). Let the writer finish, then run zeroio again.",
-            path=path,
-        )
+        raise CheckpointFormatError(_changed(path, identity, found), path=path)
     if not stat.S_ISREG(st.st_mode):  # a FIFO or device: positional reads fail (ESPIPE) or never end
         os.close(fd)
         raise CheckpointFormatError(
@@ -86,6 +82,29 @@ def open_regular(path: Path, identity: FileIdentity | None = None, flags: int = 
             path=path,
         )
     return fd, found
+
+
+_IDENTITY_PARTS = ("device", "inode", "size", "modification time")
+
+
+def _changed(path: Path, before: FileIdentity, now: FileIdentity) -> str:
+    """The refusal of a file that is not the one checked, naming what differs. Only a new device or inode number is
+    also what a FUSE file system that numbers inodes anew shows for an unchanged file: it is refused all the same (a
+    link swapped in for a file whose size and time were set to match looks alike), and the message says how to
+    avoid the reopen."""
+    parts = [name for name, a, b in zip(_IDENTITY_PARTS, before, now, strict=True) if a != b]
+    what = f"{', '.join(parts[:-1])} and {parts[-1]} differ" if len(parts) > 1 else f"{parts[0]} differs"
+    message = (
+        f"'{path}' changed while zeroio was reading it ({what} from when it was opened). Let the writer finish, "
+        "then run zeroio again."
+    )
+    if before[2:] == now[2:]:
+        message += (
+            " Its size and modification time are the same: on a FUSE file system that numbers inodes anew "
+            "(libfuse without -o use_ino or -o noforget), mount it with one of those, or raise `ulimit -n` so "
+            "zeroio need not reopen files (it keeps up to min(4096, the limit / 4) open)."
+        )
+    return message
 
 
 def _file_kind(mode: int) -> str:
