@@ -90,6 +90,8 @@ def test_zero3_pieces_made_on_demand_equal_the_plan(world_size, sizes):
                 continue
             plan, lazy = zero3_plan(numel, offset, world_size, sizes), Zero3Pieces(numel, offset, world_size, sizes)
             assert list(lazy) == plan and len(lazy) == len(plan) and lazy == plan
+            assert lazy.runs() == [(p.rank, p.group, p.start, p.length) for p in plan]  # dest: back to back
+            assert [p.dest for p in plan] == [sum(p.length for p in plan[:i]) for i in range(len(plan))]
             assert [lazy[i] for i in range(-len(plan), len(plan))] == plan + plan and list(lazy[1:3]) == plan[1:3]
             for start in range(0, numel + 1, 7):
                 for end in (start, start + 1, start + 9, numel):

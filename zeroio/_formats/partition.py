@@ -135,6 +135,19 @@ class Zero3Pieces(Sequence[Piece]):
         for rank in range(self._ranks):
             yield from self._rank(rank)
 
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """``(rank, group, start, length)`` of every piece, in order (``dest`` follows: the pieces are back to
+        back), made without a :class:`Piece` each: a conversion's byte ranges at 1,024 ranks."""
+        if not self._ranks:
+            return []
+        if len(self._full) == 1:  # the usual case: the parameter lies in one flat group
+            group, start, length = self._full[0]
+            found = [(rank, group, start, length) for rank in range(self._ranks - 1)]
+        else:
+            found = [(rank, g, s, n) for rank in range(self._ranks - 1) for g, s, n in self._full]
+        found.extend((self._ranks - 1, g, s, n) for g, s, n in self._tail)
+        return found
+
     def overlapping(self, start: int, end: int) -> Iterator[Piece]:
         """The pieces holding any of the parameter's elements ``[start, end)``, in order."""
         end = min(end, self._numel)

@@ -180,6 +180,15 @@ class CheckedFile:
             return self.source.read_ahead(offset, nbytes)
         return self.source.read_bytes(offset, nbytes)
 
+    def record_span(self, offset: int) -> tuple[int, int] | None:
+        """``(start, end)`` of the registered record holding byte ``offset``, or None (a read-ahead stops at a
+        record's end: bytes outside the records read are never needed)."""
+        with self._crc_lock:
+            i = bisect.bisect_right(self._starts, offset) - 1
+            if i >= 0 and offset < self._records[i].start + self._records[i].size:
+                return self._records[i].start, self._records[i].start + self._records[i].size
+        return None
+
     def will_need(self, offset: int, nbytes: int) -> None:
         """The source's own read-ahead advice (a local file's ``posix_fadvise``), if it takes any."""
         will_need = getattr(self.source, "will_need", None)

@@ -23,10 +23,11 @@ from .._dtypes import DType
 from .._formats import TensorReader, output_spec
 from .._io.casts import can_cast, cast_into
 from .._io.fileio import ByteBuffers, pwrite_all
-from .._io.sources import ByteRange, kernel_copy_enabled, kernel_copy_forced
+from .._io.read_ahead import ReadAhead
+from .._io.sources import ByteRange, ByteSource, kernel_copy_enabled, kernel_copy_forced
 from .safetensors_writer import TensorSlot
 
-__all__ = ["KERNEL_RUN", "copy_in_kernel", "copy_through_memory"]
+__all__ = ["KERNEL_RUN", "copy_in_kernel", "copy_through_memory", "stored_runs"]
 
 KERNEL_RUN = 256 * 1024
 """Runs shorter than this on average are copied through memory, packed into one write: a ZeRO-3 parameter on 1,024
@@ -35,8 +36,11 @@ two syscalls a run where packing costs one read a run and one write a chunk. ``Z
 every run in the kernel (tests of that path on small fixtures)."""
 
 
-def _ranges(ckpt: TensorReader, name: str, stored: DType) -> list[ByteRange] | None:
-    """The stored byte runs of ``name``, or None unless they are whole elements and hold exactly the tensor."""
+def stored_runs(ckpt: TensorReader, name: str) -> list[ByteRange] | None:
+    """The stored byte runs of ``name``, or None unless they are whole elements and hold exactly the tensor: what
+    :func:`copy_in_kernel` and :func:`copy_through_memory` are given (made once: 1,024 runs at 1,024 ranks)."""
+    ckpt.ensure_open(name)
+    stored = ckpt.stored_spec(name)
     ranges = ckpt.byte_ranges(ckpt.source_name(name))
     if ranges is None or any(n % stored.itemsize for _, _, n in ranges):
         return None
@@ -48,6 +52,7 @@ def _ranges(ckpt: TensorReader, name: str, stored: DType) -> list[ByteRange] | N
 def copy_in_kernel(
     ckpt: TensorReader,
     name: str,
+    ranges: list[ByteRange] | None,
     target: DType | None,
     fd: int,
     slot: TensorSlot,
@@ -63,7 +68,6 @@ def copy_in_kernel(
     stored = ckpt.stored_spec(name)
     if not kernel_copy_enabled() or output_spec(ckpt.info(name), target) != stored:
         return False
-    ranges = _ranges(ckpt, name, stored)
     if ranges is None or sum(n for _, _, n in ranges) != slot.nbytes:
         return False
     if slot.nbytes < KERNEL_RUN * len(ranges) and not kernel_copy_forced():
@@ -88,6 +92,7 @@ def copy_in_kernel(
 def copy_through_memory(
     ckpt: TensorReader,
     name: str,
+    ranges: list[ByteRange] | None,
     target: DType | None,
     fd: int,
     slot: TensorSlot,
@@ -95,17 +100,17 @@ def copy_through_memory(
     on_bytes: Callable[[int], None],
     stop: threading.Event,
     buffers: ByteBuffers,
+    read_ahead: ReadAhead | None = None,
 ) -> bool:
     """Read a tensor's byte runs chunk by chunk, cast them with numpy if asked, ``pwrite`` them; False to fall back.
 
-    Memory is one read buffer and one cast buffer per IO thread (``buffers``), as on the torch path.
+    Memory is one read buffer and one cast buffer per IO thread (``buffers``), as on the torch path. Short runs
+    (a ZeRO-3 parameter's piece on each of 1,024 ranks) are served by ``read_ahead``'s window of their file.
     """
-    ckpt.ensure_open(name)
     info = ckpt.info(name)
     stored, wanted = ckpt.stored_spec(name), output_spec(info, target)
     if sys.byteorder != "little" or (stored != wanted and not can_cast(stored, wanted)):
         return False
-    ranges = _ranges(ckpt, name, stored)
     if ranges is None or info.numel * wanted.itemsize != slot.nbytes:
         return False
     step = max(1, chunk_bytes // max(stored.itemsize, wanted.itemsize)) * stored.itemsize
@@ -124,18 +129,26 @@ def copy_through_memory(
         on_bytes(len(data))
         fill = 0
 
-    for source, at, nbytes in ranges:  # runs packed back to back into one buffer, written when it is full
-        for start in range(0, nbytes, step):
+    # Runs packed back to back into one buffer, written when it is full. A CheckedFile folds the bytes read into
+    # their CRC (a read-ahead window: the whole window, once).
+    read = read_ahead.read_into if read_ahead is not None else _read_into
+    for source, at, nbytes in ranges:
+        start = 0
+        while start < nbytes:
             if stop.is_set():
                 return True
             n = min(step, nbytes - start)
             if fill + n > len(packed):
                 flush()
-            source.read_into(at + start, packed[fill : fill + n])  # a CheckedFile folds the bytes into their CRC
-            fill += n
+            read(source, at + start, packed[fill : fill + n])
+            fill, start = fill + n, start + n
     if fill:
         flush()
     return True
+
+
+def _read_into(source: ByteSource, offset: int, out: memoryview) -> None:
+    source.read_into(offset, out)
 
 
 def _cast_with_torch(raw: memoryview, stored: DType, wanted: DType, out: memoryview) -> None:

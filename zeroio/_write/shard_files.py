@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from .._formats import Checkpoint
 from .._io.fileio import ByteBuffers, ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
 from .._io.progress import ByteProgress, Progress
-from .byte_writes import copy_in_kernel, copy_through_memory
+from .._io.read_ahead import ReadAhead
+from .byte_writes import copy_in_kernel, copy_through_memory, stored_runs
 from .plan import WritePlan
 from .safetensors_writer import write_chunks
 
@@ -93,6 +94,7 @@ def _write_safetensors(
         #    flushed in the background as it fills (WriteBack), so durability overlaps the rest of the work.
         buffers = ChunkBuffers()
         byte_buffers = ByteBuffers()
+        read_ahead = ReadAhead(files=_source_files(ckpt))
         target = plan.target
 
         def task(name: str) -> Callable[[], None]:
@@ -105,9 +107,9 @@ def _write_safetensors(
             def run() -> None:
                 with naming(final):
                     # Bytes as stored (in kernel, else through memory, cast with numpy): no torch. Else torch.
-                    if not copy_in_kernel(ckpt, name, target, fd, slot, chunk_bytes, on_bytes, stop) and not (
-                        copy_through_memory(ckpt, name, target, fd, slot, chunk_bytes, on_bytes, stop, byte_buffers)
-                    ):
+                    runs = stored_runs(ckpt, name)
+                    args = (ckpt, name, runs, target, fd, slot, chunk_bytes, on_bytes, stop)
+                    if not copy_in_kernel(*args) and not copy_through_memory(*args, byte_buffers, read_ahead):
                         torch_target = None if target is None else target.torch
                         chunks = ckpt.chunks(name, torch_target, chunk_bytes, buffers.get)
                         write_chunks(fd, slot, chunks, on_bytes=on_bytes, stop=stop)
@@ -137,6 +139,12 @@ def _write_safetensors(
         for fd in fds:
             os.close(fd)
         meter.close()
+
+
+def _source_files(ckpt: Checkpoint) -> int:
+    """How many files the tensors are read from (a ZeRO-3 checkpoint's trainable tensors share one tuple of them)."""
+    tuples = {id(info.files): info.files for info in ckpt.infos.values()}
+    return len({path for files in tuples.values() for path in files})
 
 
 def _write_torch(ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, progress: Progress) -> None:

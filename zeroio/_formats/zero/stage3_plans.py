@@ -10,7 +10,7 @@ from ... import _constants as C
 from ...errors import PartitionMismatchError
 from ..metadata import TensorInfo, require, require_dict
 from ..partition import Piece, Zero3Pieces, zero3_offsets, zero3_partition_numel
-from ..read_plans import FlatPlan, TensorPlans
+from ..read_plans import FlatPlan, GroupPlaces, TensorPlans
 from ..validate import numel_of, tensor_ref
 from .flat_partitions import OptimizerPartitions
 
@@ -85,11 +85,12 @@ def zero3_trainable(
             )
     found = TensorPlans()
     sizes_tuple, groups_tuple = tuple(group_sizes), tuple(flat_groups)
+    places = GroupPlaces(groups_tuple)
     files = tuple(optim.files)  # one tuple for all: every parameter lies in every rank's file
     names_shapes = [(n, s) for g in groups for n, s in g]
     for (name, shape), numel, offset in zip(names_shapes, numels, offsets):
         found.add(
             TensorInfo(name, shape, flat_groups[0][0].dtype_spec, "trainable", files),
-            FlatPlan(Zero3Pieces(numel, offset, world_size, sizes_tuple), groups_tuple),
+            FlatPlan(Zero3Pieces(numel, offset, world_size, sizes_tuple), groups_tuple, places),
         )
     return found

@@ -1,0 +1,85 @@
+"""Read-ahead of a conversion (zeroio/_io/read_ahead.py): each ZeRO-3 rank file's partition is read in a few large
+reads, not one per parameter, the output stays DeepSpeed's tensors bit for bit, and a flipped byte anywhere in a
+window (in a parameter read after the one that opened it, or in padding) still fails the conversion."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from fixture_data import FIXTURES, assert_state_dicts_equal, reference
+from safetensors.torch import load_file
+
+import zeroio
+from zeroio.errors import CheckpointFormatError
+
+FIXTURE = "z3_ws4_fp32"
+"""ZeRO-3, 4 ranks: 7 trainable parameters back to back in each rank's flat partition, 2 frozen ones in fragments."""
+
+
+def _watch_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts ``os.preadv`` calls (every tensor byte read of a local file) per file name."""
+    counts: dict[str, int] = {}
+    real = os.preadv
+
+    def counting(fd: int, buffers: list[memoryview], offset: int) -> int:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        counts[name] = counts.get(name, 0) + 1
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_each_rank_partition_is_read_in_one_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    counts = _watch_reads(monkeypatch)
+    zeroio.convert(FIXTURES / FIXTURE, tmp_path / "out", dtype=dtype, progress=False)  # type: ignore[arg-type]
+    optim = {name: n for name, n in counts.items() if name.endswith("optim_states.pt")}
+    with zeroio.open(FIXTURES / FIXTURE) as ckpt:
+        groups = len(ckpt.read_plan("emb.weight").groups[0])  # type: ignore[attr-defined]
+    assert groups == 2  # the fp32 partitions of the two param groups: the parameters' pieces alternate between them
+    # One read of each fp32 partition per rank (7 parameters: 7 reads before), nothing left for the CRC check.
+    assert optim == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": groups for r in range(4)}
+    if dtype is None:
+        expected = reference(FIXTURE)
+        assert expected is not None
+        del expected["head.weight"]  # tied to emb.weight: stored once
+        assert_state_dicts_equal(load_file(tmp_path / "out" / "model.safetensors"), expected)
+
+
+def _flip_in(tmp_path: Path, name: str, rank_index: int) -> Path:
+    """A copy of the fixture with one byte of ``name``'s piece on its ``rank_index``-th rank flipped."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / FIXTURE, copy)
+    with zeroio.open(FIXTURES / FIXTURE) as ckpt:
+        plan = ckpt.read_plan(name)  # type: ignore[attr-defined]
+        piece = list(plan.pieces)[rank_index]
+        ref = plan.groups[piece.rank][piece.group]
+        each = ref.dtype.itemsize
+        offset = ref.file.data_offset(ref.storage.key) + (ref.storage_offset + piece.start + piece.length - 1) * each
+        path = copy / ref.file.path.relative_to((FIXTURES / FIXTURE).resolve())
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x5A]))
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("name", "rank_index"),
+    [("emb.weight", 0), ("mlp_out.weight", 2), ("norm.bias", -1), ("frozen.bias", 1)],
+    ids=["first-rank0", "middle-rank2", "last-lastrank", "frozen-fragment"],
+)
+def test_a_flipped_byte_served_from_a_window_fails_the_conversion(tmp_path: Path, name: str, rank_index: int) -> None:
+    """The window of each rank file is read at the first parameter's piece: a byte of a later parameter is checked
+    as part of the window, before it is copied out, and the conversion fails leaving nothing."""
+    copy = _flip_in(tmp_path, name, rank_index)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointFormatError, match="fails its CRC-32 check"):
+        zeroio.convert(copy, out, progress=False)
+    assert not out.exists()
+    assert zeroio.convert(copy, out, progress=False, verify_crc=False).num_tensors > 0  # the explicit opt-out

@@ -1,0 +1,134 @@
+"""Read-ahead windows: many small reads of many files served by a few large reads of each file.
+
+A ZeRO-3 parameter has a piece on every rank: converting 2,000 parameters of a 1,024-rank checkpoint is 2 million
+reads of a few bytes each (24 s of CPU on 2 cores, a syscall and a CRC-32 fold apiece). Each rank file holds its
+partition of the parameters back to back, in the order a conversion writes them, so one window per file (and
+record), read ahead from the first small read, serves the next parameters' pieces from memory: each file is read in
+``partition / window`` reads, and each window is folded into its record's CRC once as it is read.
+
+Memory is bounded: one window per file and record, ``budget / windows`` bytes each (between :data:`MIN_WINDOW` and
+:data:`MAX_WINDOW`), so 1,024 files share 64 MiB. A window never crosses the end of the zip record it starts in
+(:meth:`~zeroio._io.integrity.CheckedFile.record_span`): it reads no byte of a record the conversion does not read
+(the Adam moments after the fp32 partition), holds no more than its record has left, and the CRC of each record
+it covers is still checked once all of the record's bytes have been seen. Only local files read ahead here; a
+remote source has its own read-ahead.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from .integrity import CheckedFile
+from .sources import LocalFile
+
+if TYPE_CHECKING:
+    from .sources import ByteSource
+
+__all__ = ["BUDGET", "MAX_WINDOW", "MIN_WINDOW", "ReadAhead"]
+
+BUDGET = 64 * 2**20
+"""Bytes all windows hold together (as long as each holds at least :data:`MIN_WINDOW`)."""
+MIN_WINDOW = 16 * 1024
+"""Smallest window: 4,096 files hold 64 MiB; reads stay a thousand times fewer than 16-byte pieces."""
+MAX_WINDOW = 4 * 2**20
+"""Largest window (few files): past a few MiB a larger read saves nothing."""
+
+
+class _Window:
+    """Bytes ``[start, stop)`` of one record of a file, in ``data``."""
+
+    __slots__ = ("data", "record", "start", "stop")
+
+    def __init__(self, record: int) -> None:
+        self.record = record
+        self.start = self.stop = 0
+        self.data = memoryview(bytearray(0))
+
+
+class _File:
+    """A file's windows, one per record read (a ZeRO-3 rank file's flat groups are read in turns), and its lock."""
+
+    __slots__ = ("lock", "source", "windows")
+
+    def __init__(self, source: CheckedFile) -> None:
+        self.source = source  # held: files are keyed by id(source)
+        self.lock = threading.Lock()
+        self.windows: list[_Window] = []
+
+
+def _covering(windows: list[_Window], start: int, stop: int) -> _Window | None:
+    for window in windows:
+        if window.start <= start and stop <= window.stop:
+            return window
+    return None
+
+
+class ReadAhead:
+    """Serves reads of at most a quarter window from a window per file and record, read ahead on a miss; longer
+    reads go straight to the file. Safe for concurrent use by several threads (one lock per file)."""
+
+    def __init__(self, files: int = 1, budget: int = BUDGET) -> None:
+        self._budget = budget
+        self._files: dict[int, _File] = {}
+        self._lock = threading.Lock()
+        self._hint = files
+        self._made = 0
+        self._size = 0
+        self._resize()
+
+    def window_bytes(self) -> int:
+        """The size of a window read now: the budget shared by the windows (one per file said, or as many as
+        made so far), within the bounds."""
+        return self._size
+
+    def _resize(self) -> None:
+        self._size = max(MIN_WINDOW, min(MAX_WINDOW, self._budget // max(1, self._hint, self._made)))
+
+    def read_into(self, source: ByteSource, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with ``source``'s bytes at ``offset`` (a :class:`CheckedFile` checks them as it reads)."""
+        n = len(out)
+        file = None
+        if n * 4 <= self._size:
+            file = self._files.get(id(source)) or self._file(source)
+        if file is not None:
+            with file.lock:
+                window = _covering(file.windows, offset, offset + n) or self._fill(file, offset, n)
+                if window is not None:
+                    at = offset - window.start
+                    out[:] = window.data[at : at + n]
+                    return
+        source.read_into(offset, out)  # a long read, not a local file, or not inside one record: as asked
+
+    def _fill(self, file: _File, offset: int, n: int) -> _Window | None:
+        """Read the window of ``offset``'s record from ``offset`` on (the caller holds the file's lock)."""
+        span = file.source.record_span(offset)
+        if span is None or span[1] < offset + n:
+            return None
+        size = self.window_bytes()
+        window = next((w for w in file.windows if w.record == span[0]), None)
+        if window is None:
+            window = _Window(span[0])
+            file.windows.append(window)
+            with self._lock:
+                self._made += 1
+                self._resize()
+            if offset - span[0] < size // 2:  # the record's first read: from its start (padding of a parameter
+                offset = span[0]  # this rank holds none of), so the CRC check has no gap left to read
+        stop = min(offset + size, span[1])
+        if not stop - offset <= len(window.data) <= 2 * size:  # held memory stays bounded
+            window.data = memoryview(bytearray(stop - offset))
+        window.start = window.stop = offset  # a failed read leaves no stale window
+        file.source.read_into(offset, window.data[: stop - offset])
+        window.stop = stop
+        return window
+
+    def _file(self, source: ByteSource) -> _File | None:
+        """``source``'s windows, made on first use; None where reads go straight to the source (not local)."""
+        file = self._files.get(id(source))
+        if file is not None:
+            return file
+        if not isinstance(source, CheckedFile) or not isinstance(source.source, LocalFile):
+            return None
+        with self._lock:
+            return self._files.setdefault(id(source), _File(source))
