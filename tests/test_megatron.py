@@ -90,7 +90,15 @@ def test_metadata_and_non_tensor_state():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt_tp2_untied", "gpt_moe_ep2", "gpt_pp2_tied", "gpt_moe_tp2_ep2", "gpt_qwen3_moe_tp2_singleton"]
+    "name",
+    [
+        "gpt_tp2_untied",
+        "gpt_moe_ep2",
+        "gpt_pp2_tied",
+        "gpt_moe_tp2_ep2",
+        "gpt_qwen3_moe_tp2_singleton",
+        "gpt_moe_grouped_ep2",
+    ],
 )
 def test_optimizer_state_per_layer_equals_megatrons(name):
     plain = _expected(name, "plain.pt")
@@ -132,6 +140,20 @@ def test_tensor_and_expert_parallel_chunks_come_from_every_rank():
                 assert ranks[f"{layer}mlp.experts.experts.{fc}.weight"] == {"0", "1", "2", "3"}
             assert ranks[f"{layer}self_attention.linear_qkv.weight"] == {"0", "1"}
             assert len(ranks[f"{layer}mlp.linear_fc1.layer_norm_weight"]) == 1
+
+
+def test_grouped_gemm_experts_are_saved_under_the_sequential_keys():
+    """gpt_moe_grouped_ep2 trained megatron-core's GroupedMLP (``--moe-grouped-gemm``: one ``weight1`` of [hidden,
+    experts x 2 ffn] and one ``weight2`` a rank): Megatron saves them transposed under SequentialMLP's
+    expert-stacked keys, so they read as any other experts (their logits: tests/test_megatron_hf.py)."""
+    mapping = json.loads((MEGATRON / "gpt_moe_grouped_ep2" / "expected" / "keys.json").read_text())
+    live = _expected("gpt_moe_grouped_ep2", "model.pt")
+    with zeroio.open(MEGATRON / "gpt_moe_grouped_ep2") as ckpt:
+        for i in range(2):
+            for weight, fc, shape in (("weight1", "linear_fc1", (4, 16, 16)), ("weight2", "linear_fc2", (4, 16, 8))):
+                key = f"decoder.layers.{i}.mlp.experts.experts.{fc}.weight"
+                assert mapping[f"decoder.layers.{i}.mlp.experts.{weight}"] == key
+                assert ckpt.info(key).shape == shape and _same(ckpt[key], live[key])
 
 
 @pytest.mark.parametrize(
