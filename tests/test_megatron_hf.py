@@ -156,6 +156,24 @@ def test_expert_optimizer_state_under_hf_names_is_its_block():
         assert down.abs().sum() > 0 and torch.equal(down, plain[moments.format("exp_avg_sq", 2)][0, 2])
 
 
+def test_optimizer_state_under_hf_names_in_the_per_expert_form_is_its_tensor():
+    """The per-expert form (gpt_qwen3_moe_tp2_singleton): up_proj's moments are ``linear_fc1.weight_v``'s whole, an
+    expert's down_proj's its own ``linear_fc2.weight``'s, as Megatron consolidates them."""
+    name = "gpt_qwen3_moe_tp2_singleton"
+    plain = torch.load(MEGATRON / name / "expected" / "plain.pt", weights_only=True)
+    with zeroio.open(MEGATRON / name, names="hf") as ckpt:
+        cases = {
+            "model.layers.0.mlp.up_proj.weight": "decoder.layers.0.mlp.linear_fc1.weight_v",
+            "model.layers.1.mlp.experts.2.gate_proj.weight": "decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight_w",
+            "model.layers.1.mlp.experts.3.down_proj.weight": "decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight",
+        }
+        for hf, key in cases.items():
+            state = ckpt.optimizer_state(hf)
+            for moment in ("exp_avg", "exp_avg_sq"):
+                want = plain[f"optimizer.state.{moment}.{key}"]
+                assert want.abs().sum() > 0 and torch.equal(state[moment], want), (hf, moment)
+
+
 def test_inspect_names_hf_lists_what_is_not_read(capsys):
     assert main(["inspect", str(MEGATRON / "gpt_moe_ep2"), "--names", "hf"]) == 0
     out = capsys.readouterr().out
