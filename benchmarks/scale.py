@@ -34,6 +34,12 @@ Methods (each in its own process, after one warm-up read of the files, so the pa
   pass, every tensor a lazy stand-in (no data materialised).
 - ``verify`` (GPT layouts): ``python -m zeroio verify SRC CKPT``, every tensor of the resharded layout against the
   2-rank checkpoint DeepSpeed saved (exit 0: all equal).
+- ``reshard`` (GPT layouts): ``zeroio.reshard`` of the 2-rank DeepSpeed save to the layout's rank count again (into
+  a scratch folder, removed after): the layout builder, timed. (The ``reshard`` rows with ``reused`` are the builds.)
+
+``--repeat N`` runs each method N times; ``--cold`` drops the files' pages from the page cache before each method
+(``posix_fadvise(DONTNEED)`` per file after a sync; ``cached_before``: the share ``fincore`` still finds cached)
+instead of reading them first.
 
 Each child also reports the seconds of the call itself (``call_s``: after its imports).
 """
@@ -115,6 +121,31 @@ def _warm(path: Path) -> None:
         with p.open("rb") as fh:
             while fh.read(1 << 24):
                 pass
+
+
+def _evict(path: Path) -> None:
+    """Drop the checkpoint's pages from the page cache (``POSIX_FADV_DONTNEED`` per file, after a sync): a cold
+    checkpoint, while the interpreter, torch and zeroio stay cached (this box's other users keep theirs)."""
+    subprocess.run(["sync"], check=True)
+    for p in path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _cached_fraction(path: Path) -> float | None:
+    """Share of the checkpoint's bytes in the page cache (``fincore``), None where it is missing."""
+    files = [str(p) for p in path.rglob("*") if p.is_file()]
+    try:
+        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES,SIZE", *files], capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    res, size = sum(map(int, out[0::2])), sum(map(int, out[1::2]))
+    return res / size if size else None
 
 
 def build_gpt(work: Path, layers: int) -> Path:
@@ -223,14 +254,24 @@ def run_methods(
     timeout: float,
     facts: dict[str, Any],
     source: Path | None = None,
+    cold: bool = False,
 ) -> list[dict[str, Any]]:
     files, nbytes = _tree_bytes(ckpt)
     results = []
     for method in methods:
-        if method == "verify" and source is None:
+        if method in ("verify", "reshard") and source is None:
             continue
-        _warm(ckpt)
-        if method == "verify":  # every tensor of the resharded layout against DeepSpeed's own 2-rank save
+        made = work / "reshard-out"
+        shutil.rmtree(made, ignore_errors=True)
+        read = source if method == "reshard" and source is not None else ckpt  # the files the method reads
+        if cold:
+            _evict(read)
+        else:
+            _warm(read)
+        if method == "reshard":  # the layout itself, written again from DeepSpeed's 2-rank save
+            call = f"zeroio.reshard({str(source)!r}, {str(made)!r}, world_size={ckpt_ranks(ckpt)})"
+            cmd = [sys.executable, "-c", _TIMED.format(imports="import zeroio", body=f"{call}\nn = 0")]
+        elif method == "verify":  # every tensor of the resharded layout against DeepSpeed's own 2-rank save
             cmd = [sys.executable, "-m", "zeroio", "verify", str(source), str(ckpt)]
         elif method in CHILD:
             cmd = [sys.executable, "-c", f"SRC = {str(ckpt)!r}\n" + CHILD[method]]
@@ -240,14 +281,24 @@ def run_methods(
             out = work / "out"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [sys.executable, "-m", "zeroio", "convert", str(ckpt), str(out), "--quiet"]
-        run = {**facts, "files": files, "bytes": nbytes, "method": method, "load_avg": os.getloadavg()[0]}
+        run = {**facts, "files": files, "bytes": nbytes, "method": method, "load_avg": os.getloadavg()[0],
+               "cache": "cold" if cold else "warm"}  # fmt: skip
+        if cold:
+            run["cached_before"] = _cached_fraction(read)
         run.update(_measure(cmd, env, timeout))
         results.append(run)
         print(json.dumps({k: v for k, v in run.items() if k != "err"}), flush=True)
         if run.get("exit"):
             print(run.get("err"), file=sys.stderr, flush=True)
     shutil.rmtree(work / "out", ignore_errors=True)
+    shutil.rmtree(work / "reshard-out", ignore_errors=True)
     return results
+
+
+def ckpt_ranks(ckpt: Path) -> int:
+    """The data-parallel ranks of a GPT layout (its optimizer-state files)."""
+    tag = (ckpt / "latest").read_text().strip()
+    return len(list((ckpt / tag).glob("*optim_states.pt")))
 
 
 def _host() -> dict[str, Any]:
@@ -273,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", nargs="*", default=[], help="MoE sources: LAYERSxEXPERTS, e.g. 8x64")
     parser.add_argument("--methods", nargs="+", default=["open", "inspect", "plan", "convert", "ds_lazy", "verify"])
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each method")
+    parser.add_argument("--cold", action="store_true", help="drop the files' pages before each method, not read them")
     parser.add_argument("--tree", type=Path, default=REPO, help="the tree whose zeroio the timed processes import")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--moe-worker", help=argparse.SUPPRESS)
@@ -305,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                 {**facts, "method": "reshard", **made, **dict(zip(("files", "bytes"), _tree_bytes(ckpt)))}
             )
             print(json.dumps(out["runs"][-1]), flush=True)
-            out["runs"] += run_methods(ckpt, args.methods, args.work, env, args.timeout, facts, src)
-            save()
+            for _ in range(args.repeat):
+                out["runs"] += run_methods(ckpt, args.methods, args.work, env, args.timeout, facts, src, args.cold)
+                save()
     for spec in args.moe:
         layers, experts = map(int, spec.split("x"))
         ckpt = build_moe(args.work, layers, experts)

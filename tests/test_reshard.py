@@ -242,6 +242,22 @@ def test_read_ahead_over_a_few_ranks_writes_the_same_bytes(tmp_path: Path) -> No
         assert (tmp_path / "one" / name).read_bytes() == path.read_bytes(), name
 
 
+@pytest.mark.parametrize("name", ["z3_ws2_bf16", "z3_ws3_fp32"])
+def test_files_written_from_a_pickle_template_equal_those_pickled_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Rank files after the first of their kind replay its pickle (zeroio/_pickles/pickle_template.py): every file,
+    frozen fragments and buffers included, is byte for byte the one torch.save writes pickling its own tree."""
+    templated = reshard(FIXTURES / name, tmp_path / "templated", world_size=5)
+    monkeypatch.setenv("ZEROIO_NO_PICKLE_TEMPLATES", "1")
+    afresh = reshard(FIXTURES / name, tmp_path / "afresh", world_size=5)
+    assert [p.relative_to(tmp_path / "afresh") for p in afresh.files] == [
+        p.relative_to(tmp_path / "templated") for p in templated.files
+    ]
+    for a, b in zip(templated.files, afresh.files):
+        assert a.read_bytes() == b.read_bytes(), a.name
+
+
 def test_output_tag_and_progress(tmp_path: Path) -> None:
     """output_tag names the tag folder and `latest`; a progress callback sees every byte."""
     seen: list[tuple[int, int]] = []

@@ -5,7 +5,7 @@ pickle may ask for), ``archive`` (the torch zip archive, :class:`RankFile` and l
 (the globals a pickle may name, sealed against change), ``read`` (the restricted unpickler, :func:`load_pickle`),
 ``replica`` (rank files repeating another's pickle, read without unpickling it), ``plain`` (one walk from a parsed
 tree to plain objects), ``write`` (DeepSpeed-class records and rank files
-written chunk by chunk).
+written chunk by chunk), ``pickle_template`` (rank files of one shape pickled once).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .archive import RankFile, TensorRef, read_archive
 from .dcp_metadata_unpickler import load_dcp_metadata
 from .embedded import EmbeddedTensor
 from .limits import MAX_DEPTH, MAX_DIMS, MAX_NUMEL, MAX_PICKLE_BYTES, too_large
+from .pickle_template import PickleTemplate
 from .plain_tree import Index, StandinRule, TensorRule, Walk, Where, keep_standin, read_tensor, to_plain, where_text
 from .read import load_embedded, load_pickle
 from .replica import Replica, template_of
@@ -28,7 +29,7 @@ from .standins import (
     inert_parts,
     is_inert,
 )
-from .write import Chunks, RankFileBuilder, ds_value, writable
+from .write import Chunks, RankFileBuilder, ds_object, ds_value, writable
 
 __all__ = [
     "MAX_DEPTH",
@@ -42,6 +43,7 @@ __all__ = [
     "Inert",
     "InertDict",
     "InertParts",
+    "PickleTemplate",
     "RankFile",
     "RankFileBuilder",
     "Replica",
@@ -51,6 +53,7 @@ __all__ = [
     "Walk",
     "Where",
     "ZeroStageEnum",
+    "ds_object",
     "ds_value",
     "global_name",
     "inert_parts",

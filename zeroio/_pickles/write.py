@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from .._io.fileio import pwrite_all, tensor_bytes
 from .._messages import get_logger
@@ -30,7 +30,17 @@ from .standins import ZERO_STAGE_ENUM, Inert, ZeroStageEnum, global_name, inert_
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Chunks", "RankFileBuilder", "ds_class", "ds_object", "ds_value", "writable"]
+__all__ = [
+    "Chunks",
+    "DeepSpeedPickler",
+    "RankFileBuilder",
+    "Template",
+    "ds_class",
+    "ds_object",
+    "ds_value",
+    "walk_path",
+    "writable",
+]
 
 logger = get_logger(__name__)
 
@@ -46,14 +56,14 @@ _DS_CLASSES: dict[str, type] = {}
 
 _MARKER_PREFIX = f"_zeroio_ds_{secrets.token_hex(8)}_"
 """Names of the stand-in classes in this module: random per process, so no string a checkpoint carries matches
-one (see :class:`_Pickler`)."""
+one (see :class:`DeepSpeedPickler`)."""
 
 
 def ds_class(qualified: str) -> type:
     """A local class that pickles as the global ``qualified`` (e.g. DeepSpeed's ``LossScaler``).
 
     zeroio never imports DeepSpeed: the pickle names the class and DeepSpeed's unpickler resolves it. The class
-    lives in this module under a marker name (the C pickler finds it there), which :class:`_Pickler` rewrites.
+    lives in this module under a marker name (the C pickler finds it there), which :class:`DeepSpeedPickler` rewrites.
     """
     cls = _DS_CLASSES.get(qualified)
     if cls is None:
@@ -121,7 +131,7 @@ def writable(value: Any, where: Where, *, tensor: TensorRule, source: Path) -> A
     return to_plain(value, where, tensor=tensor, standin=standin, retyped=retyped)
 
 
-class _Pickler(pickle.Pickler):
+class DeepSpeedPickler(pickle.Pickler):
     """The C pickler, with each :func:`ds_class` written as the global it stands for, without importing it.
 
     The C pickler writes a class by name only once importing the name gives the class back, so each stand-in is
@@ -139,6 +149,10 @@ class _Pickler(pickle.Pickler):
         super().__init__(self._buffer, protocol, **kwargs)
 
     def dump(self, obj: Any) -> None:
+        self._target.write(self.pickled(obj))
+
+    def pickled(self, obj: Any) -> bytes:
+        """``obj``'s pickle, DeepSpeed's names written in."""
         super().dump(obj)
         data = self._buffer.getvalue()
         if _MARKER_PREFIX.encode() in data:
@@ -146,11 +160,19 @@ class _Pickler(pickle.Pickler):
                 module, _, qualname = qualified.rpartition(".")
                 marker = f"c{__name__}\n{cls.__qualname__}\n".encode()
                 data = data.replace(marker, f"c{module}\n{qualname}\n".encode())
-        self._target.write(data)
+        return data
+
+
+class Template(Protocol):
+    """A pickle reused across trees of one shape (``pickle_template.PickleTemplate``)."""
+
+    def pickle_module(self) -> types.ModuleType: ...
+
+    def storage_keys(self, paths: list[Where]) -> dict[Where, tuple[str, int]] | None: ...
 
 
 _PICKLE_MODULE = types.ModuleType("zeroio._reshard_pickle")
-_PICKLE_MODULE.Pickler = _Pickler  # type: ignore[attr-defined]
+_PICKLE_MODULE.Pickler = DeepSpeedPickler  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- rank files: tree, then bytes
@@ -243,18 +265,19 @@ class RankFileBuilder:
         """Bytes of tensor data the file will hold."""
         return sum(f.numel * f.dtype.itemsize for f in self._fills)
 
-    def save(self, tree: Any, path: Path, on_bytes: Callable[[int], None]) -> None:
+    def save(self, tree: Any, path: Path, on_bytes: Callable[[int], None], template: Template | None = None) -> None:
         """``torch.save`` the tree without tensor bytes, then stream each tensor's bytes into its record.
 
         ``torch.serialization.skip_data`` writes the archive with every storage record reserved but not filled;
         each record is then written with ``pwrite`` from bounded chunks, and its CRC-32 set in the data
         descriptor and the central directory, so the result is the archive ``torch.save`` would have written.
+        ``template`` pickles the tree once for all the trees of its shape (``pickle_template.py``).
         """
         # 1. The archive, storage bytes left empty (no tensor is ever materialised).
         import torch
 
         with open(path, "xb") as fh, torch.serialization.skip_data():
-            torch.save(tree, fh, pickle_module=_PICKLE_MODULE)
+            torch.save(tree, fh, pickle_module=_PICKLE_MODULE if template is None else template.pickle_module())
         self._placeholders.close()
         if not self._fills:  # every record empty (ZeRO-3 model states without frozen parameters): nothing to fill
             fd = os.open(path, os.O_RDONLY)
@@ -263,15 +286,8 @@ class RankFileBuilder:
             finally:
                 os.close(fd)
             return
-        # 2. Which record holds which tensor: read back with zeroio's own parser.
-        parsed, rank_file = load_pickle(path)
-        rank_file.close()
-        keys = []
-        for fill in self._fills:
-            ref = _walk(parsed, fill.path)
-            if not isinstance(ref, TensorRef) or ref.numel != fill.numel or ref.storage_offset != 0:
-                raise CheckpointFormatError(f"'{path}': tensor at {fill.path} was not written as planned.", path=path)
-            keys.append(ref.storage.key)
+        # 2. Which record holds which tensor: known to the template, else read back with zeroio's own parser.
+        keys = self._keys(path, template)
         with zipfile.ZipFile(path) as archive:
             records = {info.filename: info for info in archive.infolist()}
             start_dir = archive.start_dir
@@ -285,6 +301,25 @@ class RankFileBuilder:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _keys(self, path: Path, template: Template | None) -> list[str]:
+        """The storage key of each fill's tensor in the file just written."""
+        found = None if template is None else template.storage_keys([fill.path for fill in self._fills])
+        if found is None:
+            parsed, rank_file = load_pickle(path)
+            rank_file.close()
+            found = {}
+            for fill in self._fills:
+                ref = walk_path(parsed, fill.path)
+                if isinstance(ref, TensorRef) and ref.storage_offset == 0:
+                    found[fill.path] = (ref.storage.key, ref.numel)
+        keys = []
+        for fill in self._fills:
+            key, numel = found.get(fill.path, ("", -1))
+            if numel != fill.numel:  # a storage of the tensor's own elements, at offset 0 (a template checks that)
+                raise CheckpointFormatError(f"'{path}': tensor at {fill.path} was not written as planned.", path=path)
+            keys.append(key)
+        return keys
 
 
 def _fill_record(
@@ -321,7 +356,8 @@ def _fill_record(
     pwrite_all(fd, packed, central[info.filename] + 16)
 
 
-def _walk(tree: Any, path: Where) -> Any:
+def walk_path(tree: Any, path: Where) -> Any:
+    """The node at ``path`` of a tree (dict keys, list indices, attributes)."""
     node = tree
     for key in path:
         node = node[key] if isinstance(node, (dict, list, tuple)) else node.__dict__[key]

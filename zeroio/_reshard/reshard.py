@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import os
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,18 +17,22 @@ from .._io.fileio import write_new_file
 from .._io.progress import ByteProgress, Progress, check_progress
 from .._io.remote_path import as_path, is_url
 from .._messages import get_logger
+from .._pickles import PickleTemplate
 from .._types import StrPath
 from .._write.atomic import AtomicDir
 from ..errors import UnsupportedCheckpointError
 from .targets import ReshardPlan, plan_reshard
 from .trees import RankTrees
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ReshardResult", "reshard"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "NO_TEMPLATES_ENV", "ReshardResult", "reshard"]
 
 logger = get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest piece of a tensor held in memory while resharding."""
+
+NO_TEMPLATES_ENV = "ZEROIO_NO_PICKLE_TEMPLATES"
+"""Set to 1: pickle every rank file afresh (tests compare the files with those written from a template)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +201,16 @@ def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progre
         with out as tmp:
             folder = tmp / plan.tag
             folder.mkdir()
+            templates: dict[Hashable, PickleTemplate] = {}  # one pickle per kind of file (pickle_template.py)
             for kind, build in ((0, trees.model_file), (1, trees.optim_file)):
                 for rank in range(world_size):
                     tree, builder = build(rank)
                     name = plan.file_names(rank)[kind]
-                    builder.save(tree, folder / name, meter.update)
+                    template = None
+                    if os.environ.get(NO_TEMPLATES_ENV) != "1":
+                        key = trees.pickle_kind(kind, rank)
+                        template = templates.get(key) or templates.setdefault(key, PickleTemplate())
+                    builder.save(tree, folder / name, meter.update, template)
                     files.append(out.dst / plan.tag / name)
             write_new_file(tmp / C.LATEST_FILE, plan.tag)
             plan.ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit

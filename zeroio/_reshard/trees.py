@@ -125,6 +125,7 @@ class RankTrees:
         self.plan = plan
         self._buffers = _Buffers(chunk_bytes)
         self._sources: dict[tuple[int, str | None], tuple[list[Any], list[tuple[Hashable, int]]]] = {}
+        self._same: dict[Hashable, Any] = {}  # parts of the model states alike on every rank, made once
 
     def read_ahead(self, rank_bytes: int) -> None:
         """Size the read-ahead :class:`_Windows` for rank files of ``rank_bytes`` bytes of tensors each."""
@@ -150,6 +151,24 @@ class RankTrees:
 
         return writable(value, where, tensor=tensor, source=source)
 
+    def pickle_kind(self, kind: int, rank: int) -> Hashable:
+        """Files of one kind pickle alike but for their tensors' bytes (``kind`` 0: model states, 1: optimizer
+        states): what :meth:`model_file` and :meth:`optim_file` build depends on the rank only through the tensors'
+        bytes, save rank 0's model states (the ``shared_params`` DeepSpeed records on rank 0 alone)."""
+        return (kind, kind == 0 and rank == 0)
+
+    def _placeholders(self, module: dict[str, Any], buffer_names: set[str]) -> dict[str, torch.Tensor]:
+        """The module's ZeRO-3 parameter placeholders (empty tensors), made once and shared by every rank's tree:
+        a pickle template (``zeroio._pickles.pickle_template``) knows the very tensors it recorded."""
+        found = self._same.get(C.MODULE)
+        if found is None:
+            found = self._same[C.MODULE] = {
+                name: torch.empty(ref.shape, dtype=ref.dtype)
+                for name, ref in module.items()
+                if name not in buffer_names and isinstance(ref, TensorRef) and ref.numel == 0
+            }
+        return found
+
     def model_file(self, rank: int) -> tuple[Any, RankFileBuilder]:
         """Rank ``rank``'s model states: module placeholders and buffers, param shapes, frozen fragments, ..."""
         plan, ckpt, buffers = self.plan, self.plan.ckpt, self._buffers
@@ -163,11 +182,10 @@ class RankTrees:
         for key, value in model0.items():
             if key == C.MODULE:
                 entries: collections.OrderedDict[str, Any] = collections.OrderedDict()
+                placeholders = self._placeholders(module, buffer_names)
                 for name, ref in module.items():
-                    if name not in buffer_names and isinstance(ref, TensorRef) and ref.numel == 0:
-                        entries[name] = torch.empty(ref.shape, dtype=ref.dtype)  # ZeRO-3 parameter placeholder
-                    else:
-                        entries[name] = self._copy(ref, (key, name), builder, model0_path)
+                    found = placeholders.get(name)
+                    entries[name] = self._copy(ref, (key, name), builder, model0_path) if found is None else found
                 tree[key] = entries
             elif key == C.FROZEN_PARAM_FRAGMENTS and has_fragments:
                 fragments: collections.OrderedDict[str, Any] = collections.OrderedDict()
@@ -183,9 +201,12 @@ class RankTrees:
                     )
                 tree[key] = fragments
             elif key == C.PARAM_SHAPES:
-                tree[key] = [
-                    collections.OrderedDict((n, torch.Size(ckpt.info(n).shape)) for n in sub.names) for sub in plan.subs
-                ]
+                if key not in self._same:
+                    self._same[key] = [
+                        collections.OrderedDict((n, torch.Size(ckpt.info(n).shape)) for n in sub.names)
+                        for sub in plan.subs
+                    ]
+                tree[key] = self._same[key]
             elif key == C.DP_WORLD_SIZE:
                 tree[key] = plan.world_size
             elif key == C.SHARED_PARAMS and rank > 0 and isinstance(value, dict):

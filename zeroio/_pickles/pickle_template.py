@@ -1,0 +1,182 @@
+"""Rank files of one shape pickled once: each later one replays the first one's pickle (issue 34, goal 5).
+
+A reshard to 1,024 ranks writes 2,048 files, and the files of one kind differ only in their tensors' bytes (the
+model states of ranks 1 and up, every rank's optimizer states: DeepSpeed's own saves repeat such a pickle byte for
+byte, see ``replica.py``). ``torch.save`` pickles each tree afresh and calls its ``persistent_id`` on every one of
+its objects (25,000 in a model-states file of 2,000 parameters): most of the reshard's 80 s of CPU at 1,024 ranks.
+
+A :class:`PickleTemplate` lets ``torch.save`` pickle the first tree it is given, recording the tensors in the order
+the pickle meets them, where each sits in the tree and the persistent id its storage got. A later tree is not
+pickled: the storages of the tensors at the recorded places are handed to ``torch.save``'s own ``persistent_id`` in
+the recorded order (so torch registers them under the same keys and writes their records, as it would have), and
+the recorded bytes become its ``data.pkl``. Every such tensor must match the recorded one (type, dtype, shape,
+stride, offset, storage size), else the tree is pickled as usual. That the rest of the tree is the same is the
+caller's promise: ``zeroio._reshard.trees.RankTrees.pickle_kind`` gives one template per kind of file whose trees
+differ only in tensor bytes, and tests/test_reshard.py checks the files equal, byte for byte, those pickled afresh.
+"""
+
+from __future__ import annotations
+
+import pickle
+import types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .plain_tree import Where
+from .write import DeepSpeedPickler, walk_path
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PickleTemplate"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One tensor of the template tree, in pickle order: where it is, what its storage's persistent id was, and
+    what must match in a later tree for the recorded bytes to be that tree's pickle."""
+
+    path: Where
+    pid: tuple[Any, ...]
+    form: tuple[Any, ...]
+    tensor: torch.Tensor
+    """The tensor itself: a later tree holding the very tensor (an empty placeholder shared by every rank's
+    tree) needs no check, and its storage registers as before."""
+    storage: Any
+    """The ``TypedStorage`` the pickle gave ``persistent_id`` for it."""
+
+
+def _form(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a tensor's pickle says besides its storage's key (and what decides its storage's persistent id)."""
+    storage = tensor.untyped_storage()
+    return (type(tensor), tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(),
+            tensor.requires_grad, storage.nbytes(), storage.device.type)  # fmt: skip
+
+
+def _tensor_paths(tree: Any) -> dict[int, Where]:
+    """``{id(tensor): its path}`` of every tensor of a writable tree (dicts, lists, tuples, objects' attributes)."""
+    import torch
+
+    found: dict[int, Where] = {}
+    stack: list[tuple[Any, Where]] = [(tree, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, torch.Tensor):
+            found.setdefault(id(node), path)
+            continue
+        if isinstance(node, dict):
+            items: Any = node.items()
+        elif isinstance(node, (list, tuple)):
+            items = enumerate(node)
+        elif hasattr(node, "__dict__") and not isinstance(node, (type, types.ModuleType, types.FunctionType)):
+            items = vars(node).items()
+        else:
+            continue
+        stack.extend((value, (*path, key)) for key, value in items)
+    return found
+
+
+class PickleTemplate:
+    """The pickle of the first tree saved through :meth:`pickle_module`, replayed for the later ones."""
+
+    def __init__(self) -> None:
+        self._data: bytes | None = None
+        self._entries: list[_Entry] = []
+        self._last_from_template = False  # the last tree saved: recorded or replayed (its keys known here)
+        self.replayed = 0
+        """Trees written from the template (not pickled)."""
+
+    def pickle_module(self) -> types.ModuleType:
+        """The ``pickle_module`` to give ``torch.save`` for the next tree."""
+        module = types.ModuleType("zeroio._template_pickle")
+        base = _Recording if self._data is None else _Replaying
+        module.Pickler = type("Pickler", (base,), {"template": self})  # type: ignore[attr-defined]
+        return module
+
+    def storage_keys(self, paths: list[Where]) -> dict[Where, tuple[str, int]] | None:
+        """``{path: (storage key, storage elements)}`` of the tensors at ``paths`` in the last tree saved, or None
+        when that tree was pickled afresh (not recorded: its keys are not known here)."""
+        if not self._last_from_template:
+            return None
+        by_path = {entry.path: (str(entry.pid[2]), int(entry.pid[4])) for entry in self._entries}
+        return {path: by_path[path] for path in paths if path in by_path}
+
+    def record(self, tree: Any, data: bytes, tensors: list[torch.Tensor], pids: list[tuple[Any, Any]]) -> None:
+        """Keep ``data`` (``tree``'s pickle) with its tensors, met in this order, and their storages' persistent
+        ids (each with the storage it was given for)."""
+        paths = _tensor_paths(tree)
+        if len(tensors) != len(pids) or any(id(t) not in paths for t in tensors):
+            return  # a storage met outside a tensor, or a tensor outside the tree's containers: never replayed
+        self._entries = [_Entry(paths[id(t)], pid, _form(t), t, s) for t, (pid, s) in zip(tensors, pids)]
+        self._data = data
+        self._last_from_template = True
+
+    def storages(self, tree: Any) -> list[Any] | None:
+        """The storages to register for ``tree``, in the recorded order, or None when a tensor differs."""
+        import torch
+
+        found = []
+        for entry in self._entries:
+            try:
+                tensor = walk_path(tree, entry.path)
+            except (KeyError, IndexError, TypeError):
+                return None
+            if tensor is entry.tensor:
+                found.append(entry.storage)
+                continue
+            if not isinstance(tensor, torch.Tensor) or _form(tensor) != entry.form:
+                return None
+            typed = torch.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=tensor.dtype, _internal=True)  # type: ignore[no-untyped-call]
+            found.append(typed)
+        return found
+
+
+class _Recording(DeepSpeedPickler):
+    """Pickles the tree, noting each tensor as the pickle meets it and each storage's persistent id."""
+
+    template: PickleTemplate
+
+    def pickled(self, obj: Any) -> bytes:
+        torch_id = self.persistent_id  # torch.save's own (its subclass's method)
+        self.template._last_from_template = False
+        self._tensors: list[torch.Tensor] = []
+        pids: list[tuple[Any, Any]] = []
+
+        def recording(value: Any) -> Any:
+            pid = torch_id(value)
+            if pid is not None:
+                pids.append((pid, value))
+            return pid
+
+        pickle.Pickler.persistent_id.__set__(self, recording)  # type: ignore[attr-defined]
+        data = super().pickled(obj)
+        self.template.record(obj, data, self._tensors, pids)
+        return data
+
+    def reducer_override(self, obj: Any) -> Any:
+        """Called for every object but the plain ones (dicts, lists, strings, numbers): notes the tensors."""
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            self._tensors.append(obj)
+        return NotImplemented
+
+
+class _Replaying(DeepSpeedPickler):
+    """Writes the recorded pickle, registering the tree's storages with torch in the recorded order."""
+
+    template: PickleTemplate
+
+    def pickled(self, obj: Any) -> bytes:
+        template = self.template
+        storages = template.storages(obj)
+        template._last_from_template = storages is not None
+        if storages is None:
+            return super().pickled(obj)
+        torch_id = self.persistent_id
+        for storage, entry in zip(storages, template._entries):
+            if torch_id(storage) != entry.pid:
+                raise AssertionError(f"a storage registered as {torch_id(storage)}, recorded as {entry.pid}")
+        template.replayed += 1
+        assert template._data is not None
+        return template._data
