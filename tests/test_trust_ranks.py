@@ -3,12 +3,16 @@ checkpoint before reading (issue 30, item 3). Two gloo ranks run every case in o
 with a 20 s process-group timeout: before, a rank left in ``all_gather_object`` or ``broadcast`` reported the
 backend's timeout (or, for a save landing between the ranks' opens, loaded rows from two steps). The last cases are
 the holes the first round left (a model sharded only by the init hook; a non-zero rank failing between broadcasts),
-then a healthy load, which shows the ranks still meet in step afterwards."""
+then a healthy load, which shows the ranks still meet in step afterwards. Copies made without keeping modification
+times (``cp``, ``rsync`` without ``-t``) are compared by content: an identical one loads, one changed byte is
+refused."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +45,29 @@ def _flipped_dcp(root: Path, chunk: int) -> Path:
     return folder
 
 
+def _copy_with_other_times(root: Path, *, changed: bool = False) -> Path:
+    """The DCP fixture copied as ``cp`` copies (times not kept), every file's modification time then set apart.
+    ``changed``: one byte changed too, in ``__1_0.distcp``'s last archive, a digit of its ``.data/serialization_id``
+    (the id torch.save gives a save, in the file's last 4 KiB; no reader uses it): the same names and sizes."""
+    folder = shutil.copytree(DCP, root / f"dcp_other_times_{changed}", copy_function=shutil.copy)
+    if changed:
+        data = folder / "__1_0.distcp"
+        content, name = bytearray(data.read_bytes()), b"archive/.data/serialization_id"
+        at = len(content)
+        while content[at - 30 : at - 26] != b"PK\x03\x04":  # the last local header naming it, not the directory's
+            at = content.rfind(name, 0, at)
+            assert at > 0
+        name_length, extra_length = struct.unpack("<HH", content[at - 4 : at])
+        digit = at + name_length + extra_length
+        assert len(content) - digit < 4096 and chr(content[digit]).isdigit()
+        content[digit] ^= 0x01
+        data.write_bytes(bytes(content))
+    for path in folder.rglob("*"):
+        os.utime(path, ns=(10**18, 10**18 + path.stat().st_mtime_ns % 1000))
+    assert all(p.stat().st_mtime_ns != (DCP / p.relative_to(folder)).stat().st_mtime_ns for p in folder.rglob("*"))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("ranks")
@@ -63,6 +90,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
         {"id": "fill_fails_while_rank_0_reads", "src": [str(DCP)] * 2, "shard": "fsdp2", "fail_progress_on": [1],
          "slow_progress": {"0": SLOW}},
         {"id": "healthy_after_failures", "src": [str(DCP)] * 2, "shard": "fsdp2", "broadcast": True},
+        {"id": "copy_with_other_times", "src": [str(DCP), str(_copy_with_other_times(root))], "shard": "fsdp2"},
+        {"id": "copy_with_one_byte_changed", "src": [str(DCP), str(_copy_with_other_times(root, changed=True))],
+         "shard": "fsdp2"},
     ]  # fmt: skip
     spec = root / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "timeout": TIMEOUT}))
@@ -163,3 +193,19 @@ def test_staging_bytes_variable_is_checked_by_name(results):
         assert record["error"] == "ValueError"
         assert record["message"].startswith("ZEROIO_STAGING_BYTES='abc' is not a byte count")
     assert [r["error"] for r in results["staging_16mib"]] == [None, None]
+
+
+def test_a_copy_with_other_modification_times_loads(results):
+    """Rank 1 reads a copy of rank 0's checkpoint whose files have other modification times (a per-node copy made
+    without ``rsync -t``): the same checkpoint, so both load. Before, the times differed and the load was refused."""
+    assert [(r["error"], r["message"]) for r in results["copy_with_other_times"]] == [(None, None)] * 2
+
+
+def test_a_copy_with_one_byte_changed_is_refused(results):
+    """Rank 1's copy, made without its times, also has one byte of a data file changed (the same names and sizes):
+    the ranks opened different checkpoints, and both refuse before reading, naming that file alone."""
+    for record in results["copy_with_one_byte_changed"]:
+        assert record["error"] == "ShardedModelError", record
+        assert "opened different checkpoints" in record["message"]
+        assert "(files that differ: __1_0.distcp)" in record["message"]
+    _fast(results["copy_with_one_byte_changed"])

@@ -1,6 +1,7 @@
 """The steps of a sharded load at which its ranks meet, each a :func:`zeroio._ranks.settle`: every failure, on any
 rank and at any step, reaches every rank as a ``ZeroIOError``, and the ranks agree on one checkpoint (resolved tag
-and its files' names, sizes and times) before anything is read.
+and its files' names, sizes and times; where only times differ, as in copies made without ``rsync -t``, a hash of
+each such file's first and last bytes) before anything is read.
 
 The steps, in order, reached by every rank whatever happened before: the plan (:func:`agree` after matching keys,
 with each rank's fingerprint of the checkpoint), one per ``broadcast_from_rank0`` chunk (:func:`broadcast_checked`:
@@ -14,14 +15,17 @@ know whether its model is sharded, that is whether the others wait for it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
+from .._io.confine import hub_cache_blobs, open_regular
 from .._messages import get_logger, listing
 from .._ranks import Alarm, Failure, RanksLost, default_group, gloo_detail, in_job, settle
 from ..errors import ShardedModelError, ZeroIOError
@@ -36,7 +40,20 @@ logger = get_logger(__name__)
 MAX_FINGERPRINT_FILES = 100_000
 """Files listed for a checkpoint's fingerprint (a universal checkpoint has a few per parameter); more are refused."""
 
-Fingerprint = tuple[str, str, tuple[tuple[str, int, int], ...]]
+EDGE_BYTES = 4096
+"""Bytes hashed at each end of a file whose modification time differs between ranks: where formats keep what tells
+one save from another (a safetensors header, a torch zip's central directory with every record's CRC-32 and the
+save's ``serialization_id``, a DCP data file's first and last chunks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """What this rank opened: ``sent`` to the others (format, resolved tag, ``(name, size, mtime_ns)`` of every
+    file under ``root``), and ``root``, where the files whose times differ are hashed."""
+
+    root: Path
+    sent: tuple[str, str, tuple[tuple[str, int, int], ...]]
+
 
 _plans_passed = [0]  # plan steps this process passed: alike on every rank of a load, so it names that load's fill
 E = TypeVar("E", bound=BaseException)
@@ -77,12 +94,53 @@ def _files(root: Path) -> list[tuple[str, int, int]]:
 
 def fingerprint(ckpt: TensorReader) -> Fingerprint:
     """What every rank must see alike: the format, the resolved tag, and the checkpoint folder's files (names
-    relative to it, sizes, modification times), so a save landing meanwhile or a file replaced is noticed."""
+    relative to it, sizes, modification times), so a save landing meanwhile or a file replaced is noticed; files
+    whose times alone differ are compared by content (:func:`agree`)."""
     meta = ckpt.metadata
-    return (meta.format, str(meta.tag), tuple(_files(meta.path)))
+    return Fingerprint(meta.path, (meta.format, str(meta.tag), tuple(_files(meta.path))))
+
+
+def _times_only(gathered: list[Any]) -> list[str]:
+    """The files whose modification times differ between ranks, when nothing else does (the same format, tag, names
+    and sizes everywhere: copies made without ``rsync -t``), else []. Alike on every rank: it reads the gathered."""
+    if any(seen is None for seen in gathered):
+        return []
+    first = gathered[0]
+    if any(seen[:2] != first[:2] or [f[:2] for f in seen[2]] != [f[:2] for f in first[2]] for seen in gathered):
+        return []
+    return [f[0] for i, f in enumerate(first[2]) if any(seen[2][i][2] != f[2] for seen in gathered)]
+
+
+def _edges(root: Path, names: list[str]) -> list[str]:
+    """A hash of the first and last :data:`EDGE_BYTES` of each named file under ``root`` (all of it when smaller);
+    "" for what is not a regular file (opened as the readers open files: a FIFO never blocks), cannot be read, or
+    is a link leading out of the checkpoint (and out of a Hub cache's blobs): its bytes are not read."""
+    inside = [root.resolve()] + ([] if (blobs := hub_cache_blobs(root)) is None else [blobs.resolve()])
+    hashes = []
+    for name in names:
+        path = root / name if root.is_dir() else root
+        try:
+            if path.is_symlink() and not any(path.resolve().is_relative_to(p) for p in inside):
+                raise OSError("a link out of the checkpoint")
+            fd, (_, _, size, _) = open_regular(path)
+        except (OSError, RuntimeError, ZeroIOError):  # RuntimeError: a loop of links before Python 3.13
+            hashes.append("")
+            continue
+        try:
+            digest = hashlib.blake2b(os.pread(fd, EDGE_BYTES, 0), digest_size=8)
+            if size > EDGE_BYTES:
+                digest.update(os.pread(fd, EDGE_BYTES, max(EDGE_BYTES, size - EDGE_BYTES)))
+            hashes.append(digest.hexdigest())
+        except OSError:
+            hashes.append("")
+        finally:
+            os.close(fd)
+    return hashes
 
 
 def _differences(mine: Any, other: Any) -> str:
+    if isinstance(mine, dict):  # the second round: the files whose times differ, by content
+        return f"files that differ: {listing([n for n in mine if mine[n] != other[n]])}"
     if list(mine[:2]) != list(other[:2]):
         return f"tag {mine[1]!r} vs {other[1]!r}"
     a, b = {n: (s, t) for n, s, t in mine[2]}, {n: (s, t) for n, s, t in other[2]}
@@ -150,7 +208,13 @@ def agree(error: BaseException | None, where: str, print_: Fingerprint | None = 
         return
     told = partial(_told, where, filling)
     try:
-        gathered = settle(ranks, error, None if print_ is None else list(print_), told=told, own=_own)
+        gathered = settle(ranks, error, None if print_ is None else list(print_.sent), told=told, own=_own)
+        redo = _times_only(gathered)
+        if redo:  # every rank sees the same list, so all of them meet in this second round or none
+            assert print_ is not None
+            logger.debug("%s: %d files differ in modification time alone; comparing their bytes", where, len(redo))
+            mine = dict(zip(redo, _edges(print_.root, redo), strict=True))
+            gathered = settle(ranks, None, mine, told=told, own=_own)
     except RanksLost as lost:
         raise _lost(where, str(lost)) from lost.__cause__
     first = gathered[0]
@@ -161,7 +225,7 @@ def agree(error: BaseException | None, where: str, print_: Fingerprint | None = 
                 f"Ranks 0 and {differ} opened different checkpoints at '{where}' "
                 f"({_differences(first, gathered[differ])}): a save landed or a file changed while they opened it, or "
                 "the ranks see different copies. Nothing was loaded; pass tag= to name one step, and load when no "
-                "save is running (copies on several hosts must be identical, modification times included: rsync -t).",
+                "save is running (copies on several hosts must be identical).",
                 path=where,
                 rank=differ,
             )
