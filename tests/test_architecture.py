@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     #    distributed execution of any of them, atomic outputs, side files, URL outputs
     ("_write",),
     # 5. the verbs and what only they use
-    ("_convert", "_every_rank", "_load", "_verify", "_reshard", "_hub", "_model_card"),
+    ("_convert", "_every_rank", "_load", "_verify", "_reshard", "_hub", "_hub_errors", "_model_card"),
     # 6. the public namespace
     ("__init__",),
     # 7. the command line
