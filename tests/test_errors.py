@@ -11,6 +11,7 @@ from fixture_data import FIXTURES
 from hostile_dcp import DCP_ATTACKS
 from hostile_files import ATTACKS
 from hostile_folders import FOLDER_ATTACKS
+from hostile_zips import ZIP_ATTACKS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -220,14 +221,19 @@ def test_damaged_files_only_raise_zeroio_errors(tmp_path_factory, file_index, po
         assert "\n" not in str(exc) and str(exc).endswith(".")
 
 
+CORPUS = {**ATTACKS, **{f"zip_{name}": functools.partial(build, 0) for name, build in ZIP_ATTACKS.items()}}
+"""Every crafted file: tests/hostile_files.py's pickles and tests/hostile_zips.py's zip structures (read entry by
+entry)."""
+
+
 @functools.cache
 def _attack_bytes(name: str) -> bytes:
-    return ATTACKS[name]()
+    return CORPUS[name]()
 
 
 @settings(max_examples=80, deadline=10000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    attack=st.sampled_from(sorted(ATTACKS)),
+    attack=st.sampled_from(sorted(CORPUS)),
     position=st.integers(0, 10**6),
     mode=st.sampled_from(["as crafted", "flip", "truncate"]),
     value=st.integers(0, 255),

@@ -34,7 +34,13 @@ def _zipfile_view(data: bytes) -> tuple[set[tuple[object, ...]], set[str], int]:
 
 def _ours(data: bytes) -> tuple[set[tuple[object, ...]], set[str], int] | None:
     found = zd.read_directory(io.BytesIO(data), len(data))
-    return None if found is None else ({tuple(r) for r in found.records}, set(found.empty_keys), found.start)
+    if found is None:
+        return None
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        headers = sorted([*(i.header_offset for i in archive.infolist()), archive.start_dir])
+    for r in found.records:  # each record's bytes end by the next local header (any record's) or the directory
+        assert r.limit == next(h for h in headers if h > r.header_offset), r
+    return {tuple(r)[:7] for r in found.records}, set(found.empty_keys), found.start
 
 
 @pytest.fixture(params=["one by one", "at once"])

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import bisect
 import io
 import os
 import struct
@@ -22,7 +21,17 @@ from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .legacy import is_legacy_head
 from .limits import MAX_PICKLE_BYTES
-from .zip_directory import ZipRecord, read_directory, read_stored
+from .zip_directory import (
+    MAX_ZIPFILE_DIRECTORY,
+    EndRecords,
+    ZipRecord,
+    end_records,
+    local_name_matches,
+    read_directory,
+    read_stored,
+    record_problem,
+    with_limits,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -37,11 +46,13 @@ __all__ = [
     "read_archive",
 ]
 
-RecordInfo = zipfile.ZipInfo | ZipRecord
-"""A zip record's directory entry: :class:`zipfile.ZipInfo`, or the same fields read by :mod:`.zip_directory`."""
+RecordInfo = ZipRecord
+"""A zip record's directory entry (read by :mod:`.zip_directory`, or by :mod:`zipfile` and copied), with its
+``limit``: where its bytes must end."""
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
+_UTF8 = 0x800
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +160,6 @@ class RankFile:
     """The zip archive's root folder (``torch.save`` names it after the file's stem, or ``archive``)."""
     empty_keys: frozenset[str] = field(default=frozenset(), repr=False)
     """Storages known to hold no bytes whose records are not kept (see ``.replica``): nothing is ever read there."""
-    _header_starts: list[int] | None = field(default=None, init=False, repr=False)
     source: CheckedFile = field(init=False, repr=False)
     """The file's bytes; reads of zip storage records are checked against their CRC-32 (``zeroio._io.integrity``).
     A legacy stream has no CRC: no record is registered, so nothing is checked."""
@@ -195,25 +205,31 @@ class RankFile:
                 "Copy the rank file again from where it was saved.",
                 path=self.path,
             )
-        header = self.source.read_header(info.header_offset, _LOCAL_HEADER.size, self._record_end(info))
-        if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
+        raw_name = info.filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437")
+        header = self.source.read_header(info.header_offset, _LOCAL_HEADER.size + len(raw_name), info.limit)
+        fields = _LOCAL_HEADER.unpack_from(header) if len(header) == _LOCAL_HEADER.size + len(raw_name) else None
+        if fields is None or fields[0] != _LOCAL_HEADER_MAGIC:
             raise CheckpointFormatError(
                 f"Corrupted zip entry for storage '{key}' in '{self.path}'. Copy the rank file again.",
                 path=self.path,
             )
-        fields = _LOCAL_HEADER.unpack(header)
+        if fields[9] != len(raw_name) or not local_name_matches(header[_LOCAL_HEADER.size :], fields[2], info.filename):
+            raise CheckpointFormatError(
+                f"'{self.path}': the local header of storage '{key}' names another record than its directory entry "
+                f"'{info.filename}' (zipfile refuses to read it). The file is corrupted or hostile; copy it again.",
+                path=self.path,
+            )
         offset = int(info.header_offset) + _LOCAL_HEADER.size + int(fields[9]) + int(fields[10])
+        if offset + int(info.file_size) > info.limit:
+            raise CheckpointFormatError(
+                f"'{self.path}': the bytes of storage '{key}' ({info.file_size} from byte {offset}) reach into the "
+                "next record or the zip directory; torch.save never overlaps records. The file is corrupted or "
+                "hostile; copy it again.",
+                path=self.path,
+            )
         self._expect_crc(info, offset)
         self._data_offsets[key] = offset
         return offset
-
-    def _record_end(self, info: RecordInfo) -> int:
-        """Where the record starting at ``info.header_offset`` ends at the latest: the next storage record's header
-        (only small records and the zip directory follow the last one)."""
-        if self._header_starts is None:
-            self._header_starts = sorted(int(i.header_offset) for i in self._records.values())
-        i = bisect.bisect_right(self._header_starts, int(info.header_offset))
-        return self._header_starts[i] if i < len(self._header_starts) else self.source.size
 
     def _expect_crc(self, info: RecordInfo, offset: int) -> None:
         """Tell the byte source where record ``info``'s data lies and its stored CRC, before any read of it."""
@@ -261,10 +277,11 @@ class Archive:
     """Storage records of no bytes, by key, not in :attr:`records` (read by :mod:`.zip_directory`)."""
 
     def has_record(self, key: str, nbytes: int) -> int | None:
-        """The bytes of storage record ``key`` when it holds at least ``nbytes``, else None."""
+        """The bytes of storage record ``key`` when it holds exactly ``nbytes`` (as torch's reader requires), else
+        None."""
         info = self.records.get(key)
         if info is not None:
-            return int(info.file_size) if info.file_size >= nbytes else None
+            return int(info.file_size) if info.file_size == nbytes else None
         return 0 if nbytes == 0 and key in self.empty_keys else None
 
 
@@ -278,7 +295,7 @@ def _prefetch(fh: object, record: zipfile.ZipInfo, infos: list[zipfile.ZipInfo],
         prefetch(record.header_offset, min([upper, directory, *after]))
 
 
-def check_pickle_record(info: RecordInfo, path: Path) -> None:
+def check_pickle_record(info: RecordInfo | zipfile.ZipInfo, path: Path) -> None:
     """Refuse a ``data.pkl`` record that would unpack to more than the file holds or :data:`MAX_PICKLE_BYTES`.
 
     torch.save stores every record uncompressed; a compressed pickle is how a 2.6 MB zip bomb becomes 2.5 GiB.
@@ -330,7 +347,7 @@ def _read_plain(fh: io.BufferedReader, path: Path, size: int, identity: FileIden
     found = read_directory(fh, size)
     if found is None:
         return None
-    infos, empty_keys, start_dir = found
+    infos, empty_keys, _ = found
     pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
     if len(pickles) != 1:
         return None
@@ -343,10 +360,73 @@ def _read_plain(fh: io.BufferedReader, path: Path, size: int, identity: FileIden
                 return None
             records[info.filename[len(prefix) :]] = info
     check_pickle_record(pickles[0], path)
-    data = read_stored(fh, pickles[0], start_dir)
+    data = read_stored(fh, pickles[0])
     if data is None:
         return None
     return Archive(path, size, data, records, identity, root.rstrip("/") or None, empty_keys)
+
+
+def _refuse_zipfile_layout(
+    infos: list[zipfile.ZipInfo], pickle: str, ends: EndRecords | str | None, path: Path
+) -> None:
+    """Refuse an archive :mod:`zipfile` reads but torch's reader would read otherwise (or not at all): see
+    :func:`.zip_directory.end_records` and :func:`.zip_directory.record_problem`; a name listed twice (zipfile
+    keeps the last, torch one of them); a first record outside the pickle's folder (torch's root)."""
+    problem = ends if isinstance(ends, str) else "no end of central directory record" if ends is None else None
+    if isinstance(ends, EndRecords) and ends.entries != len(infos):
+        problem = f"a directory of {len(infos)} records whose end record counts {ends.entries}"
+    names: set[bytes] = set()
+    for info in infos:
+        raw = info.orig_filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437")
+        problem = problem or record_problem(raw, info.flag_bits, info.extract_version, info.extra)
+        if raw in names:
+            problem = problem or f"the record '{info.filename}' listed twice"
+        names.add(raw)
+    first = infos[0].filename if infos else ""
+    if problem is None and pickle != f"{first.partition('/')[0]}/data.pkl":
+        problem = f"its pickle '{pickle}' outside the folder of its first record '{first}', where torch looks"
+    if problem is not None:
+        raise CheckpointFormatError(
+            f"'{path}' is a zip archive with {problem}: torch.save never writes one, and zipfile and torch would "
+            "not read the same bytes from it. Re-save the file with torch.save, or copy it again.",
+            path=path,
+        )
+
+
+def _records_of(infos: list[zipfile.ZipInfo], start_dir: int) -> list[ZipRecord]:
+    """Every record as a :class:`ZipRecord`, with its limit (the next local header, or the directory)."""
+    records = [
+        ZipRecord(i.filename, i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.flag_bits)
+        for i in infos
+    ]
+    return with_limits(records, sorted(r.header_offset for r in records), start_dir)
+
+
+def _read_pickle(fh: IO[bytes], archive: zipfile.ZipFile, record: ZipRecord, path: Path) -> bytes:
+    """The pickle record's bytes, checked as :func:`.zip_directory.read_stored` checks them; zipfile names what is
+    wrong when it can, else the record overlaps the next one."""
+    data = read_stored(fh, record)
+    if data is None:
+        archive.read(record.filename)  # raises, naming the problem, unless the record overlaps another
+        raise CheckpointFormatError(
+            f"'{path}': its pickle record '{record.filename}' reaches into the next record or the zip directory; "
+            "torch.save never overlaps records. The file is corrupted or hostile; copy it again.",
+            path=path,
+        )
+    return data
+
+
+def _check_directory_size(fh: IO[bytes], path: Path, size: int) -> EndRecords | str | None:
+    """The end records of a local file read by :mod:`zipfile`, whose directory must be at most
+    :data:`~.zip_directory.MAX_ZIPFILE_DIRECTORY` (zipfile makes an object per record)."""
+    ends = end_records(fh, size)
+    if isinstance(ends, EndRecords) and ends.size > MAX_ZIPFILE_DIRECTORY:
+        raise UnsupportedCheckpointError(
+            f"'{path}' has a {ends.size}-byte zip directory in a layout torch.save does not write; zeroio reads "
+            f"such directories up to {MAX_ZIPFILE_DIRECTORY} bytes. Re-save the file with torch.save.",
+            path=path,
+        )
+    return ends
 
 
 def read_archive(path: Path) -> Archive | None:
@@ -366,6 +446,7 @@ def read_archive(path: Path) -> Archive | None:
                 fast = _read_plain(fh, path, size, identity)
                 if fast is not None:
                     return fast
+            ends = _check_directory_size(fh, path, size) if isinstance(fh, io.BufferedReader) else None
             try:
                 archive = zipfile.ZipFile(fh)
             except Exception:  # not a zip: the first bytes say what it is
@@ -384,9 +465,13 @@ def read_archive(path: Path) -> Archive | None:
                     "Point zeroio at files written by torch.save.",
                     path=path,
                 )
+            _refuse_zipfile_layout(
+                infos, pickles[0].filename, ends if ends is not None else end_records(fh, size), path
+            )
             root = pickles[0].filename[: -len("data.pkl")]
+            all_records = _records_of(infos, archive.start_dir)
             records: dict[str, RecordInfo] = {}
-            for info in infos:
+            for info in all_records:
                 if info.filename.startswith(root + "data/"):
                     if info.compress_type != zipfile.ZIP_STORED:
                         raise UnsupportedCheckpointError(
@@ -395,8 +480,9 @@ def read_archive(path: Path) -> Archive | None:
                             path=path,
                         )
                     records[info.filename[len(root) + len("data/") :]] = info
-            check_pickle_record(pickles[0], path)
-            data = archive.read(pickles[0])
+            pickle = all_records[infos.index(pickles[0])]
+            check_pickle_record(pickle, path)
+            data = _read_pickle(fh, archive, pickle, path)
     except ZeroIOError:
         raise
     except FileNotFoundError as exc:

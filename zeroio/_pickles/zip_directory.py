@@ -5,15 +5,33 @@ A ZeRO-3 model-states file holds one record per parameter (its empty placeholder
 objects, this reader ~2 ms. It reads what ``torch.save`` writes (one disk, no comment, no prefix, zip64 records
 where sizes need them) and returns None for anything else, which :func:`~.archive.read_archive` then reads with
 :mod:`zipfile` as before: every file still gets zipfile's full treatment unless it is plainly torch's layout.
+
+Both ways, a record is read only where :mod:`zipfile` and torch's own reader (miniz) would read the same bytes:
+:func:`end_records` and :func:`record_problem` name what would make them differ (a zip64 end record away from its
+locator, bytes before the archive, a name listed twice, a NUL in a name, an encrypted record), and every record's
+``limit`` (the next local header or the directory) bounds its bytes, so no two records share any.
 """
 
 from __future__ import annotations
 
+import bisect
 import struct
 import zlib
 from typing import IO, Any, NamedTuple
 
-__all__ = ["Directory", "ZipRecord", "read_directory", "read_stored"]
+__all__ = [
+    "MAX_DIRECTORY",
+    "MAX_ZIPFILE_DIRECTORY",
+    "Directory",
+    "EndRecords",
+    "ZipRecord",
+    "end_records",
+    "local_name_matches",
+    "read_directory",
+    "read_stored",
+    "record_problem",
+    "with_limits",
+]
 
 _EOCD = struct.Struct("<IHHHHIIH")
 _EOCD_SIG = 0x06054B50
@@ -27,13 +45,23 @@ _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
 _FULL32, _FULL16 = 0xFFFFFFFF, 0xFFFF
 _STORED = 0
-_MAX_DIRECTORY = 1 << 30
-"""Largest central directory read (1 GiB: 10 million records)."""
+_UTF8 = 0x800
+_BAD_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000
+"""Encrypted, patched, strongly encrypted, masked local headers: zipfile and torch refuse to read such a record
+(``torch.save`` sets only 0x0008, sizes after the data, and 0x0800, UTF-8 names)."""
+_MAX_VERSION = 63
+"""Highest zip version needed to extract that :mod:`zipfile` reads (its ``MAX_EXTRACT_VERSION``)."""
+MAX_DIRECTORY = 1 << 28
+"""Largest central directory read this way (256 MiB: 2.5 million records of 100 bytes; a ZeRO-3 model-states
+file of 2,000 parameters has 200 KB). Its parse peaks at about 3 times its size."""
+MAX_ZIPFILE_DIRECTORY = 1 << 25
+"""Largest central directory handed to :mod:`zipfile` (32 MiB): its per-record objects cost ~600 bytes each, so
+700,000 minimal records would take 400 MB. ``torch.save``'s files never go there."""
 
 
 class ZipRecord(NamedTuple):
     """One central-directory entry: the fields of :class:`zipfile.ZipInfo` that zeroio reads, by the same names
-    (a named tuple: made in a quarter of a dataclass's time, 2,000 of them a model-states file)."""
+    (a named tuple: made in a quarter of a dataclass's time, 2,000 of them a model-states file), and ``limit``."""
 
     filename: str
     header_offset: int
@@ -42,32 +70,134 @@ class ZipRecord(NamedTuple):
     file_size: int
     CRC: int
     flag_bits: int
+    limit: int = 0
+    """Where the record's bytes must end: the next record's local header, or the central directory."""
+
+
+def _extra_blocks(extra: bytes) -> list[tuple[int, bytes]] | None:
+    """The ``(tag, data)`` blocks of an extra field; None where one runs past the field (zipfile refuses it)."""
+    blocks, pos = [], 0
+    while pos + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, pos)
+        if pos + 4 + length > len(extra):
+            return None
+        blocks.append((tag, extra[pos + 4 : pos + 4 + length]))
+        pos += 4 + length
+    return blocks
 
 
 def _zip64(extra: bytes, size: int, csize: int, offset: int) -> tuple[int, int, int] | None:
-    """The zip64 extra field's values for the fields saturated at 0xFFFFFFFF (in the order the format puts them)."""
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, length = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            values = list(struct.unpack_from(f"<{length // 8}Q", extra, pos + 4)) if length % 8 == 0 else None
-            if values is None:
+    """The zip64 extra field's values for the fields saturated at 0xFFFFFFFF (in the order the format puts them);
+    None for a malformed extra field or several zip64 blocks (zipfile applies each in turn, torch the first)."""
+    blocks = _extra_blocks(extra)
+    found = [data for tag, data in blocks or () if tag == 1]
+    if blocks is None or len(found) > 1:
+        return None
+    if _FULL32 not in (size, csize, offset):
+        return size, csize, offset
+    if not found or len(found[0]) % 8:
+        return None
+    values = list(struct.unpack(f"<{len(found[0]) // 8}Q", found[0]))
+    out = []
+    for field in (size, csize, offset):
+        if field == _FULL32:
+            if not values:
                 return None
-            if size == _FULL32:
-                if not values:
-                    return None
-                size = values.pop(0)
-            if csize == _FULL32:
-                if not values:
-                    return None
-                csize = values.pop(0)
-            if offset == _FULL32:
-                if not values:
-                    return None
-                offset = values.pop(0)
-            return size, csize, offset
-        pos += 4 + length
+            field = values.pop(0)
+        out.append(field)
+    return out[0], out[1], out[2]
+
+
+def record_problem(name: bytes, flags: int, version: int, extra: bytes) -> str | None:
+    """Why zeroio does not read a record that zipfile and torch's reader might read differently, or None: a NUL
+    in its name (zipfile cuts the name there, torch does not), a name that is not UTF-8 or ASCII (zipfile decodes
+    it as cp437, torch compares bytes), an encrypted or patched record, a version zipfile refuses, a malformed
+    extra field or several zip64 blocks."""
+    if b"\x00" in name:
+        return "a record name holding a NUL byte"
+    if not flags & _UTF8 and not name.isascii():
+        return "a record name that is neither ASCII nor flagged UTF-8"
+    if flags & _BAD_FLAGS:
+        return f"an encrypted or patched record (flags {flags:#06x})"
+    if version & 0xFF > _MAX_VERSION:
+        return f"a record needing zip version {(version & 0xFF) / 10}"
+    blocks = _extra_blocks(extra)
+    if blocks is None or sum(tag == 1 for tag, _ in blocks) > 1:
+        return "a malformed extra field"
     return None
+
+
+class EndRecords(NamedTuple):
+    """The end-of-central-directory records, as both :mod:`zipfile` and torch's reader read them."""
+
+    entries: int
+    """Records in the central directory."""
+    start: int
+    """Where the central directory starts."""
+    size: int
+    """Its bytes."""
+    comment: int
+    """Bytes of the archive's comment."""
+
+
+def _tail_end_record(fh: IO[bytes], size: int) -> tuple[int, bytes] | None:
+    """Where the end record lies and its bytes, found as zipfile finds it: at the very end when it has no comment,
+    else the last signature in the last 64 KiB."""
+    fh.seek(size - _EOCD.size)
+    tail = fh.read(_EOCD.size)
+    if tail[:4] == b"PK\x05\x06" and tail[-2:] == b"\x00\x00":
+        return size - _EOCD.size, tail
+    first = max(0, size - _EOCD.size - _FULL16)
+    fh.seek(first)
+    tail = fh.read(size - first)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(tail):
+        return None
+    return first + at, tail[at : at + _EOCD.size]
+
+
+def end_records(fh: IO[bytes], size: int) -> EndRecords | str | None:
+    """The archive's end records; None where there are none (not a zip), a reason (a phrase) where zipfile and
+    torch's reader would read different directories, or the file is not one archive on one disk."""
+    if size < _EOCD.size:
+        return None
+    found = _tail_end_record(fh, size)
+    if found is None:
+        return None
+    end, raw = found
+    _, disk, cd_disk, n_disk, count, cd_size, cd_offset, comment = _EOCD.unpack(raw)
+    if end + _EOCD.size + comment != size:
+        return "bytes after its end record's comment"
+    if disk or cd_disk:
+        return "an archive spanning several disks"
+    directory_end = end
+    if end >= _LOCATOR.size:
+        fh.seek(end - _LOCATOR.size)
+        locator = fh.read(_LOCATOR.size)
+        if locator[:4] == b"PK\x06\x07":
+            _, locator_disk, eocd64, disks = _LOCATOR.unpack(locator)
+            if locator_disk or disks != 1:
+                return "an archive spanning several disks"
+            if eocd64 != end - _LOCATOR.size - _EOCD64.size:  # zipfile reads the record before the locator
+                return "a zip64 end record away from where its locator points"
+            fh.seek(eocd64)
+            record = fh.read(_EOCD64.size)
+            fields = _EOCD64.unpack(record) if len(record) == _EOCD64.size else (0,) * 10
+            if fields[0] != _EOCD64_SIG or fields[4] or fields[5]:
+                return "a zip64 locator without its end record"
+            wide = fields[6:10]
+            for narrow, value, full in zip(
+                (n_disk, count, cd_size, cd_offset), wide, (_FULL16, _FULL16, _FULL32, _FULL32)
+            ):
+                if narrow not in (full, value):
+                    return "end records that disagree on the directory"
+            n_disk, count, cd_size, cd_offset = wide
+            directory_end = eocd64
+    if n_disk != count:
+        return "end records that disagree on the directory"
+    if cd_offset + cd_size != directory_end:  # zipfile shifts every offset by the difference, torch does not
+        return "bytes before the archive or between its directory and its end record"
+    return EndRecords(count, cd_offset, cd_size, comment)
 
 
 class Directory(NamedTuple):
@@ -83,38 +213,29 @@ class Directory(NamedTuple):
 
 def read_directory(fh: IO[bytes], size: int) -> Directory | None:
     """The archive's central directory, or None where the file is not in ``torch.save``'s plain layout (a comment,
-    several disks, data before the archive, ``data.pkl`` not first, a name listed twice, inconsistent counts)."""
-    if size < _EOCD.size:
+    several disks, data before the archive, ``data.pkl`` not first, a name listed twice, inconsistent counts, a
+    record :func:`record_problem` names)."""
+    ends = end_records(fh, size)
+    if not isinstance(ends, EndRecords) or ends.comment or ends.size > MAX_DIRECTORY or ends.entries == 0:
         return None
-    fh.seek(size - _EOCD.size)
-    tail = fh.read(_EOCD.size)
-    sig, disk, cd_disk, n_disk, count, cd_size, cd_offset, comment = _EOCD.unpack(tail)
-    end = size - _EOCD.size
-    if sig != _EOCD_SIG or comment or disk or cd_disk:
+    fh.seek(ends.start)
+    data = fh.read(ends.size)
+    if len(data) != ends.size:
         return None
-    locator = b""
-    if end >= _LOCATOR.size:  # torch writes zip64 end records whether or not sizes need them
-        fh.seek(end - _LOCATOR.size)
-        locator = fh.read(_LOCATOR.size)
-    if len(locator) == _LOCATOR.size and _LOCATOR.unpack(locator)[0] == _LOCATOR_SIG:
-        _, _, eocd64, disks = _LOCATOR.unpack(locator)
-        if disks != 1 or eocd64 + _EOCD64.size > end - _LOCATOR.size:
-            return None
-        fh.seek(eocd64)
-        record = _EOCD64.unpack(fh.read(_EOCD64.size))
-        if record[0] != _EOCD64_SIG or record[4] or record[5]:
-            return None
-        n_disk, count, cd_size, cd_offset = record[6], record[7], record[8], record[9]
-        end = eocd64
-    elif _FULL16 in (count, n_disk) or _FULL32 in (cd_size, cd_offset):
-        return None
-    if n_disk != count or cd_size > _MAX_DIRECTORY or cd_offset + cd_size != end:
-        return None  # not one disk, or bytes between directory and end record, or a prefix before the archive
-    fh.seek(cd_offset)
-    data = fh.read(cd_size)
-    if len(data) != cd_size or count == 0:
-        return None
-    return _entries(data, count, cd_offset)
+    return _entries(data, ends.entries, ends.start)
+
+
+def with_limits(records: list[ZipRecord], header_offsets: Any, directory: int) -> list[ZipRecord]:
+    """``records`` with their ``limit``: the first local header after theirs among ``header_offsets`` (every
+    record's, sorted: a list, or a numpy array), or the directory."""
+    if isinstance(header_offsets, list):
+        at = [bisect.bisect_right(header_offsets, r.header_offset) for r in records]
+    else:
+        at = header_offsets.searchsorted([r.header_offset for r in records], side="right").tolist()
+    n = len(header_offsets)
+    return [
+        r._replace(limit=directory if i >= n else min(int(header_offsets[i]), directory)) for r, i in zip(records, at)
+    ]
 
 
 _VECTORIZE = 512
@@ -143,17 +264,25 @@ def _record(data: bytes, pos: int, cd_offset: int) -> tuple[ZipRecord, int] | No
     next_pos = extra_end + f[12]
     if next_pos > len(data):
         return None
+    raw, extra = data[pos + _ENTRY.size : name_end], data[name_end:extra_end]
+    if record_problem(raw, f[3], f[2], extra) is not None:
+        return None
     try:
-        name = data[pos + _ENTRY.size : name_end].decode("utf-8" if f[3] & 0x800 else "cp437")
+        name = raw.decode("utf-8" if f[3] & _UTF8 else "ascii")
     except UnicodeDecodeError:
         return None
-    file_size, csize, offset = f[9], f[8], f[16]
-    if _FULL32 in (file_size, csize, offset):
-        found = _zip64(data[name_end:extra_end], file_size, csize, offset)
-        if found is None or found[2] >= cd_offset:
-            return None
-        file_size, csize, offset = found
+    found = _zip64(extra, f[9], f[8], f[16])
+    if found is None or found[2] >= cd_offset:
+        return None
+    file_size, csize, offset = found
     return ZipRecord(name, offset, f[4], csize, file_size, f[7], f[3]), next_pos
+
+
+def _is_pickle_name(name: str) -> bool:
+    """``<root>/data.pkl`` with a root of one folder: torch's reader takes the first record's first folder as the
+    root."""
+    root, _, rest = name.partition("/")
+    return bool(root) and rest == "data.pkl"
 
 
 def _entries_one_by_one(data: bytes, count: int, cd_offset: int) -> Directory | None:
@@ -165,7 +294,7 @@ def _entries_one_by_one(data: bytes, count: int, cd_offset: int) -> Directory | 
             return None
         records.append(found[0])
         pos = found[1]
-    if pos != len(data) or not records or not records[0].filename.endswith("data.pkl"):
+    if pos != len(data) or not records or not _is_pickle_name(records[0].filename):
         return None
     prefix = records[0].filename[: -len("data.pkl")] + "data/"
     empty = [r for r in records if r.file_size == 0 and r.compress_size == 0 and r.compress_type == _STORED]
@@ -173,6 +302,7 @@ def _entries_one_by_one(data: bytes, count: int, cd_offset: int) -> Directory | 
     keys = frozenset(r.filename[len(prefix) :] for r in empty)
     empty_ids = {id(r) for r in empty}
     kept = [r for r in records if id(r) not in empty_ids]
+    kept = with_limits(kept, sorted(r.header_offset for r in records), cd_offset)
     return _directory(kept, keys, len(empty), prefix, cd_offset)
 
 
@@ -187,6 +317,21 @@ def _directory(
     return Directory(records, keys, cd_offset)
 
 
+def _signatures(data: bytes, count: int) -> Any:
+    """Where the entry signature occurs in ``data``, sorted (None past ``count`` of them): four passes over 32-bit
+    words, one per alignment, so the scan holds a quarter of the directory's size at a time."""
+    import numpy as np
+
+    found = []
+    for shift in range(4):
+        words = np.frombuffer(data, dtype="<u4", count=(len(data) - shift) // 4, offset=shift)
+        hits = np.flatnonzero(words == _ENTRY_SIG)
+        if len(hits) > count:
+            return None
+        found.append(hits * 4 + shift)
+    return np.sort(np.concatenate(found))
+
+
 def _entries_at_once(data: bytes, count: int, cd_offset: int) -> Directory | None:
     """:func:`_entries_one_by_one` for thousands of entries, with numpy: every entry's fixed fields gathered at
     once, the chain of entries checked at once, and the keys of the empty storage records decoded in one call; the
@@ -196,8 +341,8 @@ def _entries_at_once(data: bytes, count: int, cd_offset: int) -> Directory | Non
     buf = np.frombuffer(data, dtype=np.uint8)
     if len(buf) < _ENTRY.size:
         return None
-    starts = np.flatnonzero((buf[:-3] == 0x50) & (buf[1:-2] == 0x4B) & (buf[2:-1] == 1) & (buf[3:] == 2))
-    if len(starts) != count or starts[0] != 0 or starts[-1] + _ENTRY.size > len(buf):
+    starts = _signatures(data, count)
+    if starts is None or len(starts) != count or starts[0] != 0 or starts[-1] + _ENTRY.size > len(buf):
         return None
 
     def u(offset: int, width: int) -> Any:
@@ -208,14 +353,17 @@ def _entries_at_once(data: bytes, count: int, cd_offset: int) -> Directory | Non
 
     n, m, k = u(28, 2), u(30, 2), u(32, 2)
     ends = starts + _ENTRY.size + n + m + k
-    if ends[-1] != len(buf) or (ends[:-1] != starts[1:]).any() or u(34, 2).any() or (u(42, 4) >= cd_offset).any():
+    offsets = u(42, 4)
+    if ends[-1] != len(buf) or (ends[:-1] != starts[1:]).any() or u(34, 2).any() or (offsets >= cd_offset).any():
         return None  # entries not back to back, several disks, a local header inside the directory
+    if (u(8, 2) & _BAD_FLAGS).any() or (buf[starts + 6] > _MAX_VERSION).any() or (offsets == _FULL32).any():
+        return None  # records zipfile or torch refuse, or zip64 offsets: one by one (then zipfile names them)
     first = _record(data, 0, cd_offset)
-    if first is None or not first[0].filename.endswith("data.pkl"):
+    if first is None or not _is_pickle_name(first[0].filename):
         return None
     prefix = first[0].filename[: -len("data.pkl")] + "data/"
     raw = prefix.encode()
-    empty = (u(10, 2) == _STORED) & (u(20, 4) == 0) & (u(24, 4) == 0) & (n > len(raw))
+    empty = (u(10, 2) == _STORED) & (u(20, 4) == 0) & (u(24, 4) == 0) & (n > len(raw)) & (m == 0)
     for i, byte in enumerate(raw):
         empty &= buf[np.minimum(starts + _ENTRY.size + i, len(buf) - 1)] == byte
     records = []
@@ -225,21 +373,25 @@ def _entries_at_once(data: bytes, count: int, cd_offset: int) -> Directory | Non
             return None
         records.append(found[0])
     # The empty records' keys, each followed by a newline, gathered into one buffer and decoded at once.
-    key_starts, key_lens = starts[empty] + _ENTRY.size + len(raw), n[empty] - len(raw)
+    key_starts = (starts[empty] + _ENTRY.size + len(raw)).astype(np.int32)  # the directory is under 2 GiB
+    key_lens = (n[empty] - len(raw)).astype(np.int32)
     spans = key_lens + 1
-    offsets = np.repeat(key_starts - np.cumsum(spans) + spans, spans) + np.arange(int(spans.sum()))
-    keys_buf = buf[np.minimum(offsets, len(buf) - 1)].copy()
+    gather = np.repeat(key_starts - np.cumsum(spans, dtype=np.int32) + spans, spans)
+    gather += np.arange(len(gather), dtype=np.int32)
+    keys_buf = buf[np.minimum(gather, len(buf) - 1)].copy()
+    del gather
     keys_buf[np.cumsum(spans) - 1] = 0x0A
     text = keys_buf.tobytes()
-    if not text.isascii() or text.count(b"\n") != len(key_lens):
-        return None  # a key with a newline or a byte whose meaning depends on the name's encoding flag
+    if not text.isascii() or text.count(b"\n") != len(key_lens) or b"\x00" in text:
+        return None  # a key with a newline or a NUL, or a byte whose meaning depends on the name's encoding flag
     keys = text.decode().split("\n")[:-1] if len(key_lens) else []
+    records = with_limits(records, np.sort(offsets), cd_offset)
     return _directory(records, frozenset(keys), len(keys), prefix, cd_offset)
 
 
-def read_stored(fh: IO[bytes], record: ZipRecord, start_dir: int) -> bytes | None:
-    """An uncompressed record's bytes, its local header and CRC-32 checked as :mod:`zipfile` checks them; None
-    where the local header disagrees with the directory (the caller then lets zipfile say why)."""
+def read_stored(fh: IO[bytes], record: ZipRecord) -> bytes | None:
+    """An uncompressed record's bytes, its local header and CRC-32 checked as :mod:`zipfile` checks them and its
+    bytes ending by its ``limit``; None where the record is not that (the caller then names why)."""
     fh.seek(record.header_offset)
     header = fh.read(_LOCAL.size)
     if len(header) != _LOCAL.size:
@@ -247,17 +399,21 @@ def read_stored(fh: IO[bytes], record: ZipRecord, start_dir: int) -> bytes | Non
     fields = _LOCAL.unpack(header)
     if fields[0] != _LOCAL_SIG or record.compress_type != _STORED or record.compress_size != record.file_size:
         return None
-    name = fh.read(fields[9])
-    try:
-        if name.decode("utf-8" if fields[2] & 0x800 else "cp437") != record.filename:
-            return None
-    except UnicodeDecodeError:
+    if record.flag_bits & _BAD_FLAGS or not local_name_matches(fh.read(fields[9]), fields[2], record.filename):
         return None
     start = record.header_offset + _LOCAL.size + fields[9] + fields[10]
-    if start + record.file_size > start_dir:
+    if start + record.file_size > record.limit:
         return None
     fh.seek(start)
     data = fh.read(record.file_size)
     if len(data) != record.file_size or zlib.crc32(data) != record.CRC:
         return None
     return data
+
+
+def local_name_matches(name: bytes, flags: int, filename: str) -> bool:
+    """A local header's name is its directory entry's, each decoded by its own flags (as zipfile compares them)."""
+    try:
+        return name.decode("utf-8" if flags & _UTF8 else "cp437") == filename
+    except UnicodeDecodeError:
+        return False
