@@ -34,7 +34,9 @@ class Entry:
     version: int = 0
     crc: int | None = None
     size: int | None = None
+    csize: int | None = None
     offset: int | None = None
+    disk: int = 0
     local_name: bytes | None = None
     central_extra: bytes = b""
     comment: bytes = b""
@@ -70,9 +72,15 @@ def build(records: list[Entry], *, comment: bytes = b"") -> bytes:
     for e, at in zip(records, offsets):
         crc = zlib.crc32(e.data) if e.crc is None else e.crc
         size = len(e.data) if e.size is None else e.size
-        fields = (e.version, e.version, e.flags, e.method, 0, 0, crc, size, size, len(e.name), len(e.central_extra))
+        csize = size if e.csize is None else e.csize
+        fields = (e.version, e.version, e.flags, e.method, 0, 0, crc, csize, size, len(e.name), len(e.central_extra))
         offset = at if e.offset is None else e.offset
-        out += CENTRAL.pack(0x02014B50, *fields, len(e.comment), 0, 0, 0, offset) + e.name + e.central_extra + e.comment
+        out += (
+            CENTRAL.pack(0x02014B50, *fields, len(e.comment), e.disk, 0, 0, offset)
+            + e.name
+            + e.central_extra
+            + e.comment
+        )
     return bytes(out + _end(len(records), start, len(out) - start, len(out), comment))
 
 
@@ -177,6 +185,8 @@ ZIP_ATTACKS: dict[str, ZipAttack] = {
     "overlapping_directory": lambda n: overlapping_records(n, into_directory=True),
     "record_longer_than_storage": lambda n: build(entries(n, b_numel=4)),  # b: 4 floats claimed, 6 stored
     "zip64_blocks_twice": lambda n: build(edited(n, "0", size=0xFFFFFFFF, central_extra=_TWO_ZIP64), comment=b"note"),
+    "stored_sizes_differ": lambda n: build(edited(n, "0", csize=20), comment=b"note"),  # zipfile reads 20 bytes
+    "record_on_another_disk": lambda n: build(edited(n, "0", disk=2)),
     "extra_field_overruns": lambda n: build(edited(n, "0", central_extra=b"\x99\x99\x10\x00ab")),
     "version_needed_9_9": lambda n: build(edited(n, "0", version=99)),
     "zip64_locator_elsewhere": lambda n: two_zip64_end_records(n),

@@ -40,6 +40,8 @@ SAYS = {
     "overlapping_directory": "reach into the next record or the zip directory",
     "record_longer_than_storage": "storage '1' needs 16 bytes, the archive holds 24",
     "zip64_blocks_twice": "a malformed extra field",
+    "stored_sizes_differ": "a stored record of 16 bytes whose compressed size says 20",
+    "record_on_another_disk": "a record on another disk",
     "extra_field_overruns": "Corrupt extra field",
     "version_needed_9_9": "zip file version 9.9",
     "zip64_locator_elsewhere": "a zip64 end record away from where its locator points",

@@ -21,17 +21,8 @@ from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .legacy import is_legacy_head
 from .limits import MAX_PICKLE_BYTES
-from .zip_directory import (
-    MAX_ZIPFILE_DIRECTORY,
-    EndRecords,
-    ZipRecord,
-    end_records,
-    local_name_matches,
-    read_directory,
-    read_stored,
-    record_problem,
-    with_limits,
-)
+from .zip_directory import ZipRecord, end_records, local_name_matches, read_directory, read_stored
+from .zip_fallback import check_directory_size, read_pickle, records_of, refuse_zipfile_layout
 
 if TYPE_CHECKING:
     import torch
@@ -366,69 +357,6 @@ def _read_plain(fh: io.BufferedReader, path: Path, size: int, identity: FileIden
     return Archive(path, size, data, records, identity, root.rstrip("/") or None, empty_keys)
 
 
-def _refuse_zipfile_layout(
-    infos: list[zipfile.ZipInfo], pickle: str, ends: EndRecords | str | None, path: Path
-) -> None:
-    """Refuse an archive :mod:`zipfile` reads but torch's reader would read otherwise (or not at all): see
-    :func:`.zip_directory.end_records` and :func:`.zip_directory.record_problem`; a name listed twice (zipfile
-    keeps the last, torch one of them); a first record outside the pickle's folder (torch's root)."""
-    problem = ends if isinstance(ends, str) else "no end of central directory record" if ends is None else None
-    if isinstance(ends, EndRecords) and ends.entries != len(infos):
-        problem = f"a directory of {len(infos)} records whose end record counts {ends.entries}"
-    names: set[bytes] = set()
-    for info in infos:
-        raw = info.orig_filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437")
-        problem = problem or record_problem(raw, info.flag_bits, info.extract_version, info.extra)
-        if raw in names:
-            problem = problem or f"the record '{info.filename}' listed twice"
-        names.add(raw)
-    first = infos[0].filename if infos else ""
-    if problem is None and pickle != f"{first.partition('/')[0]}/data.pkl":
-        problem = f"its pickle '{pickle}' outside the folder of its first record '{first}', where torch looks"
-    if problem is not None:
-        raise CheckpointFormatError(
-            f"'{path}' is a zip archive with {problem}: torch.save never writes one, and zipfile and torch would "
-            "not read the same bytes from it. Re-save the file with torch.save, or copy it again.",
-            path=path,
-        )
-
-
-def _records_of(infos: list[zipfile.ZipInfo], start_dir: int) -> list[ZipRecord]:
-    """Every record as a :class:`ZipRecord`, with its limit (the next local header, or the directory)."""
-    records = [
-        ZipRecord(i.filename, i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC, i.flag_bits)
-        for i in infos
-    ]
-    return with_limits(records, sorted(r.header_offset for r in records), start_dir)
-
-
-def _read_pickle(fh: IO[bytes], archive: zipfile.ZipFile, record: ZipRecord, path: Path) -> bytes:
-    """The pickle record's bytes, checked as :func:`.zip_directory.read_stored` checks them; zipfile names what is
-    wrong when it can, else the record overlaps the next one."""
-    data = read_stored(fh, record)
-    if data is None:
-        archive.read(record.filename)  # raises, naming the problem, unless the record overlaps another
-        raise CheckpointFormatError(
-            f"'{path}': its pickle record '{record.filename}' reaches into the next record or the zip directory; "
-            "torch.save never overlaps records. The file is corrupted or hostile; copy it again.",
-            path=path,
-        )
-    return data
-
-
-def _check_directory_size(fh: IO[bytes], path: Path, size: int) -> EndRecords | str | None:
-    """The end records of a local file read by :mod:`zipfile`, whose directory must be at most
-    :data:`~.zip_directory.MAX_ZIPFILE_DIRECTORY` (zipfile makes an object per record)."""
-    ends = end_records(fh, size)
-    if isinstance(ends, EndRecords) and ends.size > MAX_ZIPFILE_DIRECTORY:
-        raise UnsupportedCheckpointError(
-            f"'{path}' has a {ends.size}-byte zip directory in a layout torch.save does not write; zeroio reads "
-            f"such directories up to {MAX_ZIPFILE_DIRECTORY} bytes. Re-save the file with torch.save.",
-            path=path,
-        )
-    return ends
-
-
 def read_archive(path: Path) -> Archive | None:
     """Read the zip directory and the pickle of a ``torch.save`` file; None for torch's legacy (non-zip) stream.
 
@@ -446,7 +374,7 @@ def read_archive(path: Path) -> Archive | None:
                 fast = _read_plain(fh, path, size, identity)
                 if fast is not None:
                     return fast
-            ends = _check_directory_size(fh, path, size) if isinstance(fh, io.BufferedReader) else None
+            ends = check_directory_size(fh, path, size) if isinstance(fh, io.BufferedReader) else None
             try:
                 archive = zipfile.ZipFile(fh)
             except Exception:  # not a zip: the first bytes say what it is
@@ -465,11 +393,9 @@ def read_archive(path: Path) -> Archive | None:
                     "Point zeroio at files written by torch.save.",
                     path=path,
                 )
-            _refuse_zipfile_layout(
-                infos, pickles[0].filename, ends if ends is not None else end_records(fh, size), path
-            )
+            refuse_zipfile_layout(infos, pickles[0].filename, ends if ends is not None else end_records(fh, size), path)
             root = pickles[0].filename[: -len("data.pkl")]
-            all_records = _records_of(infos, archive.start_dir)
+            all_records = records_of(infos, archive.start_dir)
             records: dict[str, RecordInfo] = {}
             for info in all_records:
                 if info.filename.startswith(root + "data/"):
@@ -482,7 +408,7 @@ def read_archive(path: Path) -> Archive | None:
                     records[info.filename[len(root) + len("data/") :]] = info
             pickle = all_records[infos.index(pickles[0])]
             check_pickle_record(pickle, path)
-            data = _read_pickle(fh, archive, pickle, path)
+            data = read_pickle(fh, archive, pickle, path)
     except ZeroIOError:
         raise
     except FileNotFoundError as exc:

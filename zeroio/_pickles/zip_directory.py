@@ -30,6 +30,7 @@ __all__ = [
     "read_directory",
     "read_stored",
     "record_problem",
+    "sizes_problem",
     "with_limits",
 ]
 
@@ -124,6 +125,16 @@ def record_problem(name: bytes, flags: int, version: int, extra: bytes) -> str |
     blocks = _extra_blocks(extra)
     if blocks is None or sum(tag == 1 for tag, _ in blocks) > 1:
         return "a malformed extra field"
+    return None
+
+
+def sizes_problem(disk: int, method: int, csize: int, size: int) -> str | None:
+    """Why torch's reader refuses a record whose name and flags are fine, or None: on another disk (miniz
+    refuses, zipfile reads it), or stored with two sizes (miniz refuses, zipfile reads the compressed size)."""
+    if disk:
+        return "a record on another disk"
+    if method == _STORED and csize != size:
+        return f"a stored record of {size} bytes whose compressed size says {csize}"
     return None
 
 
@@ -267,12 +278,12 @@ def _record(data: bytes, pos: int, cd_offset: int) -> tuple[ZipRecord, int] | No
     raw, extra = data[pos + _ENTRY.size : name_end], data[name_end:extra_end]
     if record_problem(raw, f[3], f[2], extra) is not None:
         return None
+    found = _zip64(extra, f[9], f[8], f[16])
+    if found is None or found[2] >= cd_offset or sizes_problem(f[13], f[4], found[1], found[0]) is not None:
+        return None
     try:
         name = raw.decode("utf-8" if f[3] & _UTF8 else "ascii")
     except UnicodeDecodeError:
-        return None
-    found = _zip64(extra, f[9], f[8], f[16])
-    if found is None or found[2] >= cd_offset:
         return None
     file_size, csize, offset = found
     return ZipRecord(name, offset, f[4], csize, file_size, f[7], f[3]), next_pos
