@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .tp_rules import Rule, TPRules, parse_tp_rules
 
-__all__ = ["DcpKeys", "NamesMode", "ReadOptions", "read_options", "trusted_names"]
+__all__ = ["DCP_KEYS", "DcpKeys", "NamesMode", "ReadOptions", "read_options", "trusted_names"]
 
 DcpKeys = Literal["auto", "model", "all"]
-"""``dcp_keys=``: which tensors of a DCP checkpoint are the model's (``_formats/dcp/keys.py``)."""
+"""``dcp_keys=``: which tensors of a DCP checkpoint are the model's (``_formats/dcp/keys.py``). ``model``: only
+``model.``-prefixed tensors, prefix stripped; ``all``: every tensor that is not optimizer state, named as stored;
+``auto``: ``model`` where every non-optimizer tensor is ``model.``-prefixed, else names as stored."""
+DCP_KEYS: tuple[str, ...] = get_args(DcpKeys)
 
 NamesMode = Literal["hf"]
 """``names=``: ``"hf"`` reads a Megatron GPT under transformers' names (None: the framework's own)."""
@@ -83,7 +86,7 @@ def read_options(
     if names not in (None, "hf"):
         raise ValueError(f"names must be None (the checkpoint's own) or 'hf', not {names!r}.")
     _vocab(true_vocab_size, names)
-    if dcp_keys not in ("auto", "model", "all"):
+    if dcp_keys not in DCP_KEYS:
         raise ValueError(f"dcp_keys must be one of 'auto', 'model', 'all', got {dcp_keys!r}.")
 
     if quantized not in ("dequantize", "raw"):

@@ -1,5 +1,6 @@
 """The flags several subcommands share, each defined once: progress, tensor-parallel rules, quantized weights,
-DCP keys, and ``--names hf`` with ``--true-vocab-size``."""
+DCP keys, and ``--names hf`` with ``--true-vocab-size``; ``read_keywords`` turns the ones a subcommand defines back
+into the reading keywords of the API, so each subcommand passes the same ones the same way."""
 
 from __future__ import annotations
 

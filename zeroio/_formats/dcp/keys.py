@@ -14,13 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from ..options import DcpKeys
+from ..options import DCP_KEYS, DcpKeys
 
 __all__ = ["DCP_KEYS", "NOT_MODEL", "OPTIM_ROOTS", "KeySplit", "split_keys"]
-
-DCP_KEYS: tuple[str, ...] = ("auto", "model", "all")
-"""``auto``: as below; ``model``: only ``model.``-prefixed tensors, prefix stripped; ``all``: every tensor that is not
-optimizer state, named as stored."""
 
 OPTIM_ROOTS = ("optim.", "optimizer.")
 NOT_MODEL = (*OPTIM_ROOTS, "train_state.", "lr_scheduler.", "dataloader.", "lr_schedulers.")
