@@ -128,10 +128,10 @@ def overlapping_records(empties: int, *, into_directory: bool = False) -> bytes:
     return build(records)
 
 
-def two_zip64_end_records(empties: int) -> bytes:
+def two_zip64_end_records(empties: int, records: list[Entry] | None = None) -> bytes:
     """The locator points at a zip64 end record (and directory) of the true records; zipfile reads the one just
     before the locator instead, whose directory maps 'archive/data/0' to a planted record holding EVIL."""
-    records = entries(empties)
+    records = entries(empties) if records is None else records
     real = build(records)
     true_end = real.rindex(b"PK\x06\x06")  # zip64 end record, then locator and end record
     evil_at = true_end + 56
@@ -201,4 +201,38 @@ ZIP_ATTACKS: dict[str, ZipAttack] = {
 """Every zip attack, by name: refused as a ``CheckpointFormatError`` or ``UnsupportedCheckpointError`` (the fuzz
 corpus in tests/test_errors.py uses them too, with 0 empties)."""
 
-__all__ = ["A_BYTES", "B_BYTES", "EVIL", "ZIP_ATTACKS", "Entry", "build", "edited", "entries"]
+
+def chunk(*, numel: int = 4, data: bytes = A_BYTES, **changes: object) -> list[Entry]:
+    """A DCP chunk's archive (what torch.save writes for one tensor): the tensor ``a`` (4 floats) at the top of its
+    tree over storage '0' of ``numel`` floats holding ``data``, its entry changed by ``changes``."""
+    pickle = Ops().tensor((4,), (1,), numel=numel, key="0").stop()
+    storage = replace(Entry(b"archive/data/0", data), **changes)  # type: ignore[arg-type]
+    return [Entry(b"archive/data.pkl", pickle), storage, Entry(b"archive/version", b"3\n")]
+
+
+def _chunk_overlapping() -> bytes:
+    """Storage '0' of 6 floats claimed, 16 bytes stored: its last 8 are the next local header's, CRC theirs."""
+    records = chunk(numel=6)
+    raw = build(records)
+    start = LOCAL.size + len(records[0].name) + len(records[0].data) + LOCAL.size + len(records[1].name)
+    return build(chunk(numel=6, size=24, crc=zlib.crc32(raw[start : start + 24])))
+
+
+CHUNK_ATTACKS: dict[str, tuple[Callable[[], bytes], str]] = {
+    "duplicate_storage": (
+        lambda: build([*chunk(), Entry(b"archive/data/0", EVIL)]),
+        "'archive/data/0' listed twice",
+    ),
+    "nul_in_name": (lambda: build(chunk(name=b"archive/data/0\x00x", local_name=b"archive/data/0\x00x")), "NUL"),
+    "local_name_differs": (lambda: build(chunk(local_name=b"archive/data/9")), "names another record"),
+    "encrypted_storage": (lambda: build(chunk(flags=0x809)), "encrypted or patched"),
+    "overlapping_records": (_chunk_overlapping, "reaches into the next record"),
+    "record_longer_than_storage": (lambda: build(chunk(data=A_BYTES + bytes(8))), "of 16 bytes over a record of 24"),
+    "zip64_locator_elsewhere": (
+        lambda: two_zip64_end_records(0, chunk()),
+        "a zip64 end record away from where its locator points",
+    ),
+}
+"""Zip attacks on a DCP chunk's archive (read through zipfile inside its data file), with what zeroio says."""
+
+__all__ = ["A_BYTES", "B_BYTES", "CHUNK_ATTACKS", "EVIL", "ZIP_ATTACKS", "Entry", "build", "chunk", "edited", "entries"]

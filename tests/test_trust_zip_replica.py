@@ -10,6 +10,7 @@ every other attack here but two was read without complaint.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import struct
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from fixture_data import FIXTURES
-from hostile_zips import A_BYTES, B_BYTES, EVIL, ZIP_ATTACKS, build, edited, entries
+from hostile_zips import A_BYTES, B_BYTES, CHUNK_ATTACKS, EVIL, ZIP_ATTACKS, build, chunk, edited, entries
 
 import zeroio
 from zeroio.errors import CheckpointFormatError, UnsupportedCheckpointError
@@ -233,3 +234,57 @@ def test_hostile_zip_files_join_the_fuzz_corpus() -> None:
     import test_errors
 
     assert {f"zip_{name}" for name in ZIP_ATTACKS} <= set(test_errors.CORPUS)
+
+
+# --- DCP chunks: the same attacks on a torch.save archive inside a data file (read through zipfile) -------------
+
+
+def _dcp_with_chunk(where: Path, blob: bytes) -> Path:
+    """The genuine DCP fixture plus 'model.evil' (4 floats, one chunk) stored as ``blob`` in its own data file."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    root = where / "ckpt"
+    shutil.copytree(FIXTURES / "dcp" / "dcp_fsdp2_ws2_fp32", root, ignore=shutil.ignore_patterns("expected"))
+    (root / "__9_0.distcp").write_bytes(b"\0" * 64 + blob)
+    with open(root / ".metadata", "rb") as fh:
+        meta = pickle.load(fh)  # our own genuine fixture, read to be rewritten
+    box = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    meta.state_dict_metadata["model.evil"] = TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size([4]), chunks=[box]
+    )
+    info = _StorageInfo(relative_path="__9_0.distcp", offset=64, length=len(blob))
+    meta.storage_data[MetadataIndex("model.evil", box.offsets)] = info
+    with open(root / ".metadata", "wb") as fh:
+        pickle.dump(meta, fh)
+    return root
+
+
+def test_a_dcp_chunk_archive_torch_writes_reads_as_torch_reads_it(tmp_path: Path) -> None:
+    root = _dcp_with_chunk(tmp_path, build(chunk()))
+    assert torch.load(io.BytesIO(build(chunk())), weights_only=True).numpy().tobytes() == A_BYTES
+    with zeroio.open(root) as ckpt:
+        assert ckpt["evil"].numpy().tobytes() == A_BYTES
+
+
+@pytest.mark.parametrize("attack", sorted(CHUNK_ATTACKS))
+def test_dcp_chunk_archive_attacks_are_refused_by_name(tmp_path: Path, attack: str) -> None:
+    """A chunk's archive is read with zipfile: each lie is refused naming the data file. Before, all seven were
+    read, the duplicate name and the moved zip64 locator as EVIL where torch.load of the chunk reads A_BYTES."""
+    build_attack, says = CHUNK_ATTACKS[attack]
+    blob = build_attack()
+    if attack in ("duplicate_storage", "zip64_locator_elsewhere"):
+        assert zipfile.ZipFile(io.BytesIO(blob)).read("archive/data/0") == EVIL
+        assert torch.load(io.BytesIO(blob), weights_only=True).numpy().tobytes() == A_BYTES
+    root = _dcp_with_chunk(tmp_path, blob)
+    with pytest.raises((CheckpointFormatError, UnsupportedCheckpointError)) as caught, zeroio.open(root) as ckpt:
+        ckpt["evil"]
+    message = str(caught.value)
+    assert says in message and "__9_0.distcp" in message and "\n" not in message and message.endswith(".")

@@ -14,10 +14,13 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, cast
 
 from .._dtypes import DType
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, ZeroIOError
 from .archive import check_pickle_record
+from .zip_directory import ZipRecord, local_name_matches
+from .zip_fallback import check_directory_size, read_pickle, records_of, refuse_zipfile_layout
 
 __all__ = ["EmbeddedArchive", "EmbeddedTensor", "read_embedded_archive"]
 
@@ -83,7 +86,7 @@ class EmbeddedArchive:
     offset: int
     length: int
     pickle: bytes
-    records: dict[str, zipfile.ZipInfo]
+    records: dict[str, ZipRecord]
 
     def record_data(self, pread: PRead, key: str) -> tuple[int, int, int]:
         """``(absolute data offset, size, crc32)`` of storage record ``key``, its local header checked."""
@@ -100,19 +103,29 @@ class EmbeddedArchive:
                 f"{info.header_offset}, outside the archive's {self.length} bytes. The file is corrupted or hostile.",
                 path=self.path,
             )
-        header = pread(self.offset + info.header_offset, _LOCAL_HEADER.size)
-        if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
+        raw_name = info.filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+        header = pread(self.offset + info.header_offset, _LOCAL_HEADER.size + len(raw_name))
+        if (
+            len(header) != _LOCAL_HEADER.size + len(raw_name)
+            or _LOCAL_HEADER.unpack_from(header)[0] != _LOCAL_HEADER_MAGIC
+        ):
             raise CheckpointFormatError(
                 f"Corrupted zip entry for storage '{key}' in the archive at byte {self.offset} of '{self.path}'. "
                 "Copy the file again.",
                 path=self.path,
             )
-        fields = _LOCAL_HEADER.unpack(header)
-        start = info.header_offset + _LOCAL_HEADER.size + int(fields[9]) + int(fields[10])
-        if start + info.file_size > self.length:
+        fields = _LOCAL_HEADER.unpack_from(header)
+        if fields[9] != len(raw_name) or not local_name_matches(header[_LOCAL_HEADER.size :], fields[2], info.filename):
             raise CheckpointFormatError(
-                f"Storage '{key}' of the archive at byte {self.offset} of '{self.path}' ends past the archive's "
-                f"{self.length} bytes. The file is truncated or hostile.",
+                f"The local header of storage '{key}' in the archive at byte {self.offset} of '{self.path}' names "
+                f"another record than its directory entry '{info.filename}'. The file is corrupted or hostile.",
+                path=self.path,
+            )
+        start = info.header_offset + _LOCAL_HEADER.size + int(fields[9]) + int(fields[10])
+        if start + info.file_size > info.limit:
+            raise CheckpointFormatError(
+                f"Storage '{key}' of the archive at byte {self.offset} of '{self.path}' reaches into the next "
+                "record or the archive's zip directory. The file is truncated or hostile.",
                 path=self.path,
             )
         return self.offset + start, int(info.file_size), int(info.CRC)
@@ -121,7 +134,10 @@ class EmbeddedArchive:
 def read_embedded_archive(pread: PRead, path: Path, offset: int, length: int) -> EmbeddedArchive:
     """Read the zip directory and pickle of the archive at ``[offset, offset + length)`` of ``path``."""
     try:
-        with zipfile.ZipFile(_Window(pread, offset, length)) as archive:
+        what = f"The archive at byte {offset} of '{path}'"
+        window = cast(IO[bytes], _Window(pread, offset, length))  # seek and read: all the zip readers use
+        ends = check_directory_size(window, path, length, what)
+        with zipfile.ZipFile(window) as archive:
             infos = archive.infolist()
             pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
             if len(pickles) != 1:
@@ -130,10 +146,12 @@ def read_embedded_archive(pread: PRead, path: Path, offset: int, length: int) ->
                     "data.pkl records). The file is corrupted.",
                     path=path,
                 )
+            refuse_zipfile_layout(infos, pickles[0].filename, ends, path, what)
             check_pickle_record(pickles[0], path)
             root = pickles[0].filename[: -len("data.pkl")]
-            records: dict[str, zipfile.ZipInfo] = {}
-            for info in infos:
+            all_records = records_of(infos, archive.start_dir)
+            records: dict[str, ZipRecord] = {}
+            for info in all_records:
                 if info.filename.startswith(root + "data/"):
                     if info.compress_type != zipfile.ZIP_STORED:
                         raise UnsupportedCheckpointError(
@@ -141,7 +159,7 @@ def read_embedded_archive(pread: PRead, path: Path, offset: int, length: int) ->
                             path=path,
                         )
                     records[info.filename[len(root) + len("data/") :]] = info
-            data = archive.read(pickles[0])
+            data = read_pickle(window, archive, all_records[infos.index(pickles[0])], path, what)
     except ZeroIOError:
         raise
     except Exception as exc:  # zipfile raises many types on damaged archives

@@ -317,6 +317,13 @@ def load_embedded(pread: PRead, path: Path, offset: int, length: int, trusted: f
         )
     start, size, crc = archive.record_data(pread, tree.storage.key)
     each = tree.storage.dtype.itemsize
+    named = unpickler.storages[tree.storage.key]
+    if named.numel * named.dtype.itemsize != size:  # torch's reader refuses a record of another size
+        raise CheckpointFormatError(
+            f"The chunk at byte {offset} of '{path}' names storage '{named.key}' of {named.numel * named.dtype.itemsize} "
+            f"bytes over a record of {size}. The file is corrupted or hostile; copy it again.",
+            path=path,
+        )
     if (tree.storage_offset + numel) * each > size:
         raise CheckpointFormatError(
             f"The chunk at byte {offset} of '{path}' claims elements [{tree.storage_offset}, "

@@ -25,10 +25,17 @@ __all__ = ["check_directory_size", "read_pickle", "records_of", "refuse_zipfile_
 _UTF8 = 0x800
 
 
-def refuse_zipfile_layout(infos: list[zipfile.ZipInfo], pickle: str, ends: EndRecords | str | None, path: Path) -> None:
+def _quoted(path: Path) -> str:
+    return f"'{path}'"
+
+
+def refuse_zipfile_layout(
+    infos: list[zipfile.ZipInfo], pickle: str, ends: EndRecords | str | None, path: Path, what: str = ""
+) -> None:
     """Refuse an archive :mod:`zipfile` reads but torch's reader would read otherwise (or not at all): see
     :func:`.zip_directory.end_records` and :func:`.zip_directory.record_problem`; a name listed twice (zipfile
-    keeps the last, torch one of them); a first record outside the pickle's folder (torch's root)."""
+    keeps the last, torch one of them); a first record outside the pickle's folder (torch's root). ``what`` names
+    the archive in the message (default: the file)."""
     problem = ends if isinstance(ends, str) else "no end of central directory record" if ends is None else None
     if isinstance(ends, EndRecords) and ends.entries != len(infos):
         problem = f"a directory of {len(infos)} records whose end record counts {ends.entries}"
@@ -45,7 +52,8 @@ def refuse_zipfile_layout(infos: list[zipfile.ZipInfo], pickle: str, ends: EndRe
         problem = f"its pickle '{pickle}' outside the folder of its first record '{first}', where torch looks"
     if problem is not None:
         raise CheckpointFormatError(
-            f"'{path}' is a zip archive with {problem}: torch.save never writes one, and zipfile and torch would "
+            f"{what or _quoted(path)} is a zip archive with {problem}: torch.save never writes one, and zipfile "
+            "and torch would "
             "not read the same bytes from it. Re-save the file with torch.save, or copy it again.",
             path=path,
         )
@@ -60,27 +68,29 @@ def records_of(infos: list[zipfile.ZipInfo], start_dir: int) -> list[ZipRecord]:
     return with_limits(records, sorted(r.header_offset for r in records), start_dir)
 
 
-def read_pickle(fh: IO[bytes], archive: zipfile.ZipFile, record: ZipRecord, path: Path) -> bytes:
+def read_pickle(fh: IO[bytes], archive: zipfile.ZipFile, record: ZipRecord, path: Path, what: str = "") -> bytes:
     """The pickle record's bytes, checked as :func:`.zip_directory.read_stored` checks them; zipfile names what is
     wrong when it can, else the record overlaps the next one."""
     data = read_stored(fh, record)
     if data is None:
         archive.read(record.filename)  # raises, naming the problem, unless the record overlaps another
         raise CheckpointFormatError(
-            f"'{path}': its pickle record '{record.filename}' reaches into the next record or the zip directory; "
+            f"{what or _quoted(path)}: its pickle record '{record.filename}' reaches into the next record or the "
+            "zip directory; "
             "torch.save never overlaps records. The file is corrupted or hostile; copy it again.",
             path=path,
         )
     return data
 
 
-def check_directory_size(fh: IO[bytes], path: Path, size: int) -> EndRecords | str | None:
+def check_directory_size(fh: IO[bytes], path: Path, size: int, what: str = "") -> EndRecords | str | None:
     """The end records of a local file read by :mod:`zipfile`, whose directory must be at most
     :data:`~.zip_directory.MAX_ZIPFILE_DIRECTORY` (zipfile makes an object per record)."""
     ends = end_records(fh, size)
     if isinstance(ends, EndRecords) and ends.size > MAX_ZIPFILE_DIRECTORY:
         raise UnsupportedCheckpointError(
-            f"'{path}' has a {ends.size}-byte zip directory in a layout torch.save does not write; zeroio reads "
+            f"{what or _quoted(path)} has a {ends.size}-byte zip directory in a layout torch.save does not write; "
+            "zeroio reads "
             f"such directories up to {MAX_ZIPFILE_DIRECTORY} bytes. Re-save the file with torch.save.",
             path=path,
         )
