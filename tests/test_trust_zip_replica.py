@@ -10,12 +10,16 @@ every other attack here but two was read without complaint.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
+import re
 import shutil
 import struct
+import threading
 import time
 import zipfile
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -288,3 +292,42 @@ def test_dcp_chunk_archive_attacks_are_refused_by_name(tmp_path: Path, attack: s
         ckpt["evil"]
     message = str(caught.value)
     assert says in message and "__9_0.distcp" in message and "\n" not in message and message.endswith(".")
+
+
+class _Ranged(SimpleHTTPRequestHandler):
+    """A static file server answering ``Range: bytes=A-B`` with exactly those bytes, as object stores do."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        match = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range") or "")
+        path = Path(self.translate_path(self.path))
+        if match is None or not path.is_file():
+            return super().do_GET()
+        with path.open("rb") as fh:
+            size = fh.seek(0, 2)
+            start, end = int(match[1]), min(int(match[2]), size - 1)
+            fh.seek(start)
+            data = fh.read(end - start + 1)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        return None
+
+
+def test_a_remote_directory_past_zipfiles_limit_is_refused_before_zipfile_parses_it(tmp_path: Path) -> None:
+    """A URL source is always read with zipfile: the same 35 MiB directory is refused from its end records."""
+    pytest.importorskip("aiohttp")  # fsspec's HTTP filesystem
+    (tmp_path / "huge.pt").write_bytes(_huge_directory(540_000))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Ranged, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/huge.pt"
+        with pytest.raises(UnsupportedCheckpointError, match=r"zip directory in a layout torch.save does not write"):
+            zeroio.open(url)
+    finally:
+        server.shutdown()
+        server.server_close()

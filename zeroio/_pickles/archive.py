@@ -21,7 +21,7 @@ from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .legacy import is_legacy_head
 from .limits import MAX_PICKLE_BYTES
-from .zip_directory import ZipRecord, end_records, local_name_matches, read_directory, read_stored
+from .zip_directory import ZipRecord, local_name_matches, read_directory, read_stored
 from .zip_fallback import check_directory_size, read_pickle, records_of, refuse_zipfile_layout
 
 if TYPE_CHECKING:
@@ -374,7 +374,7 @@ def read_archive(path: Path) -> Archive | None:
                 fast = _read_plain(fh, path, size, identity)
                 if fast is not None:
                     return fast
-            ends = check_directory_size(fh, path, size) if isinstance(fh, io.BufferedReader) else None
+            ends = check_directory_size(fh, path, size)
             try:
                 archive = zipfile.ZipFile(fh)
             except Exception:  # not a zip: the first bytes say what it is
@@ -393,7 +393,7 @@ def read_archive(path: Path) -> Archive | None:
                     "Point zeroio at files written by torch.save.",
                     path=path,
                 )
-            refuse_zipfile_layout(infos, pickles[0].filename, ends if ends is not None else end_records(fh, size), path)
+            refuse_zipfile_layout(infos, pickles[0].filename, ends, path)
             root = pickles[0].filename[: -len("data.pkl")]
             all_records = records_of(infos, archive.start_dir)
             records: dict[str, RecordInfo] = {}

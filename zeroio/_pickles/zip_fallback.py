@@ -84,7 +84,7 @@ def read_pickle(fh: IO[bytes], archive: zipfile.ZipFile, record: ZipRecord, path
 
 
 def check_directory_size(fh: IO[bytes], path: Path, size: int, what: str = "") -> EndRecords | str | None:
-    """The end records of a local file read by :mod:`zipfile`, whose directory must be at most
+    """The end records of an archive read by :mod:`zipfile`, whose directory must be at most
     :data:`~.zip_directory.MAX_ZIPFILE_DIRECTORY` (zipfile makes an object per record)."""
     ends = end_records(fh, size)
     if isinstance(ends, EndRecords) and ends.size > MAX_ZIPFILE_DIRECTORY:
