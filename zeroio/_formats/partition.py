@@ -15,6 +15,7 @@ __all__ = [
     "Piece",
     "Zero3Pieces",
     "locate",
+    "round_robin_original",
     "split_pieces",
     "zero3_offsets",
     "zero3_partition_numel",
@@ -199,6 +200,15 @@ def zero12_offsets(numels: Sequence[int], alignment_paddings: Sequence[int] | No
         offsets.append(offset)
         offset += numel + (alignment_paddings[i] if alignment_paddings is not None else 0)
     return offsets, offset
+
+
+def round_robin_original(count: int, ranks: int) -> list[int]:
+    """ZeRO-1/2 with ``round_robin_gradients``: the original index of each position of DeepSpeed's round-robin order of ``count`` parameters.
+
+    ``stage_1_and_2._round_robin_reorder`` deals parameter i to rank ``i % ranks`` and concatenates the ranks'
+    lists: with 5 parameters over 2 ranks the flat order is 0, 2, 4, 1, 3.
+    """
+    return [i for first in range(min(count, ranks)) for i in range(first, count, ranks)]
 
 
 def zero12_plan(numel: int, offset: int, group: int, partition_sizes: Sequence[int]) -> list[Piece]:

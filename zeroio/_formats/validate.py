@@ -17,6 +17,7 @@ __all__ = [
     "ModelStates",
     "ParamShapes",
     "base_optimizer_state",
+    "config_flag",
     "config_stage",
     "model_states",
     "numel_of",
@@ -83,6 +84,12 @@ def config_stage(ds_config: Any, *, default: int) -> int:
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
     stage = zero.get("stage") if isinstance(zero, dict) else None
     return int(stage) if isinstance(stage, int) else default
+
+
+def config_flag(ds_config: Any, key: str) -> bool:
+    """Whether ``ds_config['zero_optimization'][key]`` is ``True`` (False when the config does not say)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    return isinstance(zero, dict) and zero.get(key) is True
 
 
 def base_optimizer_state(optim_tree: Any) -> Any:

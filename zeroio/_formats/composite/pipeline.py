@@ -27,6 +27,7 @@ from ..tp_rules import Rule, describe_rule, parse_tp_rules
 from ..validate import (
     ModelStates,
     base_optimizer_state,
+    config_flag,
     config_stage,
     param_shapes,
     tensor_ref,
@@ -178,7 +179,8 @@ def _open(files: PipelineFiles, tag_name: str | None, parsed: _Parsed) -> Pipeli
         groups = [
             [(n, stage.shapes.get(n) or _layer_shape(by_name, n, files.tag_dir)) for n in g] for g in stage.groups
         ]
-        planned = zero12_trainable(groups, stage.optim, None, path, files.tag_dir)
+        round_robin = config_flag(stage.states.tree.get(C.DS_CONFIG), "round_robin_gradients")
+        planned = zero12_trainable(groups, stage.optim, None, path, files.tag_dir, round_robin=round_robin)
         for name, info in planned.infos.items():
             if name not in trainable.infos:
                 trainable.add(info, planned.plans[name])

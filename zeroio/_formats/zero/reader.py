@@ -27,6 +27,7 @@ from ..validate import (
     ModelStates,
     ParamShapes,
     base_optimizer_state,
+    config_flag,
     model_states,
     param_shapes,
 )
@@ -278,7 +279,8 @@ def _open_partitioned(
             trainable = zero3_trainable(shapes.groups, optim, states.path)
     else:
         frozen = zero12_frozen(states, shapes, experts)
-        trainable = zero12_trainable(shapes.groups, optim, experts, states.path, tag_dir)
+        round_robin = config_flag(states.tree.get(C.DS_CONFIG), "round_robin_gradients")
+        trainable = zero12_trainable(shapes.groups, optim, experts, states.path, tag_dir, round_robin=round_robin)
     found.update(frozen)
     found.update(trainable)
 

@@ -9,7 +9,7 @@ from ... import _constants as C
 from ..._pickles import TensorRef
 from ...errors import PartitionMismatchError, UnsupportedCheckpointError
 from ..metadata import TensorInfo, require_dict
-from ..partition import Piece, zero12_offsets, zero12_plan
+from ..partition import Piece, round_robin_original, zero12_offsets, zero12_plan
 from ..read_plans import FlatPlan, TensorPlans, WholePlan
 from ..validate import ModelStates, ParamShapes, numel_of, tensor_ref
 from .flat_partitions import OptimizerPartitions
@@ -55,8 +55,13 @@ def zero12_trainable(
     experts: Experts | None,
     model0_path: Path,
     tag_dir: Path,
+    *,
+    round_robin: bool = False,
 ) -> TensorPlans:
-    """Trainable parameters: fp32 master weights, each param group partitioned over the ranks on its own."""
+    """Trainable parameters: fp32 master weights, each param group partitioned over the ranks on its own.
+
+    ``round_robin``: the run set ``zero_optimization.round_robin_gradients`` (see :func:`_check_rank_slices`).
+    """
     flat_groups, world_size, optim_files = optim.flat_groups, optim.world_size, optim.files
     paddings = optim.first_state.get(C.PARAM_ALIGNMENT_PADDINGS)
     if len(flat_groups[0]) != len(groups):
@@ -86,7 +91,9 @@ def zero12_trainable(
         count = counts[g] if isinstance(counts, (list, tuple)) and g < len(counts) else world_size
         count = count if isinstance(count, int) else world_size
         if count == world_size:
-            _check_rank_slices(g, group, numels, offsets, optim)
+            # Without alignment padding, DeepSpeed records round-robin groups' slices in the original order.
+            unpadded_round_robin = round_robin and not any(group_padding or ())
+            _check_rank_slices(g, group, numels, offsets, optim, unpadded_round_robin)
             layouts = [[(list(range(world_size)), [name for name, _ in group])]]
         else:
             # MoE expert group: partitioned over an expert-data-parallel group of `count` ranks, one copy
@@ -103,13 +110,29 @@ def zero12_trainable(
 
 
 def _check_rank_slices(
-    g: int, group: list[tuple[str, tuple[int, ...]]], numels: list[int], offsets: list[int], optim: OptimizerPartitions
+    g: int,
+    group: list[tuple[str, tuple[int, ...]]],
+    numels: list[int],
+    offsets: list[int],
+    optim: OptimizerPartitions,
+    round_robin: bool = False,
 ) -> None:
-    """Each rank's recorded slice of param group ``g`` must be its own (files swapped or duplicated show here)."""
+    """Each rank's recorded slice of param group ``g`` must be its own (files swapped or duplicated show here).
+
+    ``round_robin``: the group was flattened in DeepSpeed's round-robin order (``round_robin_gradients``: what
+    ``param_shapes`` lists and the flat partitions hold) with no alignment padding. DeepSpeed 0.19.8 then records
+    ``param_slice_mappings`` (and its own ``safe_get_full_fp32_param``) as if the group were flattened in its
+    original order, so the check compares the record with those slices.
+    """
     if optim.world_size < 2:
         return
     partition_size = max(groups[g].numel for groups in optim.flat_groups)
     names = [name for name, _ in group]
+    if round_robin:
+        position = {index: pos for pos, index in enumerate(round_robin_original(len(names), optim.world_size))}
+        names = [names[position[i]] for i in range(len(names))]
+        numels = [numels[position[i]] for i in range(len(numels))]
+        offsets, _ = zero12_offsets(numels)
     for rank, mappings in enumerate(optim.slice_mappings):
         if isinstance(mappings, (list, tuple)) and g < len(mappings):
             check_slice_mappings(optim.files[rank], rank, g, names, offsets, numels, partition_size, mappings[g])
