@@ -37,14 +37,15 @@ class Entry:
     csize: int | None = None
     offset: int | None = None
     disk: int = 0
+    external: int = 0
     local_name: bytes | None = None
     central_extra: bytes = b""
     comment: bytes = b""
 
 
-def tree(empties: int, b_numel: int = 6) -> bytes:
-    """The pickle: ``a``, ``b`` (``b_numel`` floats claimed) and the empty tensors."""
-    ops = Ops().dict().text("a").tensor((4,), (1,), numel=4, key="0").setitem()
+def tree(empties: int, b_numel: int = 6, a_key: str = "0") -> bytes:
+    """The pickle: ``a`` (storage ``a_key``), ``b`` (``b_numel`` floats claimed) and the empty tensors."""
+    ops = Ops().dict().text("a").tensor((4,), (1,), numel=4, key=a_key).setitem()
     ops.text("b").tensor((b_numel,), (1,), numel=b_numel, key="1").setitem()
     for i in range(empties):
         ops.text(f"p{i}").tensor((0,), (1,), numel=0, key=str(i + 2)).setitem()
@@ -76,7 +77,7 @@ def build(records: list[Entry], *, comment: bytes = b"") -> bytes:
         fields = (e.version, e.version, e.flags, e.method, 0, 0, crc, csize, size, len(e.name), len(e.central_extra))
         offset = at if e.offset is None else e.offset
         out += (
-            CENTRAL.pack(0x02014B50, *fields, len(e.comment), e.disk, 0, 0, offset)
+            CENTRAL.pack(0x02014B50, *fields, len(e.comment), e.disk, 0, e.external, offset)
             + e.name
             + e.central_extra
             + e.comment
@@ -153,6 +154,17 @@ def two_zip64_end_records(empties: int, records: list[Entry] | None = None) -> b
     return real[:true_end] + true + planted + bytes(alt) + alt_end + tail
 
 
+def two_encodings(empties: int) -> list[Entry]:
+    """Storage 'é': its UTF-8 record holds A_BYTES, a record named 0x82 without the UTF-8 flag (cp437's 'é') EVIL.
+    zipfile decodes both to 'é' and keeps the last; torch looks the key's UTF-8 bytes up and finds the first."""
+    records = entries(empties)
+    records[0] = Entry(b"archive/data.pkl", tree(empties, a_key="\u00e9"))
+    at = _at(records, "0")
+    records[at] = replace(records[at], name="archive/data/\u00e9".encode())
+    records.insert(at + 1, Entry(b"archive/data/\x82", EVIL, flags=0x8))
+    return records
+
+
 def _counts(empties: int, count: int) -> bytes:
     """End records counting ``count`` records (zip64), the 32-bit ones saturated."""
     raw = build(entries(empties))
@@ -177,6 +189,7 @@ ZIP_ATTACKS: dict[str, ZipAttack] = {
     "encrypted_pickle": lambda n: build([replace(entries(n)[0], flags=0x809), *entries(n)[1:]]),
     "duplicate_storage": lambda n: build(duplicate_storage(n)),
     "duplicate_storage_zipfile": lambda n: build(duplicate_storage(n), comment=b"note"),
+    "one_name_two_encodings": lambda n: build(two_encodings(n)),
     "nul_in_name": lambda n: build(edited(n, "0", name=b"archive/data/0\x00x", local_name=b"archive/data/0\x00x")),
     "nul_in_name_zipfile": lambda n: build(
         edited(n, "0", name=b"archive/data/0\x00x", local_name=b"archive/data/0\x00x"), comment=b"note"
@@ -187,6 +200,7 @@ ZIP_ATTACKS: dict[str, ZipAttack] = {
     "zip64_blocks_twice": lambda n: build(edited(n, "0", size=0xFFFFFFFF, central_extra=_TWO_ZIP64), comment=b"note"),
     "stored_sizes_differ": lambda n: build(edited(n, "0", csize=20), comment=b"note"),  # zipfile reads 20 bytes
     "record_on_another_disk": lambda n: build(edited(n, "0", disk=2)),
+    "record_marked_as_a_folder": lambda n: build(edited(n, "1", external=0x10)),  # torch.load: uninitialised b
     "extra_field_overruns": lambda n: build(edited(n, "0", central_extra=b"\x99\x99\x10\x00ab")),
     "version_needed_9_9": lambda n: build(edited(n, "0", version=99)),
     "zip64_locator_elsewhere": lambda n: two_zip64_end_records(n),

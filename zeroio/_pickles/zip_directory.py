@@ -51,6 +51,7 @@ _BAD_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000
 """Encrypted, patched, strongly encrypted, masked local headers: zipfile and torch refuse to read such a record
 (``torch.save`` sets only 0x0008, sizes after the data, and 0x0800, UTF-8 names)."""
 _MAX_VERSION = 63
+_DOS_FOLDER = 0x10
 """Highest zip version needed to extract that :mod:`zipfile` reads (its ``MAX_EXTRACT_VERSION``)."""
 MAX_DIRECTORY = 1 << 28
 """Largest central directory read this way (256 MiB: 2.5 million records of 100 bytes; a ZeRO-3 model-states
@@ -111,13 +112,12 @@ def _zip64(extra: bytes, size: int, csize: int, offset: int) -> tuple[int, int, 
 
 def record_problem(name: bytes, flags: int, version: int, extra: bytes) -> str | None:
     """Why zeroio does not read a record that zipfile and torch's reader might read differently, or None: a NUL
-    in its name (zipfile cuts the name there, torch does not), a name that is not UTF-8 or ASCII (zipfile decodes
-    it as cp437, torch compares bytes), an encrypted or patched record, a version zipfile refuses, a malformed
-    extra field or several zip64 blocks."""
+    in its name (zipfile cuts the name there, torch does not), an encrypted or patched record, a version zipfile
+    refuses, a malformed extra field or several zip64 blocks."""
     if b"\x00" in name:
         return "a record name holding a NUL byte"
-    if not flags & _UTF8 and not name.isascii():
-        return "a record name that is neither ASCII nor flagged UTF-8"
+    if name.endswith(b"/"):
+        return "a folder record"
     if flags & _BAD_FLAGS:
         return f"an encrypted or patched record (flags {flags:#06x})"
     if version & 0xFF > _MAX_VERSION:
@@ -128,11 +128,15 @@ def record_problem(name: bytes, flags: int, version: int, extra: bytes) -> str |
     return None
 
 
-def sizes_problem(disk: int, method: int, csize: int, size: int) -> str | None:
-    """Why torch's reader refuses a record whose name and flags are fine, or None: on another disk (miniz
-    refuses, zipfile reads it), or stored with two sizes (miniz refuses, zipfile reads the compressed size)."""
+def sizes_problem(disk: int, method: int, csize: int, size: int, external: int) -> str | None:
+    """Why torch's reader would not read a record whose name and flags are fine, or None: on another disk (miniz
+    refuses, zipfile reads it), stored with two sizes (miniz refuses, zipfile reads the compressed size), or marked
+    as a folder by its DOS attributes (miniz extracts nothing: torch.load returned uninitialised memory, zipfile
+    the bytes)."""
     if disk:
         return "a record on another disk"
+    if external & _DOS_FOLDER:
+        return "a record marked as a folder"
     if method == _STORED and csize != size:
         return f"a stored record of {size} bytes whose compressed size says {csize}"
     return None
@@ -276,10 +280,10 @@ def _record(data: bytes, pos: int, cd_offset: int) -> tuple[ZipRecord, int] | No
     if next_pos > len(data):
         return None
     raw, extra = data[pos + _ENTRY.size : name_end], data[name_end:extra_end]
-    if record_problem(raw, f[3], f[2], extra) is not None:
-        return None
+    if record_problem(raw, f[3], f[2], extra) is not None or not (f[3] & _UTF8 or raw.isascii()):
+        return None  # a cp437 name: zipfile's reading compares names as torch does, by their bytes
     found = _zip64(extra, f[9], f[8], f[16])
-    if found is None or found[2] >= cd_offset or sizes_problem(f[13], f[4], found[1], found[0]) is not None:
+    if found is None or found[2] >= cd_offset or sizes_problem(f[13], f[4], found[1], found[0], f[15]) is not None:
         return None
     try:
         name = raw.decode("utf-8" if f[3] & _UTF8 else "ascii")
@@ -369,6 +373,8 @@ def _entries_at_once(data: bytes, count: int, cd_offset: int) -> Directory | Non
         return None  # entries not back to back, several disks, a local header inside the directory
     if (u(8, 2) & _BAD_FLAGS).any() or (buf[starts + 6] > _MAX_VERSION).any() or (offsets == _FULL32).any():
         return None  # records zipfile or torch refuse, or zip64 offsets: one by one (then zipfile names them)
+    if (buf[starts + 38] & _DOS_FOLDER).any() or ((buf[starts + _ENTRY.size + n - 1] == ord("/")) & (n > 0)).any():
+        return None  # folder records
     first = _record(data, 0, cd_offset)
     if first is None or not _is_pickle_name(first[0].filename):
         return None

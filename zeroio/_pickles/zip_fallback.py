@@ -39,14 +39,16 @@ def refuse_zipfile_layout(
     problem = ends if isinstance(ends, str) else "no end of central directory record" if ends is None else None
     if isinstance(ends, EndRecords) and ends.entries != len(infos):
         problem = f"a directory of {len(infos)} records whose end record counts {ends.entries}"
-    names: set[bytes] = set()
+    names: set[bytes | str] = set()  # each name's bytes (torch compares them) and text (zipfile's keys)
     for info in infos:
         raw = info.orig_filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437")
         problem = problem or record_problem(raw, info.flag_bits, info.extract_version, info.extra)
-        problem = problem or sizes_problem(info.volume, info.compress_type, info.compress_size, info.file_size)
-        if raw in names:
+        problem = problem or sizes_problem(
+            info.volume, info.compress_type, info.compress_size, info.file_size, info.external_attr
+        )
+        if raw in names or info.filename in names:
             problem = problem or f"the record '{info.filename}' listed twice"
-        names.add(raw)
+        names.update((raw, info.filename))
     first = infos[0].filename if infos else ""
     if problem is None and pickle != f"{first.partition('/')[0]}/data.pkl":
         problem = f"its pickle '{pickle}' outside the folder of its first record '{first}', where torch looks"
