@@ -25,14 +25,17 @@ from .sources import LocalFile
 if TYPE_CHECKING:
     from .sources import ByteSource
 
-__all__ = ["BUDGET", "MAX_WINDOW", "MIN_WINDOW", "ReadAhead"]
+__all__ = ["BUDGET", "MAX_WINDOW", "MIN_WINDOW", "WINDOWS_PER_FILE", "ReadAhead"]
 
 BUDGET = 64 * 2**20
 """Bytes all windows hold together (as long as each holds at least :data:`MIN_WINDOW`)."""
-MIN_WINDOW = 16 * 1024
-"""Smallest window: 4,096 files hold 64 MiB; reads stay a thousand times fewer than 16-byte pieces."""
+MIN_WINDOW = 4 * 1024
+"""Smallest window: 8,192 files of 2 flat groups hold 64 MiB; reads stay 256 times fewer than 16-byte pieces."""
 MAX_WINDOW = 4 * 2**20
 """Largest window (few files): past a few MiB a larger read saves nothing."""
+WINDOWS_PER_FILE = 4
+"""Records of one file with a window at once: a ZeRO-3 rank file's flat groups (one per param group, read in
+turns); past that the oldest window is dropped."""
 
 
 class _Window:
@@ -73,17 +76,17 @@ class ReadAhead:
         self._files: dict[int, _File] = {}
         self._lock = threading.Lock()
         self._hint = files
-        self._made = 0
+        self._held = 0
         self._size = 0
         self._resize()
 
     def window_bytes(self) -> int:
         """The size of a window read now: the budget shared by the windows (one per file said, or as many as
-        made so far), within the bounds."""
+        held), within the bounds."""
         return self._size
 
     def _resize(self) -> None:
-        self._size = max(MIN_WINDOW, min(MAX_WINDOW, self._budget // max(1, self._hint, self._made)))
+        self._size = max(MIN_WINDOW, min(MAX_WINDOW, self._budget // max(1, self._hint, self._held)))
 
     def read_into(self, source: ByteSource, offset: int, out: memoryview) -> None:
         """Fill ``out`` with ``source``'s bytes at ``offset`` (a :class:`CheckedFile` checks them as it reads)."""
@@ -103,16 +106,19 @@ class ReadAhead:
     def _fill(self, file: _File, offset: int, n: int) -> _Window | None:
         """Read the window of ``offset``'s record from ``offset`` on (the caller holds the file's lock)."""
         span = file.source.record_span(offset)
-        if span is None or span[1] < offset + n:
-            return None
+        if span is None or span[1] < offset + n or span == (offset, offset + n):
+            return None  # not inside one record, or the whole record (a small tensor of its own): read as asked
         size = self.window_bytes()
         window = next((w for w in file.windows if w.record == span[0]), None)
         if window is None:
             window = _Window(span[0])
             file.windows.append(window)
-            with self._lock:
-                self._made += 1
-                self._resize()
+            if len(file.windows) > WINDOWS_PER_FILE:  # the oldest: a file of many small records
+                del file.windows[0]  # (DCP) holds a few windows, not all its small tensors
+            else:
+                with self._lock:
+                    self._held += 1
+                    self._resize()
             if offset - span[0] < size // 2:  # the record's first read: from its start (padding of a parameter
                 offset = span[0]  # this rank holds none of), so the CRC check has no gap left to read
         stop = min(offset + size, span[1])
