@@ -230,8 +230,8 @@ def test_tiny_chunks_write_the_same_tensors(tmp_path: Path) -> None:
 
 
 def test_read_ahead_over_a_few_ranks_writes_the_same_bytes(tmp_path: Path) -> None:
-    """Windows read once for several consecutive ranks (3 of 7 here, a chunk of 3 ranks' bytes) and for all of
-    them (a big chunk) write the files that reading each rank's part alone (a chunk under one rank's) writes."""
+    """Blocks and windows made once for several consecutive ranks (3 of 7 here, a chunk of 3 ranks' bytes) and for
+    all of them (a big chunk) write the files that reading each rank's part alone (a chunk under one rank's) writes."""
     whole = reshard(FIXTURES / "z3_ws3_fp32", tmp_path / "all", world_size=7)
     per_rank = whole.total_size // 7
     reshard(FIXTURES / "z3_ws3_fp32", tmp_path / "three", world_size=7, chunk_bytes=3 * per_rank + 4)

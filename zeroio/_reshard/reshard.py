@@ -190,10 +190,12 @@ def _reshard_to_url(src: StrPath, url: str, read: ReadOptions, target: _Target, 
 
 
 def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progress) -> ReshardResult:
-    """Plan every file (trees with data-less tensors) to know the total, then write rank by rank."""
+    """Size the bytes of a rank's files (every rank's hold the same: 2 trees planned, not 2,048 at 1,024 ranks),
+    then write rank by rank, counting what is written."""
     meta, world_size = plan.ckpt.metadata, plan.world_size
-    total = sum(trees.model_file(r)[1].nbytes + trees.optim_file(r)[1].nbytes for r in range(world_size))
-    trees.read_ahead(total // max(1, world_size))
+    each = [trees.model_file(r)[1].nbytes + trees.optim_file(r)[1].nbytes for r in range(min(2, world_size))]
+    total = each[0] + each[-1] * (world_size - 1)  # rank 0 differs from the others in no tensor; to be sure: both
+    trees.read_ahead(each[-1])
     meter = ByteProgress(progress, total, "Resharding")
     meter.start()
     files: list[Path] = []
@@ -201,6 +203,7 @@ def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progre
         with out as tmp:
             folder = tmp / plan.tag
             folder.mkdir()
+            written = 0
             templates: dict[Hashable, PickleTemplate] = {}  # one pickle per kind of file (pickle_template.py)
             for kind, build in ((0, trees.model_file), (1, trees.optim_file)):
                 for rank in range(world_size):
@@ -211,10 +214,11 @@ def _write(plan: ReshardPlan, trees: RankTrees, out: AtomicDir, progress: Progre
                         key = trees.pickle_kind(kind, rank)
                         template = templates.get(key) or templates.setdefault(key, PickleTemplate())
                     builder.save(tree, folder / name, meter.update, template)
+                    written += builder.nbytes
                     files.append(out.dst / plan.tag / name)
             write_new_file(tmp / C.LATEST_FILE, plan.tag)
             plan.ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit
     finally:
         meter.close()
     logger.info("resharded %s (world size %s) to %s for world size %d", meta.path, meta.world_size, out.dst, world_size)
-    return ReshardResult(out.dst, plan.tag, world_size, tuple(files), total, int(meta.world_size or 0))
+    return ReshardResult(out.dst, plan.tag, world_size, tuple(files), written, int(meta.world_size or 0))

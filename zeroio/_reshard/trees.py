@@ -26,6 +26,7 @@ class _Buffers:
         self._reads = ChunkBuffers()
         self._zeros: memoryview | None = None
         self.windows = _Windows()
+        self.blocks = _Blocks()
 
     def _elements(self, dtype: torch.dtype) -> int:
         return max(1, self.chunk_bytes // dtype.itemsize)
@@ -48,6 +49,8 @@ class _Windows:
     parts serves them from memory. Without it a reshard of 2,000 tensors to 1,024 ranks made 6 million reads of a
     few bytes each (a syscall and a CRC-32 fold apiece). ``ranks`` is set so that one window per tensor and state
     holds about one chunk in all; 1 (reads straight into the output chunk) when one rank's part is a chunk or more.
+    The flat groups of the optimizer states go through :class:`_Blocks` where ``ranks`` > 1 (frozen fragments, of the
+    model states, through these windows).
     """
 
     def __init__(self) -> None:
@@ -71,6 +74,52 @@ class _Windows:
         lo = (at - held[0]) * each
         out[pos : pos + n * each] = held[2][lo : lo + n * each]
         return True
+
+
+class _Blocks:
+    """The flat partitions of several consecutive target ranks, made at once, one row a rank.
+
+    A flat group of 2,000 parameters on 1,024 ranks is 2,000 slices a rank, 6 million in all with the two moments:
+    copied one by one (even from :class:`_Windows`) they took most of a reshard's time. A block of the next
+    ``ranks`` ranks is made with one read and one strided copy per parameter (each parameter's slices of those ranks
+    are consecutive elements of it), and each rank's file takes its row. ``ranks`` is the windows' (about a chunk
+    in all), so this serves only rank files of partitions under half a chunk; larger ones stream slice by slice.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[Hashable, tuple[int, torch.Tensor]] = {}
+
+    def row(self, key: Hashable, rank: int, ranks: int, sources: Sequence[Any], numels: Sequence[int],
+            world_size: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """Rank ``rank``'s flat partition of ``sources`` (the group ``key``), from the block holding it."""
+        first = rank - rank % ranks
+        held = self._held.get(key)
+        if held is None or held[0] != first:
+            self._held.pop(key, None)  # the block of the ranks before: written
+            block = _block(sources, numels, world_size, first, min(first + ranks, world_size), dtype)
+            held = self._held[key] = (first, block)
+        return held[1][rank - first]
+
+
+def _block(
+    sources: Sequence[Any], numels: Sequence[int], world_size: int, first: int, stop: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Ranks ``[first, stop)``'s flat partitions of the parameters ``sources``, one row a rank, padding zeros."""
+    parts = [zero3_partition_numel(n, world_size) for n in numels]
+    block = torch.zeros((stop - first, sum(parts)), dtype=dtype)
+    column = 0
+    for source, numel, part in zip(sources, numels, parts):
+        lo, hi = first * part, min(stop * part, numel)
+        if hi > lo:
+            flat = torch.empty(hi - lo, dtype=dtype)
+            read_plan_into(source, lo, flat)
+            rows, rest = divmod(hi - lo, part)  # whole rows, then the last holder's elements (padding follows)
+            if rows:
+                block[:rows, column : column + part] = flat[: rows * part].view(rows, part)
+            if rest:
+                block[rows, column : column + rest] = flat[rows * part :]
+        column += part
+    return block
 
 
 def _ref_chunks(ref: TensorRef, buffers: _Buffers) -> Chunks:
@@ -169,6 +218,21 @@ class RankTrees:
             }
         return found
 
+    def _partition(self, rank: int, s: int, state: str | None, dtype: torch.dtype) -> Chunks:
+        """Rank ``rank``'s flat partition of sub-group ``s`` (``state`` None: the fp32 masters, else that moment),
+        from a :class:`_Blocks` row where consecutive ranks' partitions fit a chunk, else slice by slice."""
+        sources, tensors = self._sub_sources(s, state)
+        ranks, numels, world_size = self._buffers.windows.ranks, self.plan.subs[s].numels, self.plan.world_size
+        if ranks > 1:
+            blocks = self._buffers.blocks
+
+            def row() -> Iterator[torch.Tensor]:
+                yield blocks.row((s, state), rank, ranks, sources, numels, world_size, dtype)
+
+            return row
+        reads: list[RankRead] = rank_reads(sources, numels, world_size, rank)
+        return _slices_chunks(reads, tensors, dtype, self._buffers)
+
     def model_file(self, rank: int) -> tuple[Any, RankFileBuilder]:
         """Rank ``rank``'s model states: module placeholders and buffers, param shapes, frozen fragments, ..."""
         plan, ckpt, buffers = self.plan, self.plan.ckpt, self._buffers
@@ -217,7 +281,7 @@ class RankTrees:
 
     def optim_file(self, rank: int) -> tuple[Any, RankFileBuilder]:
         """Rank ``rank``'s optimizer states: fp32 partitions and moments per sub-group, param groups, the rest."""
-        plan, layout, buffers = self.plan, self.plan.layout, self._buffers
+        plan, layout = self.plan, self.plan.layout
         optim0, optim0_path = plan.optim0, plan.optim0_path
         key_osd = C.OPTIMIZER_STATE_DICT
         osd0 = optim0[key_osd]
@@ -230,17 +294,9 @@ class RankTrees:
         source_entries = base0.get("state") or {}
         for s, sub in enumerate(plan.subs):
             members[sub.param_group].append(s)
-            sources, tensors = self._sub_sources(s, None)
-            reads = rank_reads(sources, sub.numels, plan.world_size, rank)
             size = sum(zero3_partition_numel(n, plan.world_size) for n in sub.numels)
-            flats.append(
-                builder.tensor(
-                    (key_osd, C.FP32_FLAT_GROUPS, s),
-                    (size,),
-                    plan.flat_dtype,
-                    _slices_chunks(reads, tensors, plan.flat_dtype, buffers),
-                )
-            )
+            chunks = self._partition(rank, s, None, plan.flat_dtype)
+            flats.append(builder.tensor((key_osd, C.FP32_FLAT_GROUPS, s), (size,), plan.flat_dtype, chunks))
             if not sub.names:
                 continue  # an empty sub-group's flat tensor never steps: no state entry
             entry: dict[str, Any] = {}
@@ -249,12 +305,7 @@ class RankTrees:
                 where = (key_osd, key_osd, "state", s, k)
                 if k in layout.moments:
                     dtype = v.dtype if isinstance(v, TensorRef) else torch.float32
-                    moments, moment_tensors = self._sub_sources(s, k)
-                    moment_reads: list[RankRead] = [
-                        (m, start, count, pad) for m, (_, start, count, pad) in zip(moments, reads)
-                    ]
-                    chunks = _slices_chunks(moment_reads, moment_tensors, dtype, buffers)
-                    entry[k] = builder.tensor(where, (size,), dtype, chunks)
+                    entry[k] = builder.tensor(where, (size,), dtype, self._partition(rank, s, k, dtype))
                 else:
                     entry[k] = self._copy(v, where, builder, optim0_path)
             state[s] = entry
