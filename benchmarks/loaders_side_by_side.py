@@ -7,7 +7,8 @@ model is on the GPU. Methods:
 
 - ``zeroio``: ``zeroio.load(folder, model, device="cuda")`` (``zeroio@tT`` / ``zeroio@tTcC``: with
   ``ZEROIO_READ_THREADS=T`` and ``ZEROIO_STAGING_BYTES=C`` MiB; ``zeroio-direct`` / ``zeroio-buffered``: with
-  ``ZEROIO_DIRECT_READS=1`` / ``0``).
+  ``ZEROIO_DIRECT_READS=1`` / ``0``; ``zeroio@b=512KiB,d=1,p=0,t=16,c=16MiB``: ``ZEROIO_READ_BLOCK``,
+  ``ZEROIO_DIRECT_READS``, ``ZEROIO_PREFETCH_BYTES``, ``ZEROIO_READ_THREADS``, ``ZEROIO_STAGING_BYTES``).
 - ``zeroio-zero3``: the same from the ZeRO-3 checkpoint the files were converted from (``--zero``; its fp32
   records, cast on the GPU to the files' dtype).
 - ``safetensors``: ``safetensors.torch.load_file(f, device="cuda")`` per file + ``load_state_dict(assign=True)``.
@@ -16,7 +17,11 @@ model is on the GPU. Methods:
   as vLLM does, + ``load_state_dict(assign=True)``.
 - ``read-limit``: 16 threads of 32 MiB positioned reads of the files (benchmarks/read_limit.py), no GPU;
   ``read-limit-zero3``: the same of the ZeRO checkpoint's fp32 master-weight records (what ``zeroio-zero3`` reads);
-  ``read-limit-direct``: 16 threads of 16 MiB ``O_DIRECT`` reads of the files (no page cache, as fastsafetensors).
+  ``read-limit-direct``: 16 threads of 16 MiB ``O_DIRECT`` reads of the files (no page cache);
+  ``read-limit@d16x512`` / ``read-limit@b16x32768``: T threads of K KiB reads, ``d`` ``O_DIRECT``, ``b`` buffered
+  (``read-limit-zero3@...``: of the ZeRO records).
+- ``transformers`` (with ``--hf``: a GPT-2 folder of ``make_safetensors.py --hf``): ``from_pretrained(folder,
+  device_map="cuda", dtype=...)``, timed from before the import of transformers, its own model build included.
 
 Usage::
 
@@ -49,9 +54,16 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p) for p in folder.glob("*.safetensors"))
 
 
-def _model(config: Path, dtype: Any) -> Any:
-    import make_checkpoint as make
+def _model(config: Path, dtype: Any, hf: Path | None = None) -> Any:
     import torch
+
+    if hf is not None:  # a transformers model of the folder's config.json, built on meta
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(hf)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    import make_checkpoint as make
 
     cfg = make.GPTConfig(**json.loads(config.read_text())["config"])
     with torch.device("meta"):
@@ -62,6 +74,14 @@ def _load(method: str, args: argparse.Namespace, model: Any) -> None:
     import torch
 
     files = _files(args.folder)
+    if method == "transformers":
+        import transformers
+
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(args.folder, device_map="cuda", dtype=dtype)
+        torch.cuda.synchronize()
+        model.loaded = loaded  # counted below as the model on the GPU
+        return
     if method.startswith("zeroio"):
         import zeroio
 
@@ -98,11 +118,15 @@ def _load(method: str, args: argparse.Namespace, model: Any) -> None:
 
 def child(method: str, args: argparse.Namespace) -> dict[str, Any]:
     if method.startswith("read-limit"):  # read-limit-zero3: the ZeRO checkpoint's fp32 records
-        if method == "read-limit-zero3":
+        if method.startswith("read-limit-zero3"):
             ranges = bench.fp32_ranges(args.zero)
         else:
             ranges = [(Path(f), 0, Path(f).stat().st_size) for f in _files(args.folder)]
-        if method == "read-limit-direct":  # O_DIRECT, as fastsafetensors reads
+        if "@" in method:  # read-limit@d16x512: 16 threads of 512 KiB O_DIRECT reads (b: buffered)
+            spec = method.split("@", 1)[1]
+            threads, kib = (int(x) for x in spec[1:].split("x"))
+            r = read_limit.read_parallel(ranges, threads, kib << 10, direct=spec[0] == "d")
+        elif method == "read-limit-direct":  # O_DIRECT
             r = read_limit.read_parallel(ranges, 16, 16 << 20, direct=True)
         else:
             r = read_limit.read_parallel(ranges, 16, 32 << 20)
@@ -110,7 +134,7 @@ def child(method: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    model = _model(args.config, dtype)
+    model = _model(args.config, dtype, args.folder if args.hf else None)
     torch.cuda.init()
     before = set(sys.modules)
     t0 = time.perf_counter()
@@ -118,6 +142,7 @@ def child(method: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     new = set(sys.modules) - before
+    model = getattr(model, "loaded", model)
     on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda)
     return {
         "seconds": seconds,
@@ -135,7 +160,13 @@ def _env(method: str, before: Path | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([tree, str(HERE), env.get("PYTHONPATH", "")])
     if method.startswith(("zeroio-direct", "zeroio-buffered")):
         env["ZEROIO_DIRECT_READS"] = "1" if method.startswith("zeroio-direct") else "0"
-    if "@" in method:  # zeroio@t16c32: reader threads, staging MiB
+    if "@" in method and "=" in method:  # zeroio@b=512KiB,d=1,p=0,t=16,c=16MiB
+        names = {"b": "ZEROIO_READ_BLOCK", "d": "ZEROIO_DIRECT_READS", "p": "ZEROIO_PREFETCH_BYTES"}
+        names.update(t="ZEROIO_READ_THREADS", c="ZEROIO_STAGING_BYTES")
+        for item in method.split("@", 1)[1].split(","):
+            key, _, value = item.partition("=")
+            env[names[key]] = value
+    elif "@" in method and method.startswith("zeroio"):  # zeroio@t16c32: reader threads, staging MiB
         spec = method.split("@", 1)[1]
         threads, _, chunk = spec.lstrip("t").partition("c")
         env["ZEROIO_READ_THREADS"] = threads
@@ -157,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         help="cold: every cache dropped; cold-files: only the checkpoint files evicted (torch and the loaders cached)",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hf", action="store_true", help="the folder is a transformers model (config.json)")
     parser.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: stop starting runs after it")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -171,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         evict += [p for p in sorted(args.zero.rglob("*")) if p.is_file()]
     runs: list[dict[str, Any]] = []
     base = [sys.executable, __file__, "--folder", str(args.folder), "--config", str(args.config)]
-    base += ["--dtype", args.dtype] + (["--zero", str(args.zero)] if args.zero else [])
+    base += ["--dtype", args.dtype] + (["--zero", str(args.zero)] if args.zero else []) + (["--hf"] if args.hf else [])
     warm_ranges = [(Path(f), 0, Path(f).stat().st_size) for f in _files(args.folder)]
     if args.zero:
         warm_ranges += bench.fp32_ranges(args.zero)

@@ -49,11 +49,16 @@ def blocks(ranges: list[Range], block: int, align: int = 1) -> list[Range]:
     return out
 
 
+ADVICE = {"none": None, "sequential": "POSIX_FADV_SEQUENTIAL", "willneed": "POSIX_FADV_WILLNEED"}
+
+
 def read_parallel(
-    ranges: list[Range], threads: int, block: int, direct: bool = False, split: str = "queue"
+    ranges: list[Range], threads: int, block: int, direct: bool = False, split: str = "queue", advice: str = "none"
 ) -> dict[str, Any]:
     """Read every block once with ``threads`` threads: pulling blocks from one queue in storage order (``queue``),
-    or each reading its own contiguous 1/threads of the bytes in order (``shares``)."""
+    or each reading its own contiguous 1/threads of the bytes in order (``shares``). ``advice``: a
+    ``posix_fadvise`` of each whole file first (``sequential``: a larger read-ahead window; ``willneed``: the
+    kernel starts reading all of it at once)."""
     align = 4096 if direct else 1
     pieces = blocks(ranges, block, align)
     if split == "shares":  # reorder so that queue position k*threads+i is thread i's k-th block of its share
@@ -67,6 +72,10 @@ def read_parallel(
     errors: list[BaseException] = []
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = {p: os.open(p, flags) for p in sizes}
+    t0 = time.perf_counter()
+    if ADVICE[advice]:
+        for fd in fds.values():
+            os.posix_fadvise(fd, 0, 0, getattr(os, ADVICE[advice]))
 
     def work(i: int) -> None:
         buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
@@ -94,7 +103,6 @@ def read_parallel(
             view.release()
             buf.close()
 
-    t0 = time.perf_counter()
     workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
     for w in workers:
         w.start()
@@ -155,12 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--files", nargs="+", help="whole files (e.g. *.safetensors)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32])
+    parser.add_argument("--block-kib", type=int, nargs="+", help="block sizes in KiB (instead of --block-mib)")
+    parser.add_argument("--advice", nargs="+", default=["none"], choices=sorted(ADVICE))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--split", nargs="+", default=["queue"], choices=["queue", "shares"])
     parser.add_argument("--direct", action="store_true", help="also O_DIRECT runs")
+    parser.add_argument("--modes", nargs="+", choices=["cold", "warm", "direct"], help="exactly these runs")
     parser.add_argument("--warm", action="store_true", help="also warm runs (page cache filled first)")
     parser.add_argument("--h2d", action="store_true", help="also the pinned host-to-device copy limit")
     parser.add_argument("--no-cold", action="store_true", help="never drop the page cache (a shared machine)")
+    parser.add_argument("--evict", action="store_true", help="cold: evict only the files read (POSIX_FADV_DONTNEED)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     ranges = source_ranges(args)
@@ -172,16 +184,25 @@ def main(argv: list[str] | None = None) -> int:
     modes = (
         (["cold"] if cold else []) + (["warm"] if args.warm or not cold else []) + (["direct"] if args.direct else [])
     )
+    if args.modes:
+        modes = [m for m in args.modes if m != "cold" or cold]
     for mode in modes:
-        for mib in args.block_mib:
-            for threads, split in [(t, s) for t in args.threads for s in args.split if t > 1 or s == "queue"]:
+        kibs = args.block_kib or [m << 10 for m in args.block_mib]
+        combos = [(t, s, a) for t in args.threads for s in args.split for a in args.advice if t > 1 or s == "queue"]
+        for kib in kibs:
+            for threads, split, advice in combos:
+                if mode == "direct" and advice != "none":
+                    continue
                 for _ in range(args.repeats):
-                    if mode == "cold":
+                    if mode in ("cold", "direct") and args.evict:
+                        bench.evict_files(sorted({r[0] for r in ranges}))
+                    elif mode == "cold":
                         bench.drop_caches()
                     elif mode == "warm":
                         read_parallel(ranges, 16, 32 << 20)
-                    r = read_parallel(ranges, threads, mib << 20, direct=mode == "direct", split=split)
-                    run = {"kind": "read", "mode": mode, "threads": threads, "block_mib": mib, "split": split, **r}
+                    r = read_parallel(ranges, threads, kib << 10, mode == "direct", split, advice)
+                    run = {"kind": "read", "mode": mode, "threads": threads, "block_mib": kib / 1024, "split": split}
+                    run.update(advice=advice, **r)
                     runs.append(run)
                     print(json.dumps(run), flush=True)
     out: dict[str, Any] = {"machine": bench.machine_info(), "bytes": total, "files": len({r[0] for r in ranges})}
@@ -191,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in runs if r["mode"] == mode]
         if mine:
             top = min(mine, key=lambda r: r["seconds"])
-            best[mode] = {k: top[k] for k in ("threads", "block_mib", "split", "seconds", "GBps")}
+            best[mode] = {k: top[k] for k in ("threads", "block_mib", "split", "advice", "seconds", "GBps")}
             one = [r["seconds"] for r in mine if r["threads"] == 1]
             if one:
                 best[mode]["one_thread_s"] = min(one)

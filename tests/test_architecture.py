@@ -84,6 +84,8 @@ PURE_INTERNALS: dict[str, str] = {
     "zeroio._io.casts": "fp32/bf16/fp16 casts on raw bytes with numpy, swept over bit patterns against torch's casts",
     "zeroio._formats.name_patterns": "bounded regex matching: which patterns are refused, and match results equal re's",
     "zeroio.cli._progress": "when progress lines print (every 10 % or 10 s, at 100 %), against an injected clock",
+    "zeroio._io.direct_read": "page-aligned cuts of a byte range and O_DIRECT reads of them into a congruent window: "
+    "only a load to CUDA reaches them, so a CPU-only machine tests them here",
     "zeroio._io.fd_pool": "the descriptor pool's thread contract (a release while another thread is inside it, or "
     "from inside it), against an injected opener: no public call can hold a thread inside the process's pool",
 }

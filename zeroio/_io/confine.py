@@ -66,7 +66,7 @@ def open_regular(path: Path, identity: FileIdentity | None = None, flags: int = 
     """A read-only descriptor of ``path`` and the identity of the file it opened, refused unless that file is
     regular and, when ``identity`` is given, the very file recorded then (a file swapped since, for a link to
     elsewhere or a FIFO, is refused). ``O_NONBLOCK``: opening a FIFO swapped in never blocks (no effect on files).
-    ``flags``: more open flags (``O_DIRECT`` for :meth:`~zeroio._io.sources.LocalFile.read_aligned`).
+    ``flags``: more open flags (``O_DIRECT`` for :meth:`~zeroio._io.sources.LocalFile.read_congruent`).
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0) | flags)
     st = os.fstat(fd)

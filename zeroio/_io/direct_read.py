@@ -12,13 +12,20 @@ client's direct reads.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["ALIGN", "DIRECT_READS", "cached_read", "direct_read", "direct_reads_enabled", "supports_direct"]
+__all__ = [
+    "ALIGN",
+    "DIRECT_READS",
+    "aligned_parts",
+    "aligned_read",
+    "cached_read",
+    "direct_reads_enabled",
+    "supports_direct",
+]
 
 ALIGN = 4096
 """Offset, length and memory alignment of ``O_DIRECT`` reads (a page: every block device's logical block divides it)."""
@@ -91,26 +98,39 @@ def cached_read(fd: int, offset: int, view: memoryview) -> int:
     return done
 
 
-def direct_read(fd: int, offset: int, nbytes: int, buffer: memoryview) -> int | None:
-    """Read ``nbytes`` at ``offset`` with the ``O_DIRECT`` descriptor ``fd`` into ``buffer`` (at least ``nbytes +
-    2 * ALIGN`` bytes), as the aligned blocks holding them; returns where in ``buffer`` they start. None when the
-    read could not be made that way (the file system refused it, the file ends early): read them buffered then."""
-    skip = -ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % ALIGN
+def aligned_parts(offset: int, nbytes: int, block: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` parts of the byte range, cut at multiples of ``block`` (a multiple of :data:`ALIGN`) from
+    the range's first aligned block: every cut is page-aligned, so the aligned blocks of two parts never overlap."""
     start = offset - offset % ALIGN
+    parts, at = [], offset
+    while at < offset + nbytes:
+        cut = min(offset + nbytes, start + (at - start) // block * block + block)
+        parts.append((at, cut - at))
+        at = cut
+    return parts
+
+
+def aligned_read(fd: int, offset: int, nbytes: int, window: memoryview, at: int) -> bool:
+    """Fill ``window[at : at + nbytes]`` with the bytes at ``offset`` through the ``O_DIRECT`` descriptor ``fd``,
+    reading the aligned blocks around them into the window around ``at`` (whose address must be congruent to
+    ``offset`` modulo :data:`ALIGN`). False when it could not be done that way (no room, the file system refused,
+    the file ends early): read them buffered then."""
+    start = offset - offset % ALIGN
+    lo = at - (offset - start)
     end = -(-(offset + nbytes) // ALIGN) * ALIGN
-    if skip + end - start > len(buffer):
-        return None
-    window = buffer[skip : skip + end - start]
+    if lo < 0 or lo + end - start > len(window):
+        return False
+    view = window[lo : lo + end - start]
     wanted = offset + nbytes - start
     done = 0
     while done < wanted:
         try:
-            got = os.preadv(fd, [window[done:]], start + done)
+            got = os.preadv(fd, [view[done:]], start + done)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
-                return None
+                return False
             raise
         if got <= 0 or (done + got < wanted and (done + got) % ALIGN):
-            return None  # the end of the file, or a short read off the block grid
+            return False  # the end of the file, or a short read off the block grid
         done += got
-    return skip + offset - start
+    return True

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from ..errors import CheckpointFormatError
 from .confine import FileIdentity, open_regular
-from .direct_read import cached_read, direct_read, supports_direct
+from .direct_read import aligned_read, cached_read, supports_direct
 from .fd_pool import pool
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class LocalFile:
         self._size = size if size is not None or identity is None else identity[2]
         self._identity: FileIdentity | None = identity  # from the stat at open: the first open must find that file
         self._lock = threading.Lock()
-        self._direct: int | None = None  # an O_DIRECT descriptor (read_aligned), outside the pool
+        self._direct: int | None = None  # an O_DIRECT descriptor (read_congruent), outside the pool
         self._direct_refused = False
 
     def __repr__(self) -> str:
@@ -203,24 +203,23 @@ class LocalFile:
             return
         os.close(fd)
 
-    def read_aligned(self, offset: int, nbytes: int, buffer: memoryview) -> int:
-        """Read ``nbytes`` at ``offset`` into the page-aligned ``buffer`` (``nbytes + 2 * ALIGN`` bytes at least);
-        returns where in ``buffer`` they start. From the page cache where it holds them, else with ``O_DIRECT``
-        when the cache has none of them (:mod:`.direct_read`), else buffered."""
+    def read_congruent(self, offset: int, nbytes: int, window: memoryview, at: int) -> None:
+        """Fill ``window[at : at + nbytes]`` with the bytes at ``offset``, where the window's address at ``at`` is
+        congruent to ``offset`` modulo a page and the window has room for the aligned blocks around them (one part
+        of a :class:`~zeroio._load.device_copy.DeviceFiller` slot). From the page cache where it holds them, else
+        with ``O_DIRECT`` where the cache has none of them, else buffered."""
         fd = self._lease()
         try:
-            got = cached_read(fd, offset, buffer[:nbytes])
+            got = cached_read(fd, offset, window[at : at + nbytes])
         finally:
             pool.end_lease(self)
         if got == 0:
             direct = self._direct_fd()
-            at = None if direct is None else direct_read(direct, offset, nbytes, buffer)
-            if at is not None:
-                return at
+            if direct is not None and aligned_read(direct, offset, nbytes, window, at):
+                return
         got = max(got, 0)
         if got < nbytes:
-            self.read_many([(offset + got, buffer[got:nbytes])])
-        return 0
+            self.read_many([(offset + got, window[at + got : at + nbytes])])
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         fd = self._lease()

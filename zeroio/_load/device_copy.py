@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,13 +26,22 @@ from dataclasses import dataclass, field
 import torch
 
 from .._formats import Checkpoint
-from .._io.direct_read import ALIGN, direct_reads_enabled
+from .._io.direct_read import ALIGN, aligned_parts, direct_reads_enabled
 from .._io.sources import LocalFile, tensor_bytes
 from .pinned_ring import PinnedRing
 from .prefetch import StartupPrefetch
-from .shard_reads import staging_bytes
+from .shard_reads import env_byte_count, staging_bytes
 
-__all__ = ["HOST_READ_THREADS", "RING", "STAGING_CHUNK_BYTES", "DeviceFiller", "Ranges", "read_threads"]
+__all__ = [
+    "HOST_READ_THREADS",
+    "READ_BLOCK_BYTES",
+    "RING",
+    "STAGING_CHUNK_BYTES",
+    "DeviceFiller",
+    "Ranges",
+    "read_block_bytes",
+    "read_threads",
+]
 
 STAGING_CHUNK_BYTES = 16 * 1024 * 1024
 """Bytes per pinned buffer: large enough that one read and one transfer each run near full speed, small enough
@@ -48,6 +58,18 @@ reader never waits for a copy (an H200 host: 16 MiB cross the bus in 0.3 ms, a r
 HOST_READ_THREADS = 16
 """Reads in flight on one host, over all its ranks (``LOCAL_WORLD_SIZE``), capped by its CPUs: each read also
 folds its CRC-32 and copies from the page cache when warm. ``ZEROIO_READ_THREADS`` sets a rank's own count."""
+
+
+READ_BLOCK_BYTES = STAGING_CHUNK_BYTES
+"""Bytes per read: a staging chunk is read as parts of this size, each its own read, taken by the reader threads in
+storage order (``ZEROIO_READ_BLOCK``). Parts smaller than a chunk keep the reads in flight close together in the
+file, as fastsafetensors reads (512 KiB parts, 16 threads)."""
+
+
+def read_block_bytes() -> int:
+    """:data:`READ_BLOCK_BYTES`, or ``ZEROIO_READ_BLOCK`` (a byte count: ``512KiB``)."""
+    override = os.environ.get("ZEROIO_READ_BLOCK")
+    return max(8, env_byte_count("ZEROIO_READ_BLOCK", override)) if override else READ_BLOCK_BYTES
 
 
 def read_threads() -> int:
@@ -87,7 +109,9 @@ local part); None: the whole tensor."""
 class _InFlight:
     piece: _Piece
     slot: int
-    read: Future[int | None] = field(default_factory=Future)  # where in the slot's buffer the bytes start
+    at: int = 0  # where in the slot's buffer the piece's bytes start
+    parts: list[Future[None]] = field(default_factory=list)  # the reads of its parts
+    left: int = 0  # parts not yet landed
 
 
 class _Slots:
@@ -133,11 +157,18 @@ class DeviceFiller:
     def __init__(self, device: torch.device, chunk_bytes: int | None = None, ring: int | None = None) -> None:
         self.device = device
         wanted = chunk_bytes or staging_bytes(STAGING_CHUNK_BYTES)
-        self.chunk_bytes = max(8, wanted - wanted % 8)  # whole elements of every dtype
+        wanted = max(8, wanted - wanted % 8)  # whole elements of every dtype
         self.threads = max(1, (ring - 1) if ring else read_threads())
         self.ring = ring or self.threads + SPARE_SLOTS
         self.direct = direct_reads_enabled()
-        self.slot_bytes = self.chunk_bytes + (2 * ALIGN if self.direct else 0)  # room for a direct read's blocks
+        block = read_block_bytes()
+        # Direct reads need room for the aligned blocks around a chunk: a large chunk gives it up (a 16 MiB pinned
+        # buffer stays 16 MiB, where torch's pinned-memory cache rounds 16 MiB + 8 KiB up to 32 MiB).
+        room = 3 * ALIGN if self.direct else 0
+        self.chunk_bytes = wanted - room if wanted >= 64 * ALIGN else wanted
+        self.slot_bytes = self.chunk_bytes + room
+        self.read_block = max(ALIGN, block - block % ALIGN) if self.direct else block
+        self.depth = self.threads * (2 if self.read_block < self.chunk_bytes else 1)  # parts in flight at most
         self._pinned: PinnedRing | None = None
         self._ahead: StartupPrefetch | None = None
 
@@ -242,8 +273,10 @@ class _Fill:
         self.left = left
         self.done = done
         self.stream = torch.cuda.current_stream(filler.device)
-        self.landed: queue.SimpleQueue[_InFlight] = queue.SimpleQueue()
+        self.landed: queue.SimpleQueue[_InFlight | None] = queue.SimpleQueue()  # None: one part of a piece landed
         self.reading: set[_InFlight] = set()
+        self.parts_in_flight = 0  # reads submitted and not yet landed, over all pieces
+        self._lock = threading.Lock()
 
     def _finished(self, piece: _Piece) -> None:
         self.left[piece.job] -= 1
@@ -251,7 +284,7 @@ class _Fill:
             self.done(self.jobs[piece.job][0])
 
     def _local_range(self, source: str, piece: _Piece) -> tuple[LocalFile, int, int] | None:
-        """The one plain local file range holding ``piece`` (a safetensors entry), for :meth:`LocalFile.read_aligned`;
+        """The one plain local file range holding ``piece`` (a safetensors entry), for :meth:`LocalFile.read_congruent`;
         None for anything else (CRC-checked records, remote objects, pieces spread over files)."""
         where = self.ckpt.byte_map(source) if piece.direct and self.filler.direct else None
         ranges = [] if where is None else where.locate(piece.source, piece.numel)
@@ -262,25 +295,51 @@ class _Fill:
             return None
         return file, offset, nbytes
 
-    def _submit(self, readers: ThreadPoolExecutor, piece: _Piece, slot: int) -> None:
+    def _part_landed(self, entry: _InFlight) -> None:
+        with self._lock:
+            entry.left -= 1
+            self.parts_in_flight -= 1
+            last = entry.left == 0
+        self.landed.put(entry if last else None)  # None wakes the loop: a reader is free for the next piece
+
+    def _reads(
+        self, piece: _Piece, slot: int, entry: _InFlight
+    ) -> list[tuple[Callable[..., None], tuple[object, ...]]]:
+        """The reads filling ``slot`` with ``piece``, one a part of at most ``read_block`` bytes (sets ``entry.at``)."""
         ckpt = self.ckpt
-        ckpt.ensure_open(piece.name)
         source = ckpt.source_name(piece.name)
-        entry = _InFlight(piece, slot)
-        self.reading.add(entry)
-        local = self._local_range(source, piece)
         host = self.slots.host[slot]
-        if local is not None:
-            entry.read = readers.submit(local[0].read_aligned, local[1], local[2], tensor_bytes(host))
-        else:
-            out = host.view(ckpt.stored_dtype(source))[: piece.numel]
-            entry.read = readers.submit(ckpt.read_into, source, piece.source, out)
-        entry.read.add_done_callback(lambda _: self.landed.put(entry))
+        block = self.filler.read_block
+        local = self._local_range(source, piece)
+        if local is not None:  # direct where the page cache lacks them: congruent to the file modulo a page
+            file, offset, nbytes = local
+            window = tensor_bytes(host)
+            entry.at = -host.data_ptr() % ALIGN + offset % ALIGN
+            parts = aligned_parts(offset, nbytes, block)
+            return [(file.read_congruent, (at, n, window, entry.at + at - offset)) for at, n in parts]
+        out = host.view(ckpt.stored_dtype(source))[: piece.numel]
+        step = max(1, block // out.element_size())
+        return [(ckpt.read_into, (source, piece.source + a, out[a : a + step])) for a in range(0, piece.numel, step)]
+
+    def _submit(self, readers: ThreadPoolExecutor, piece: _Piece, slot: int) -> None:
+        self.ckpt.ensure_open(piece.name)
+        entry = _InFlight(piece, slot)
+        reads = self._reads(piece, slot, entry)
+        entry.left = len(reads)
+        with self._lock:
+            self.parts_in_flight += len(reads)
+        self.reading.add(entry)
+        for fn, args in reads:
+            part = readers.submit(fn, *args)
+            entry.parts.append(part)
+            part.add_done_callback(lambda _, e=entry: self._part_landed(e))  # type: ignore[misc]
 
     def _ship(self, entry: _InFlight) -> None:
         """Queue a landed read's copy (and cast) on the device; its slot is busy until the copy has passed."""
         self.reading.discard(entry)
-        at = entry.read.result() or 0  # re-raises a read's error
+        for part in entry.parts:
+            part.result()  # re-raises a read's error
+        at = entry.at
         piece = entry.piece
         target = piece.dest.view(-1)[piece.start : piece.start + piece.numel]
         stored = self.ckpt.stored_dtype(piece.name)
@@ -304,16 +363,16 @@ class _Fill:
             entry = self.landed.get(block=block)
         except queue.Empty:
             return
-        self._ship(entry)
         while True:
+            if entry is not None:
+                self._ship(entry)
             try:
                 entry = self.landed.get_nowait()
             except queue.Empty:
                 return
-            self._ship(entry)
 
     def run(self, pieces: list[_Piece]) -> None:
-        threads = self.filler.threads
+        threads, depth = self.filler.threads, self.filler.depth
         todo = deque(pieces)
         with ThreadPoolExecutor(threads, thread_name_prefix="zeroio-read") as readers:
             try:
@@ -322,18 +381,19 @@ class _Fill:
                     if todo and not todo[0].numel:  # an empty tensor: nothing to read
                         self._finished(todo.popleft())
                         continue
-                    if todo and len(self.reading) < threads:  # a reader is idle: give it a buffer
+                    if todo and self.parts_in_flight < depth:  # a reader is (about to be) idle: give it a buffer
                         slot = self.slots.acquire()
                         if slot is not None:
                             self._submit(readers, todo.popleft(), slot)
                             continue
                         if self.slots.wait_copy():  # every buffer busy: a copy passes in about a millisecond
                             continue
-                    if self.reading:  # every reader busy: wait for a read to land
+                    if self.reading:  # every reader busy: wait for a read (or a part of one) to land
                         self._ship_landed(block=True)
             finally:
                 for entry in self.reading:  # an error: let reads in flight land before their buffers go
-                    entry.read.cancel()
-                    if not entry.read.cancelled():
-                        entry.read.exception()
+                    for part in entry.parts:
+                        part.cancel()
+                        if not part.cancelled():
+                            part.exception()
                 self.stream.synchronize()

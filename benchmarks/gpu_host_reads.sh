@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Issue 34 goals 1-3 on the GPU host: which read pattern gives the most cold bandwidth there, zeroio's load to CUDA
+# against it and against the other loaders (bf16 and fp32, cold and warm), the ZeRO-3 source, and distributed
+# convert where storage serves parallel readers (tmpfs). One command per phase, each stopping by DEADLINE_S
+# (default 550 s after its start) and refreshing OUT/res-PHASE.tgz after every step (the runner brings back few files).
+#
+#   ZEROIO_COMMIT=<commit> TREE=<tree> WHEELS=.whl bash benchmarks/gpu_host_reads.sh OUT PHASE
+#
+# TREE (default: this script's repository) holds zeroio/, benchmarks/, tests/ and pyproject.toml (fixtures/ beside
+# it or linked). WHEELS: fastsafetensors, runai-model-streamer, deepspeed and its missing dependencies.
+# PHASE reads: the CUDA tests; a random 1.3B GPT-2 (transformers names, benchmarks/make_safetensors.py --hf) in bf16
+#   (2.63 GB) and fp32 (5.25 GB), 2 shards each; the read-pattern sweep (threads x block x O_DIRECT / buffered /
+#   fadvise, the files evicted before each run) and the pinned host-to-device limit; loaders side by side, cold
+#   files and warm, with zeroio's read variants (ZEROIO_READ_BLOCK, ZEROIO_DIRECT_READS, ZEROIO_PREFETCH_BYTES).
+# PHASE zero: the 8-rank ZeRO-3 checkpoint (DeepSpeed, make_checkpoint.py) while the CUDA tests run; side by side
+#   of the default tree on the bf16 files and from the ZeRO-3 source, cold files and warm; distributed convert with
+#   the source on /dev/shm (1, 2, 4 processes; one reader per host and one per process) and on the disk.
+set -u
+OUT=${1:?usage: gpu_host_reads.sh OUT PHASE}
+PHASE=${2:-reads}
+START=$(date +%s)
+DEADLINE=$((START + ${DEADLINE_S:-550}))
+W=${WORK:-/tmp/zr}
+TREE=${TREE:-$(cd "$(dirname "$0")/.." && pwd)}
+WHEELS=${WHEELS:-.whl}
+R=/tmp/res-$PHASE
+mkdir -p "$OUT" "$W" "$R"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+left() { echo $((DEADLINE - $(date +%s))); }
+note() {
+    echo "$1 at +$(($(date +%s) - START)) s" >>"$R/env.txt"
+    cp "$R/env.txt" "$OUT/env-$PHASE.txt"
+    tar czf "$OUT/res-$PHASE.tgz" -C /tmp "res-$PHASE"
+}
+if [ ! -d /tmp/site/fastsafetensors ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site
+{
+    date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g
+    df -hT /tmp /dev/shm; lsblk -o NAME,SIZE,ROTA,TYPE,MOUNTPOINT 2>/dev/null; uname -r
+    for q in read_ahead_kb max_sectors_kb nr_requests scheduler rotational; do
+        echo "vda $q $(cat /sys/block/vda/queue/$q 2>/dev/null)"
+    done
+    python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'
+    echo "commit ${ZEROIO_COMMIT:-unknown} tree $TREE"
+} >>"$R/env.txt" 2>&1
+unset PYTHONDONTWRITEBYTECODE
+TORCH_DIR=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+TF_DIR=$(python3 -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')
+B=$TREE/benchmarks
+SBS="python3 $B/loaders_side_by_side.py --hf"
+
+if [ "$PHASE" = reads ]; then
+    python3 -m compileall -q -j 16 "$TORCH_DIR" "$TF_DIR" /tmp/site "$TREE/zeroio" "$B" "$TREE/tests" \
+        >/dev/null 2>&1 &
+    COMPILE=$!
+    (for d in bf16 fp32; do
+        [ -f $W/hf-$d/config.json ] || python3 $B/make_safetensors.py --params ${PARAMS:-1.3B} --shards 2 --hf --dtype $d \
+            --out $W/hf-$d || exit 1
+    done) >$W/make.log 2>&1 &
+    GEN=$!
+    (cd "$TREE" && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_load.py -k "cuda or imports" \
+        tests/test_cuda_sharded.py tests/test_read_parts.py >"$R/cuda_tests.txt" 2>&1
+     echo "cuda tests exit $?" >>"$R/cuda_tests.txt")
+    note "cuda tests"
+    wait $COMPILE
+    note "bytecode compiled"
+    wait $GEN || { tail -30 $W/make.log >>"$R/env.txt"; note "make failed"; exit 1; }
+    du -sb $W/hf-bf16 $W/hf-fp32 >>"$R/env.txt"
+    note "checkpoints made"
+    RL="python3 $B/read_limit.py --files $W/hf-bf16/model-0000*.safetensors --evict"
+    $RL --modes direct --threads 8 16 32 64 --block-kib 256 512 1024 4096 16384 \
+        --json "$R/sweep-direct.json" >"$R/sweep.log" 2>&1
+    note "sweep, O_DIRECT"
+    $RL --modes cold --threads 16 32 --block-kib 512 1024 4096 32768 --advice none sequential --h2d \
+        --json "$R/sweep-buffered.json" >>"$R/sweep.log" 2>&1
+    note "sweep, buffered"
+    $RL --modes cold --threads 1 16 --block-kib 32768 --advice willneed \
+        --json "$R/sweep-willneed.json" >>"$R/sweep.log" 2>&1
+    note "sweep, willneed"
+    VARIANTS="zeroio zeroio@b=512KiB zeroio@b=1MiB zeroio@b=512KiB,d=1 zeroio@b=1MiB,d=1 zeroio@d=1 zeroio@b=512KiB,d=1,p=0"
+    for d in bf16 fp32; do
+        F="--folder $W/hf-$d --config $W/hf-$d/manifest.json --dtype $d"
+        $SBS $F --rounds $([ $d = bf16 ] && echo 3 || echo 2) --cache cold-files --deadline $((DEADLINE - 200)) \
+            --methods $VARIANTS fastsafetensors read-limit@d16x512 read-limit@b16x32768 \
+            --json "$R/sbs-$d-coldfiles.json" >>"$R/sbs.log" 2>&1
+        note "side by side $d, cold files"
+        $SBS $F --rounds 2 --cache warm --deadline $((DEADLINE - 120)) \
+            --methods zeroio zeroio@b=512KiB zeroio@b=512KiB,d=1 zeroio@b=1MiB,d=1 safetensors fastsafetensors \
+            runai transformers --json "$R/sbs-$d-warm.json" >>"$R/sbs.log" 2>&1
+        note "side by side $d, warm"
+    done
+    for d in bf16 fp32; do
+        $SBS --folder $W/hf-$d --config $W/hf-$d/manifest.json --dtype $d --rounds 2 --cache cold-files \
+            --deadline $((DEADLINE - 15)) --methods safetensors runai transformers \
+            --json "$R/sbs-$d-coldfiles-others.json" >>"$R/sbs.log" 2>&1
+        note "side by side $d, cold files, other loaders"
+    done
+fi
+grep -v WARNING "$R"/*.log 2>/dev/null | grep -iE 'error|Traceback' | tail -8
+tail -3 "$R/cuda_tests.txt" 2>/dev/null
+cat "$R/env.txt"
+python3 - "$R" <<'PY'
+import json, pathlib, sys
+
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    d = json.loads(f.read_text())
+    for k, v in d.get("summary", {}).items():
+        print(f.name, k, round(v["median_s"], 3), [round(x, 3) for x in v["runs_s"]])
+    if "best" in d:
+        print(f.name, "best", d["best"], "h2d", d.get("h2d"))
+        for r in d["runs"]:
+            print(" ", r["mode"], r["threads"], r["block_mib"], r["advice"], round(r["seconds"], 3))
+PY
