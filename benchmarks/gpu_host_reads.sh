@@ -99,50 +99,51 @@ if [ "$PHASE" = reads ]; then
         note "side by side $d, cold files, other loaders"
     done
 elif [ "$PHASE" = zero ]; then
-    BEST=${RL_BEST:-d16x512}  # the read pattern the reads phase found fastest: the limit every load is held to
+    LIMIT=${RL_BEST:-b16x32768}  # the read pattern the reads phase found fastest from Python
     python3 -m compileall -q -j 16 "$TORCH_DIR" "$TF_DIR" /tmp/site "$TREE/zeroio" "$B" "$TREE/tests" \
-        >/dev/null 2>&1
-    note "bytecode compiled"
+        >/dev/null 2>&1 &
+    COMPILE=$!
     (
         [ -f $W/ck/manifest.json ] || python3 $B/make_checkpoint.py --params 1.3B --world-size 8 --launcher torchrun \
             --out $W/ck || exit 1
-        [ -f $W/hf-bf16/config.json ] || python3 $B/make_safetensors.py --params 1.3B --shards 2 --hf --dtype bf16 \
-            --out $W/hf-bf16
     ) >$W/build.log 2>&1 &
     BUILD=$!
+    [ -f $W/hf-fp32/config.json ] || python3 $B/make_safetensors.py --params 1.3B --shards 2 --hf --dtype fp32 \
+        --out $W/hf-fp32 >$W/make.log 2>&1
     (cd "$TREE" && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_load.py -k "cuda or imports" \
         tests/test_cuda_sharded.py tests/test_read_parts.py >"$R/cuda_tests.txt" 2>&1
      echo "cuda tests exit $?" >>"$R/cuda_tests.txt")
     note "cuda tests"
+    wait $COMPILE
     wait $BUILD || { tail -30 $W/build.log >>"$R/env.txt"; note "build failed"; exit 1; }
-    du -sb $W/ck $W/hf-bf16 >>"$R/env.txt"; grep -E "wall|peak" $W/ck/manifest.json | head -3 >>"$R/env.txt"
+    du -sb $W/ck $W/hf-fp32 >>"$R/env.txt"
     cp $W/ck/manifest.json "$R/ck-manifest.json"
     note "checkpoints built"
-    F="--folder $W/hf-bf16 --config $W/hf-bf16/manifest.json --dtype bf16"
-    Z="--folder $W/hf-bf16 --zero $W/ck --config $W/ck/manifest.json --dtype bf16"
-    $SBS $F --rounds 3 --cache cold-files --deadline $((DEADLINE - 300)) \
-        --methods zeroio ${VARIANTS:-} fastsafetensors read-limit@$BEST read-limit@b16x32768 \
-        --json "$R/sbs-bf16-coldfiles.json" >>"$R/sbs.log" 2>&1
-    note "side by side bf16, cold files"
-    python3 $B/loaders_side_by_side.py $Z --rounds 2 --cache cold-files --deadline $((DEADLINE - 250)) \
-        --methods zeroio-zero3 read-limit-zero3@$BEST read-limit-zero3 \
+    Z="--folder $W/hf-fp32 --zero $W/ck --config $W/ck/manifest.json --dtype bf16"
+    python3 $B/loaders_side_by_side.py $Z --rounds 2 --cache cold-files --deadline $((DEADLINE - 240)) \
+        --methods zeroio-zero3 read-limit-zero3@$LIMIT read-limit-zero3@d8x256 \
         --json "$R/sbs-zero3-coldfiles.json" >>"$R/sbs.log" 2>&1
     note "ZeRO-3 source, cold files"
-    $SBS $F --rounds 2 --cache warm --deadline $((DEADLINE - 220)) --methods zeroio ${VARIANTS:-} fastsafetensors \
-        --json "$R/sbs-bf16-warm.json" >>"$R/sbs.log" 2>&1
-    python3 $B/loaders_side_by_side.py $Z --rounds 2 --cache warm --deadline $((DEADLINE - 200)) \
+    python3 $B/loaders_side_by_side.py $Z --rounds 2 --cache warm --deadline $((DEADLINE - 220)) \
         --methods zeroio-zero3 --json "$R/sbs-zero3-warm.json" >>"$R/sbs.log" 2>&1
     python3 $B/read_limit.py --checkpoint $W/ck --modes warm --threads 16 --block-kib 16384 --h2d \
         --json "$R/limit-zero3-warm.json" >>"$R/sbs.log" 2>&1
-    note "warm"
+    note "ZeRO-3 source, warm"
     rm -rf /dev/shm/ck && cp -r $W/ck /dev/shm/ck && note "copied to /dev/shm"
-    D="python3 $B/distributed.py --checkpoint /dev/shm/ck --work /dev/shm/dist --repeats 2 --verify first --cache warm"
-    [ "$(left)" -gt 120 ] && $D --processes 2 4 --json "$R/dist-shm-readers1.json" >"$R/dist.log" 2>&1
+    D="python3 $B/distributed.py --checkpoint /dev/shm/ck --work /dev/shm/dist --repeats 1 --verify first --cache warm"
+    [ "$(left)" -gt 150 ] && $D --processes 2 4 --json "$R/dist-shm-readers1.json" >"$R/dist.log" 2>&1
     note "distributed, /dev/shm, one reader per host"
-    [ "$(left)" -gt 80 ] && ZEROIO_READERS_PER_HOST=4 $D --processes 2 4 --json "$R/dist-shm-readersall.json" \
+    [ "$(left)" -gt 110 ] && ZEROIO_READERS_PER_HOST=4 $D --processes 2 4 --json "$R/dist-shm-readersall.json" \
         >>"$R/dist.log" 2>&1
     note "distributed, /dev/shm, every process reads"
     rm -rf /dev/shm/ck /dev/shm/dist
+    F="--folder $W/hf-fp32 --config $W/hf-fp32/manifest.json --dtype fp32"
+    $SBS $F --rounds 2 --cache cold-files --deadline $((DEADLINE - 40)) \
+        --methods zeroio fastsafetensors read-limit@$LIMIT --json "$R/sbs-fp32-coldfiles.json" >>"$R/sbs.log" 2>&1
+    note "side by side fp32, cold files"
+    $SBS $F --rounds 1 --cache warm --deadline $((DEADLINE - 10)) --methods fastsafetensors zeroio \
+        --json "$R/sbs-fp32-warm.json" >>"$R/sbs.log" 2>&1
+    note "side by side fp32, warm"
 fi
 grep -v WARNING "$R"/*.log 2>/dev/null | grep -iE 'error|Traceback' | tail -8
 tail -3 "$R/cuda_tests.txt" 2>/dev/null
