@@ -63,7 +63,9 @@ folds its CRC-32 and copies from the page cache when warm. ``ZEROIO_READ_THREADS
 READ_BLOCK_BYTES = STAGING_CHUNK_BYTES
 """Bytes per read: a staging chunk is read as parts of this size, each its own read, taken by the reader threads in
 storage order (``ZEROIO_READ_BLOCK``). Parts smaller than a chunk keep the reads in flight close together in the
-file, as fastsafetensors reads (512 KiB parts, 16 threads)."""
+file, as fastsafetensors reads (512 KiB parts, 16 threads); on the H100 host they were no faster cold (1.26-1.30 s
+against 1.23 s for 2.6 GB) and twice as slow warm (each read costs the Python loop), so by default a chunk is one
+read (docs/benchmarks.md, "Read patterns")."""
 
 
 def read_block_bytes() -> int:
