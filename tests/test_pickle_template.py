@@ -60,3 +60,22 @@ def test_a_tree_whose_tensors_differ_is_pickled_afresh(tmp_path: Path) -> None:
     assert template.replayed == 0
     assert (tmp_path / "t.pt").read_bytes() == (tmp_path / "f.pt").read_bytes()
     assert torch.equal(torch.load(tmp_path / "t.pt", weights_only=False)["optimizer"]["flat"][0], longer)
+
+
+def test_tensors_sharing_storage_otherwise_than_recorded_are_pickled_afresh(tmp_path: Path) -> None:
+    """The recorded pickle names storages by key: two tensors on one storage in the first tree, on two in a later
+    one, would need other keys, so the later tree is pickled (and equals torch.save's file)."""
+
+    def tree(shared: bool) -> dict[str, Any]:
+        a = torch.arange(4.0)
+        return {"a": a, "b": a.view(2, 2) if shared else torch.arange(4.0).view(2, 2)}
+
+    template = PickleTemplate()
+    for name, shared in (("first", True), ("later", False)):
+        builder = RankFileBuilder()
+        builder.save(tree(shared), tmp_path / f"{name}.pt", lambda n: None, template)
+        RankFileBuilder().save(tree(shared), tmp_path / f"{name}-afresh.pt", lambda n: None)
+        assert (tmp_path / f"{name}.pt").read_bytes() == (tmp_path / f"{name}-afresh.pt").read_bytes()
+    assert template.replayed == 0
+    loaded = torch.load(tmp_path / "later.pt", weights_only=True)
+    assert loaded["a"].untyped_storage().data_ptr() != loaded["b"].untyped_storage().data_ptr()

@@ -44,6 +44,10 @@ class _Entry:
     tree) needs no check, and its storage registers as before."""
     storage: Any
     """The ``TypedStorage`` the pickle gave ``persistent_id`` for it."""
+    key: int
+    """Its storage's key (``pid[2]``): storages are numbered as the pickle first meets them."""
+    storage_id: int
+    """``id`` of the tensor's untyped storage (held by the tensor)."""
 
 
 def _form(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -107,27 +111,37 @@ class PickleTemplate:
         paths = _tensor_paths(tree)
         if len(tensors) != len(pids) or any(id(t) not in paths for t in tensors):
             return  # a storage met outside a tensor, or a tensor outside the tree's containers: never replayed
-        self._entries = [_Entry(paths[id(t)], pid, _form(t), t, s) for t, (pid, s) in zip(tensors, pids)]
+        self._entries = [
+            _Entry(paths[id(t)], pid, _form(t), t, s, int(pid[2]), id(t.untyped_storage()))
+            for t, (pid, s) in zip(tensors, pids)
+        ]
         self._data = data
         self._last_from_template = True
 
     def storages(self, tree: Any) -> list[Any] | None:
-        """The storages to register for ``tree``, in the recorded order, or None when a tensor differs."""
+        """The storages to register for ``tree``, in the recorded order, or None when a tensor differs (or tensors
+        share storages otherwise than the recorded ones: the keys torch would give them are the recorded ones)."""
         import torch
 
-        found = []
+        found, held = [], []  # held: the storages whose ids are keys below, alive until the end
+        keys: dict[int, int] = {}  # id(storage) -> the key torch gives it: storages numbered as first met
         for entry in self._entries:
             try:
                 tensor = walk_path(tree, entry.path)
             except (KeyError, IndexError, TypeError):
                 return None
-            if tensor is entry.tensor:
+            if tensor is entry.tensor:  # the very tensor recorded (a placeholder every rank's tree shares)
+                if keys.setdefault(entry.storage_id, len(keys)) != entry.key:
+                    return None
                 found.append(entry.storage)
                 continue
             if not isinstance(tensor, torch.Tensor) or _form(tensor) != entry.form:
                 return None
-            typed = torch.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=tensor.dtype, _internal=True)  # type: ignore[no-untyped-call]
-            found.append(typed)
+            storage = tensor.untyped_storage()
+            held.append(storage)
+            if keys.setdefault(id(storage), len(keys)) != entry.key:
+                return None
+            found.append(torch.TypedStorage(wrap_storage=storage, dtype=tensor.dtype, _internal=True))  # type: ignore[no-untyped-call]
         return found
 
 
