@@ -165,6 +165,15 @@ def two_encodings(empties: int) -> list[Entry]:
     return records
 
 
+def two_entries_one_header(empties: int) -> bytes:
+    """Storage '1' (b, 4 floats claimed) pointed at storage '0''s local header, its size and CRC: torch reads a's
+    bytes for b, zipfile refuses (the local name is '0')."""
+    records = entries(empties, b_numel=4)
+    at = _offset_of(records, "0")
+    records[_at(records, "1")] = replace(records[_at(records, "1")], offset=at, size=16, crc=zlib.crc32(A_BYTES))
+    return build(records)
+
+
 def _counts(empties: int, count: int) -> bytes:
     """End records counting ``count`` records (zip64), the 32-bit ones saturated."""
     raw = build(entries(empties))
@@ -182,7 +191,7 @@ _TWO_ZIP64 = struct.pack("<HHQQ", 1, 16, 2**32 - 1, 2**32 - 1) + struct.pack("<H
 """Two zip64 blocks: zipfile applies both (the second's 16 bytes win), torch's reader the first."""
 
 ZIP_ATTACKS: dict[str, ZipAttack] = {
-    "local_name_differs": lambda n: build(edited(n, "0", local_name=b"archive/data/9")),
+    "two_entries_one_header": lambda n: two_entries_one_header(n),
     "encrypted_storage": lambda n: build(edited(n, "0", flags=0x809)),
     "strongly_encrypted_storage": lambda n: build(edited(n, "1", flags=0x848)),
     "patched_storage": lambda n: build(edited(n, "1", flags=0x828)),

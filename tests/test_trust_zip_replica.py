@@ -32,7 +32,7 @@ import zeroio
 from zeroio.errors import CheckpointFormatError, UnsupportedCheckpointError
 
 SAYS = {
-    "local_name_differs": "names another record than its directory entry",
+    "two_entries_one_header": "two records sharing one local header",
     "encrypted_storage": "encrypted or patched record (flags 0x0809)",
     "strongly_encrypted_storage": "encrypted or patched record (flags 0x0848)",
     "patched_storage": "encrypted or patched record (flags 0x0828)",
@@ -121,6 +121,17 @@ def test_layouts_both_readers_accept_read_the_same_bytes(tmp_path: Path, layout:
     path = tmp_path / "ok.pt"
     path.write_bytes(ACCEPTED[layout](empties))
     assert _torch_reads(path) == {"a": A_BYTES, "b": B_BYTES} and _zipfile_reads(path) == A_BYTES
+    with zeroio.open(path) as ckpt:
+        assert {k: ckpt[k].numpy().tobytes() for k in ("a", "b")} == {"a": A_BYTES, "b": B_BYTES}
+
+
+@pytest.mark.parametrize("empties", [0, 600], ids=["one by one", "at once"])
+def test_a_local_header_naming_another_record_reads_as_torch_reads_it(tmp_path: Path, empties: int) -> None:
+    """zipfile refuses a record whose local header names another; torch reads its bytes, and so does zeroio (the
+    name is not read: no two entries may share a header, and each record's bytes end by the next one)."""
+    path = tmp_path / "renamed.pt"
+    path.write_bytes(build(edited(empties, "0", local_name=b"archive/data/9")))
+    assert _zipfile_reads(path) is None and _torch_reads(path) == {"a": A_BYTES, "b": B_BYTES}
     with zeroio.open(path) as ckpt:
         assert {k: ckpt[k].numpy().tobytes() for k in ("a", "b")} == {"a": A_BYTES, "b": B_BYTES}
 
@@ -333,3 +344,26 @@ def test_a_remote_directory_past_zipfiles_limit_is_refused_before_zipfile_parses
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_rank_file_read_for_its_names_only_is_held_to_the_same_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A MiCS replica's model states are read for their recorded names first: that read went to zipfile directly,
+    so the 35 MiB directory became 540,000 objects (3 s) before anything refused it. Now it has the same reading
+    and limit as every other: refused from its end records, zipfile never given it."""
+    root = tmp_path / "mics"
+    shutil.copytree(FIXTURES / "layouts" / "mics_z3_ws4_shard2_fp32", root, ignore=shutil.ignore_patterns("expected"))
+    huge = _model_states(root, 3)
+    huge.write_bytes(_huge_directory(540_000))
+    given = []
+    real = zipfile.ZipFile
+
+    def spied(file: object, *args: object, **kwargs: object) -> zipfile.ZipFile:
+        given.append(Path(getattr(file, "name", "")))
+        return real(file, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zipfile, "ZipFile", spied)
+    with pytest.raises(UnsupportedCheckpointError, match=r"rank_3.*zip directory in a layout torch.save does not"):
+        zeroio.open(root)
+    assert huge not in given

@@ -21,7 +21,7 @@ from .._io.sources import ByteRange, open_source
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError, ZeroIOError
 from .legacy import is_legacy_head
 from .limits import MAX_PICKLE_BYTES
-from .zip_directory import ZipRecord, local_name_matches, read_directory, read_stored
+from .zip_directory import ZipRecord, read_directory, read_stored
 from .zip_fallback import check_directory_size, read_pickle, records_of, refuse_zipfile_layout
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ RecordInfo = ZipRecord
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
-_UTF8 = 0x800
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,20 +195,13 @@ class RankFile:
                 "Copy the rank file again from where it was saved.",
                 path=self.path,
             )
-        raw_name = info.filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437")
-        header = self.source.read_header(info.header_offset, _LOCAL_HEADER.size + len(raw_name), info.limit)
-        fields = _LOCAL_HEADER.unpack_from(header) if len(header) == _LOCAL_HEADER.size + len(raw_name) else None
-        if fields is None or fields[0] != _LOCAL_HEADER_MAGIC:
+        header = self.source.read_header(info.header_offset, _LOCAL_HEADER.size, info.limit)
+        if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
             raise CheckpointFormatError(
                 f"Corrupted zip entry for storage '{key}' in '{self.path}'. Copy the rank file again.",
                 path=self.path,
             )
-        if fields[9] != len(raw_name) or not local_name_matches(header[_LOCAL_HEADER.size :], fields[2], info.filename):
-            raise CheckpointFormatError(
-                f"'{self.path}': the local header of storage '{key}' names another record than its directory entry "
-                f"'{info.filename}' (zipfile refuses to read it). The file is corrupted or hostile; copy it again.",
-                path=self.path,
-            )
+        fields = _LOCAL_HEADER.unpack(header)  # its name is not read: no other entry shares this header
         offset = int(info.header_offset) + _LOCAL_HEADER.size + int(fields[9]) + int(fields[10])
         if offset + int(info.file_size) > info.limit:
             raise CheckpointFormatError(
@@ -329,7 +321,9 @@ def _open_archive(path: Path) -> tuple[IO[bytes], FileIdentity | None]:
     return os.fdopen(fd, "rb"), identity
 
 
-def _read_plain(fh: io.BufferedReader, path: Path, size: int, identity: FileIdentity | None) -> Archive | None:
+def _read_plain(
+    fh: io.BufferedReader, path: Path, size: int, identity: FileIdentity | None, with_pickle: bool = True
+) -> Archive | None:
     """:func:`read_archive` of a local file in ``torch.save``'s plain layout (:mod:`.zip_directory`); None for any
     other file, which :mod:`zipfile` then reads (and names what is wrong with it)."""
     head = fh.read(2)
@@ -351,19 +345,19 @@ def _read_plain(fh: io.BufferedReader, path: Path, size: int, identity: FileIden
                 return None
             records[info.filename[len(prefix) :]] = info
     check_pickle_record(pickles[0], path)
-    data = read_stored(fh, pickles[0])
+    data = read_stored(fh, pickles[0]) if with_pickle else b""
     if data is None:
         return None
     return Archive(path, size, data, records, identity, root.rstrip("/") or None, empty_keys)
 
 
-def read_archive(path: Path) -> Archive | None:
+def read_archive(path: Path, *, with_pickle: bool = True) -> Archive | None:
     """Read the zip directory and the pickle of a ``torch.save`` file; None for torch's legacy (non-zip) stream.
 
     The zip is parsed before the file's first bytes are checked: a remote file then fetches its end records, its
     directory and its pickle record (from byte 0) in three requests, and the signature check reads the cached
     pickle record instead of a fourth. Raises a :mod:`zeroio.errors` exception for anything that is not a
-    well-formed torch zip archive.
+    well-formed torch zip archive. ``with_pickle=False`` reads the directory alone (``pickle`` is then empty).
     """
     try:
         require_regular_file(path)
@@ -371,7 +365,7 @@ def read_archive(path: Path) -> Archive | None:
         size = path.stat().st_size if identity is None else identity[2]
         with fh:
             if isinstance(fh, io.BufferedReader):  # a local file: torch's plain layout is read without zipfile
-                fast = _read_plain(fh, path, size, identity)
+                fast = _read_plain(fh, path, size, identity, with_pickle)
                 if fast is not None:
                     return fast
             ends = check_directory_size(fh, path, size)
@@ -408,7 +402,7 @@ def read_archive(path: Path) -> Archive | None:
                     records[info.filename[len(root) + len("data/") :]] = info
             pickle = all_records[infos.index(pickles[0])]
             check_pickle_record(pickle, path)
-            data = read_pickle(fh, archive, pickle, path)
+            data = read_pickle(fh, archive, pickle, path) if with_pickle else b""
     except ZeroIOError:
         raise
     except FileNotFoundError as exc:

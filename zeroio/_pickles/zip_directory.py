@@ -15,6 +15,7 @@ locator, bytes before the archive, a name listed twice, a NUL in a name, an encr
 from __future__ import annotations
 
 import bisect
+import itertools
 import struct
 import zlib
 from typing import IO, Any, NamedTuple
@@ -317,7 +318,10 @@ def _entries_one_by_one(data: bytes, count: int, cd_offset: int) -> Directory | 
     keys = frozenset(r.filename[len(prefix) :] for r in empty)
     empty_ids = {id(r) for r in empty}
     kept = [r for r in records if id(r) not in empty_ids]
-    kept = with_limits(kept, sorted(r.header_offset for r in records), cd_offset)
+    starts = sorted(r.header_offset for r in records)
+    if any(a == b for a, b in itertools.pairwise(starts)):
+        return None  # two entries sharing one local header: zipfile's reading names it
+    kept = with_limits(kept, starts, cd_offset)
     return _directory(kept, keys, len(empty), prefix, cd_offset)
 
 
@@ -402,7 +406,10 @@ def _entries_at_once(data: bytes, count: int, cd_offset: int) -> Directory | Non
     if not text.isascii() or text.count(b"\n") != len(key_lens) or b"\x00" in text:
         return None  # a key with a newline or a NUL, or a byte whose meaning depends on the name's encoding flag
     keys = text.decode().split("\n")[:-1] if len(key_lens) else []
-    records = with_limits(records, np.sort(offsets), cd_offset)
+    sorted_offsets = np.sort(offsets)
+    if (sorted_offsets[1:] == sorted_offsets[:-1]).any():
+        return None  # two entries sharing one local header: zipfile's reading names it
+    records = with_limits(records, sorted_offsets, cd_offset)
     return _directory(records, frozenset(keys), len(keys), prefix, cd_offset)
 
 

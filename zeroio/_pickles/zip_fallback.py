@@ -4,6 +4,7 @@ typed errors, so zeroio reads a record only where zipfile and torch's reader (mi
 
 from __future__ import annotations
 
+import itertools
 import zipfile
 from pathlib import Path
 from typing import IO
@@ -49,6 +50,9 @@ def refuse_zipfile_layout(
         if raw in names or info.filename in names:
             problem = problem or f"the record '{info.filename}' listed twice"
         names.update((raw, info.filename))
+    offsets = sorted(info.header_offset for info in infos)
+    if any(a == b for a, b in itertools.pairwise(offsets)):
+        problem = problem or "two records sharing one local header"
     first = infos[0].filename if infos else ""
     if problem is None and pickle != f"{first.partition('/')[0]}/data.pkl":
         problem = f"its pickle '{pickle}' outside the folder of its first record '{first}', where torch looks"
