@@ -19,11 +19,17 @@ from safetensors.torch import load_file
 
 import zeroio
 from zeroio.cli import main
-from zeroio.errors import CheckpointNotFoundError, TensorNotFoundError, UnsupportedCheckpointError
+from zeroio.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    TensorNotFoundError,
+    UnsupportedCheckpointError,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DCP = ROOT / "fixtures" / "dcp"
-NAMES = sorted(p.parent.name for p in DCP.glob("*/manifest.json"))
+NAMES = sorted(p.parent.name for p in DCP.glob("*/manifest.json") if not json.loads(p.read_text()).get("refused"))
+EMPTY_SHARD = "dcp_fsdp_tp_ws6_empty_shard"  # torch wrote wrong chunk metadata: refused (see its test)
 LAYOUTS = {
     "dcp_fsdp2_ws2_fp32": "dcp",
     "dcp_titan_ws2": "torchtitan",
@@ -72,6 +78,30 @@ def test_open_equals_the_live_run(name):
         with pytest.raises(TensorNotFoundError, match="No optimizer state for 'frozen.weight'"):
             ckpt.optimizer_state("frozen.weight")
         ckpt.finish_crc_checks()
+
+
+def test_fsdp_over_tensor_parallel_empty_shard_is_refused_naming_torchs_metadata(tmp_path, capsys):
+    """FSDP2 over tensor parallel (dp 3 x tp 2) with a TP shard of 4 rows: torch 2.13 records rank 4's empty
+    _StridedShard at row 6 and rank 5's row there as empty. torch's own dcp.load fails; zeroio refuses by name (the
+    file, the tensor, the cause, the fix), reads the tensors whose chunks are right, and convert leaves no output."""
+    folder = DCP / EMPTY_SHARD
+    assert (
+        "mismatch sizes torch.Size([1, 5]) vs torch.Size([0, 5])"
+        in (folder / "expected" / "torch_load.error").read_text()
+    )
+    model = torch.load(folder / "expected" / "model.pt", weights_only=True)
+    with zeroio.open(folder) as ckpt:
+        for key in ("emb.weight", "mlp_in.weight", "norm.weight"):
+            assert _same(ckpt[key], model[key]), key
+        with pytest.raises(CheckpointFormatError) as excinfo:
+            ckpt["mlp_out.weight"]
+    message = str(excinfo.value)
+    assert excinfo.value.path == folder / "__4_0.distcp" and "\n" not in message
+    assert "of 'model.mlp_out.weight' of shape (1, 5) at offsets (6, 0): torch recorded a wrong place" in message
+    assert "StateDictOptions(full_state_dict=True)" in message and "different saves" not in message
+    assert main(["convert", str(folder), str(tmp_path / "out"), "--quiet"]) == 1
+    assert "torch recorded a wrong place for an empty shard" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_chunks_are_read_lazily_and_in_pieces():

@@ -19,7 +19,15 @@ from ..._dtypes import DType
 from ..._pickles import MAX_DIMS, Inert, global_name, inert_parts, is_inert, short_repr, too_large
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 
-__all__ = ["BytesEntry", "Chunk", "DcpMetadata", "TensorEntry", "check_tiling", "parse_dcp_metadata"]
+__all__ = [
+    "BytesEntry",
+    "Chunk",
+    "DcpMetadata",
+    "TensorEntry",
+    "check_tiling",
+    "chunk_mismatch",
+    "parse_dcp_metadata",
+]
 
 _HOME = "torch.distributed.checkpoint.metadata"
 _TENSOR = f"{_HOME}.TensorStorageMetadata"
@@ -329,3 +337,28 @@ def parse_dcp_metadata(path: Path, tree: Any, file_size: Callable[[str], int]) -
         save_id=save_id,
         files=tuple(sorted(sizes)),
     )
+
+
+def chunk_mismatch(where: Path, found: str, found_shape: tuple[int, ...] | None, entry: TensorEntry, i: int) -> str:
+    """Why chunk ``i`` of ``entry`` is refused: the archive at its place holds ``found``, not the recorded chunk.
+
+    Where one of the two is empty and the other is not, torch itself wrote the wrong place: FSDP2 over tensor-parallel
+    shards of the same dim (``_StridedShard``) records an empty shard at the offset of the rank after it and that
+    rank's rows past the end (torch 2.13, e.g. 7 rows, tensor parallel 2, data parallel 3); torch's own ``dcp.load``
+    fails on such a folder too.
+    """
+    chunk = entry.chunks[i]
+    head = (
+        f"'{where}' holds {found} at byte {chunk.offset} where .metadata places a {entry.dtype.name} chunk of "
+        f"'{entry.fqn}' of shape {chunk.stored_shape}"
+    )
+    one_empty = found_shape is not None and (math.prod(found_shape) == 0) != (chunk.numel == 0)
+    if one_empty and found_shape is not None and len(found_shape) == len(chunk.stored_shape):
+        return (
+            f"{head} at offsets {chunk.offsets}: torch recorded a wrong place for an empty shard (FSDP2 over "
+            "tensor-parallel shards of one dim, where a dim leaves a rank no rows), and torch's own dcp.load "
+            "fails on this folder too. Save the model again from the run with get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True)), or with data- and tensor-parallel sizes that leave "
+            "no rank an empty shard."
+        )
+    return f"{head}. The folder's files come from different saves or were edited; copy the checkpoint again from where it was saved."

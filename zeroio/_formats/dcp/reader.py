@@ -37,7 +37,7 @@ from ..metadata import CheckpointMetadata, TensorInfo
 from ..options import ReadOptions
 from .chunk_plans import EntryMap, concat_ranges, read_entry_into
 from .keys import OPTIM_ROOTS, split_keys
-from .metadata import DcpMetadata, TensorEntry, parse_dcp_metadata
+from .metadata import DcpMetadata, TensorEntry, chunk_mismatch, parse_dcp_metadata
 
 if TYPE_CHECKING:
     import torch
@@ -122,18 +122,10 @@ class _Part:
         tensor = load_embedded(file.read_bytes, where, chunk.offset, chunk.length)
         # the shape too, not only the element count: a transposed chunk's elements would land scrambled
         if not isinstance(tensor, EmbeddedTensor) or tensor.dtype != entry.dtype or tensor.shape != chunk.stored_shape:
-            what = (
-                f"a {tensor.dtype.name} tensor of shape {tensor.shape}"
-                if isinstance(tensor, EmbeddedTensor)
-                else f"a {type(tensor).__name__}"
-            )
-            raise CheckpointFormatError(
-                f"'{where}' holds {what} at byte {chunk.offset} where .metadata places a {entry.dtype.name} chunk "
-                f"of '{entry.fqn}' of shape {chunk.stored_shape}. The folder's files come from different saves or were "
-                "edited; copy the checkpoint again from where it was saved.",
-                path=where,
-                name=entry.fqn,
-            )
+            embedded = isinstance(tensor, EmbeddedTensor)
+            what = f"a {tensor.dtype.name} tensor of shape {tensor.shape}" if embedded else f"a {type(tensor).__name__}"
+            shape = tuple(tensor.shape) if embedded and tensor.dtype == entry.dtype else None
+            raise CheckpointFormatError(chunk_mismatch(where, what, shape, entry, i), path=where, name=entry.fqn)
         file.expect(f"{entry.fqn}[{i}]", *tensor.record)
         with self.lock:
             return self.located.setdefault((entry.fqn, i), tensor)
