@@ -30,6 +30,7 @@ from zeroio import errors
 from zeroio._formats.partition import round_robin_original
 
 NAME = "round_robin_z2_ws2_fp32"
+PIPE = "pipe_z1_ws4_pp2dp2_fp32_rr"  # ZeRO-1 pipeline (2 stages x 2 dp ranks): each stage's groups round-robin
 
 
 def test_open_load_convert_equal_engine(tmp_path: Path) -> None:
@@ -83,3 +84,15 @@ def test_order_is_deepspeeds(count: int, ranks: int) -> None:
     tensors = [torch.tensor([i]) for i in range(count)]
     reordered, _ = DeepSpeedZeroOptimizer._round_robin_reorder(None, tensors, ranks)
     assert [int(t) for t in reordered] == round_robin_original(count, ranks)
+
+
+def test_pipeline_stages_read_the_flat_order() -> None:
+    """A ZeRO-1 pipeline with round_robin_gradients: every tensor equals the live fp32 parameters (expected/engine.pt)
+    and the layer files DeepSpeed wrote from them; refused before as mixing two saves."""
+    want = expected(PIPE)
+    with zeroio.open(case(PIPE)) as ckpt:
+        assert ckpt.metadata.layout == "pipeline"
+        got = ckpt.state_dict()
+    assert_state_dicts_equal(got, want)
+    layer = torch.load(case(PIPE) / "global_step2" / "layer_01-model_states.pt", weights_only=True)
+    assert torch.equal(got["1.weight"], layer["weight"]) and torch.equal(got["1.bias"], layer["bias"])
