@@ -30,7 +30,8 @@ from zeroio import errors
 from zeroio._formats.partition import round_robin_original
 
 NAME = "round_robin_z2_ws2_fp32"
-PIPE = "pipe_z1_ws4_pp2dp2_fp32_rr"  # ZeRO-1 pipeline (2 stages x 2 dp ranks): each stage's groups round-robin
+PIPE = "pipe_z1_ws4_pp2dp2_fp32_rr"
+BF16_ACC = "round_robin_bf16acc_z1_ws2"  # BF16_Optimizer ignores round_robin_gradients: groups keep their order  # ZeRO-1 pipeline (2 stages x 2 dp ranks): each stage's groups round-robin
 
 
 def test_open_load_convert_equal_engine(tmp_path: Path) -> None:
@@ -96,3 +97,11 @@ def test_pipeline_stages_read_the_flat_order() -> None:
     assert_state_dicts_equal(got, want)
     layer = torch.load(case(PIPE) / "global_step2" / "layer_01-model_states.pt", weights_only=True)
     assert torch.equal(got["1.weight"], layer["weight"]) and torch.equal(got["1.bias"], layer["bias"])
+
+
+def test_bf16_optimizer_ignores_the_setting() -> None:
+    """ZeRO-1 + bf16 + fp32 gradient accumulation (DeepSpeed's BF16_Optimizer) with round_robin_gradients set: its
+    groups keep their order, so DeepSpeed's own accessors are right and zeroio equals them (weights and moments)."""
+    assert_open_equals_engine(BF16_ACC)
+    assert_load_equals_engine(BF16_ACC)
+    assert_optimizer_state_equals_engine(BF16_ACC, ("exp_avg", "exp_avg_sq"))

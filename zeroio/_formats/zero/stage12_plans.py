@@ -92,7 +92,9 @@ def zero12_trainable(
         count = count if isinstance(count, int) else world_size
         if count == world_size:
             # Without alignment padding, DeepSpeed records round-robin groups' slices in the original order.
-            unpadded_round_robin = round_robin and not any(group_padding or ())
+            # BF16_Optimizer (no zero_stage recorded) ignores round_robin_gradients: its groups keep their order.
+            reordered = round_robin and C.ZERO_STAGE in optim.first_state
+            unpadded_round_robin = reordered and not any(group_padding or ())
             _check_rank_slices(g, group, numels, offsets, optim, unpadded_round_robin)
             layouts = [[(list(range(world_size)), [name for name, _ in group])]]
         else:
