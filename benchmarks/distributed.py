@@ -10,12 +10,17 @@ reports, from inside (``--worker`` mode, which wraps ``zeroio.cli.main``):
   ``zeroio`` debug log), ``convert_s``: the whole ``convert`` call;
 * ``rchar`` / ``wchar``: bytes it read and wrote through syscalls (``/proc/self/io``), ``read_bytes`` /
   ``write_bytes``: what reached the block device;
+* ``cpu_s`` / ``convert_cpu_s``: user + system CPU seconds of the whole process and of its ``main()`` (the honest
+  cost on a machine shared with other work, where wall times are noise);
 * the shards and bytes it was assigned.
 
 Every output is compared, file by file (SHA-256), with the single-process output.
 
     python benchmarks/distributed.py --checkpoint /tmp/zeroio-bench/gpt-470M --processes 1 2 --repeats 3 \\
         --json benchmarks/results/distributed.json
+
+``ZEROIO_BENCH_PROFILE=<rank>`` runs that rank's ``main()`` under cProfile (``<report>.<rank>.prof`` beside
+the reports, under ``--work``).
 
 ``--cache cold`` drops the page cache before every run (root only; ``sync; echo 3 > /proc/sys/vm/drop_caches``).
 """
@@ -62,6 +67,12 @@ def _process_age() -> float:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far, all threads."""
+    times = os.times()
+    return times.user + times.system
+
+
 class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -82,19 +93,31 @@ def worker(report: Path, argv: list[str]) -> int:
     log.addHandler(capture)
     start_s = _process_age()
     io_before = _proc_io()
+    cpu_before = _cpu_s()
+    rank = int(os.environ.get("RANK", "0"))
+    profile = os.environ.get("ZEROIO_BENCH_PROFILE") == str(rank)  # cProfile this rank's main()
     t0 = time.time()
-    code = main(argv)
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        code = profiler.runcall(main, argv)
+        profiler.dump_stats(f"{report}.{rank}.prof")
+    else:
+        code = main(argv)
     t_end = time.time()
+    cpu_after = _cpu_s()
     convert_s = t_end - t0
     io_after = _proc_io()
     plan = next((r for r in capture.records if r.getMessage().startswith("process ")), None)
-    rank = int(os.environ.get("RANK", "0"))
     result: dict[str, Any] = {
         "rank": rank,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "exit_code": code,
         "start_s": start_s,
         "convert_s": convert_s,
+        "cpu_s": cpu_after,  # user + system seconds of the whole process (interpreter and imports included)
+        "convert_cpu_s": cpu_after - cpu_before,  # of main() alone
         "created_at": t0 - start_s,  # epoch seconds: when the process was created, when main() began and returned
         "main_start_at": t0,
         "main_end_at": t_end,
@@ -216,6 +239,14 @@ def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, A
             "per_rank_rchar_GB": [round(rank["rchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
             "per_rank_wchar_GB": [round(rank["wchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
             "per_rank_shards": [rank["shards"] for rank in mine[-1]["ranks"]],
+            # CPU seconds (user + system) per process, median over repeats: the honest cost on a shared machine
+            "per_rank_cpu_s": [
+                round(statistics.median(r["ranks"][i].get("cpu_s", 0.0) for r in mine), 2) for i in range(processes)
+            ],
+            "per_rank_convert_cpu_s": [
+                round(statistics.median(r["ranks"][i].get("convert_cpu_s", 0.0) for r in mine), 2)
+                for i in range(processes)
+            ],
         }
         if not distributed and processes == 1:
             base = row

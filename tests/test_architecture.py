@@ -300,12 +300,14 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
             "side_files",
             "plan",
             "shard_files",
+            "shared_checks",
             "phases",
             "remote_output",
         ),
         # the writers, one module per output format (and the distributed execution of the engine)
         (
             "hf_writer",
+            "group_thread",
             "one_reader",
             "distributed",
             "optimizer_files",

@@ -216,6 +216,11 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         file.verify = self._verify_crc
         return file
 
+    def checked_files(self) -> Sequence[CheckedFile]:
+        """The zip archives read, whose records carry a CRC-32: for checks shared among processes."""
+        self.ensure_open()
+        return self._checked_files()
+
     def finish_crc_checks(self) -> None:
         """Read the unread rest of every record read in part (e.g. a ZeRO flat group's padding) and check its CRC.
 

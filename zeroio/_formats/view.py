@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from .._io.integrity import CheckedFile
 from .checkpoint import Checkpoint
 from .metadata import CheckpointMetadata, TensorInfo
 
@@ -31,6 +34,10 @@ class CheckpointView(Checkpoint):
     def finish_crc_checks(self) -> None:
         self.ensure_open()
         self._inner.finish_crc_checks()
+
+    def checked_files(self) -> Sequence[CheckedFile]:
+        self.ensure_open()
+        return self._inner.checked_files()
 
     def _release(self) -> None:
         self._inner.close()

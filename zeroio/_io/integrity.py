@@ -31,7 +31,11 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer  # 4.6+, for type checking only
 
-__all__ = ["CheckedFile"]
+__all__ = ["CheckedFile", "PartialRecord"]
+
+PartialRecord = tuple[str, int, int, int, list[tuple[int, int, int]]]
+"""A record read in part: its name, data start, size, stored CRC, and the ``(lo, hi, crc32)`` runs read (relative
+to its start; sorted, disjoint)."""
 
 _SCRATCH_BYTES = 8 * 2**20
 """Largest read made only to check a CRC (padding, bytes about to be kernel-copied): bounds its memory."""
@@ -234,12 +238,52 @@ class CheckedFile:
         with self._crc_lock:
             pending = sorted(self._pending.values(), key=lambda r: r.start)
         for record in pending:
-            self._raise_if_bad(record)
-            with self._crc_lock:
-                gaps = record.gaps(0, record.size) if not record.verified else []
-            for lo, hi in gaps:
-                self._read_and_check(record.start + lo, record.start + hi)
-            self._raise_if_bad(record)
+            self._finish_record(record)
+
+    def _finish_record(self, record: _Record) -> None:
+        self._raise_if_bad(record)
+        with self._crc_lock:
+            gaps = record.gaps(0, record.size) if not record.verified else []
+        for lo, hi in gaps:
+            self._read_and_check(record.start + lo, record.start + hi)
+        self._raise_if_bad(record)
+
+    def partial_records(self) -> list[PartialRecord]:
+        """The records read in part and not yet checked, with the CRCs of the runs read: what another process
+        needs to check them with its own reads (:meth:`finish_with`), instead of reading the rest here."""
+        if not self.verify:
+            return []
+        with self._crc_lock:
+            pending = sorted(self._pending.values(), key=lambda r: r.start)
+            return [(r.name, r.start, r.size, r.crc, list(r.seen)) for r in pending if not r.verified]
+
+    def finish_with(self, record: PartialRecord) -> None:
+        """Check ``record`` (as :meth:`partial_records` gives it, from another process) with its runs folded into
+        what this file saw of it: each run whose bytes were not seen here counts with its CRC; the bytes no run
+        covers are read here. Raise on a mismatch (or when the record is not the one this file holds there)."""
+        name, start, size, crc, runs = record
+        self.expect(name, start, size, crc)
+        with self._crc_lock:
+            mine = self._records[bisect.bisect_left(self._starts, start)]
+            if (mine.size, mine.crc) != (size, crc & 0xFFFFFFFF):
+                raise CheckpointFormatError(
+                    f"'{self.name}': record '{name}' differs between the processes ({size} bytes, CRC {crc:08x} "
+                    f"against {mine.size} bytes, CRC {mine.crc:08x}): they read different files. Put the "
+                    "checkpoint on a filesystem shared by every process, at the same path.",
+                    path=self.name,
+                )
+            for lo, hi, run_crc in runs:
+                if mine.verified or mine.found is not None:
+                    break
+                if mine.gaps(lo, hi) == [(lo, hi)]:
+                    mine.add(lo, hi, run_crc)
+            if not mine.verified and mine.found is None:
+                mine.settle()
+            if mine.verified:
+                self._pending.pop(start, None)
+            else:
+                self._pending[start] = mine
+        self._finish_record(mine)
 
     # ----------------------------------------------------------------- bookkeeping
 

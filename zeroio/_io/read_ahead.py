@@ -16,6 +16,7 @@ remote source has its own read-ahead.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import TYPE_CHECKING
 
@@ -67,12 +68,25 @@ def _covering(windows: list[_Window], start: int, stop: int) -> _Window | None:
     return None
 
 
+def _clip(span: tuple[int, int], spans: list[tuple[int, int]], offset: int) -> tuple[int, int] | None:
+    """``span`` cut to the one of ``spans`` holding ``offset`` (None: none does)."""
+    i = bisect.bisect_right(spans, (offset, 2**63)) - 1
+    if i < 0 or spans[i][1] <= offset:
+        return None
+    return max(span[0], spans[i][0]), min(span[1], spans[i][1])
+
+
 class ReadAhead:
     """Serves reads of at most a quarter window from a window per file and record, read ahead on a miss; longer
     reads go straight to the file. Safe for concurrent use by several threads (one lock per file)."""
 
-    def __init__(self, files: int = 1, budget: int = BUDGET) -> None:
+    def __init__(
+        self, files: int = 1, budget: int = BUDGET, spans: dict[int, list[tuple[int, int]]] | None = None
+    ) -> None:
+        """``spans``: by ``id(source)``, the sorted, disjoint byte spans this process reads (a distributed
+        conversion's share): a window stays inside one, so no process reads bytes that only another one writes."""
         self._budget = budget
+        self._spans = spans
         self._files: dict[int, _File] = {}
         self._lock = threading.Lock()
         self._hint = files
@@ -106,6 +120,8 @@ class ReadAhead:
     def _fill(self, file: _File, offset: int, n: int) -> _Window | None:
         """Read the window of ``offset``'s record from ``offset`` on (the caller holds the file's lock)."""
         span = file.source.record_span(offset)
+        if span is not None and self._spans is not None:
+            span = _clip(span, self._spans.get(id(file.source), []), offset)
         if span is None or span[1] < offset + n or span == (offset, offset + n):
             return None  # not inside one record, or the whole record (a small tensor of its own): read as asked
         size = self.window_bytes()

@@ -18,11 +18,12 @@ from .._ranks import Failure, Ranks, RanksLost, settle
 from ..errors import OutputError, ZeroIOError
 from .atomic import AtomicDir
 
-__all__ = ["COMMIT", "PLAN", "TEMP", "WRITE", "Job"]
+__all__ = ["CHECK", "COMMIT", "PLAN", "TEMP", "WRITE", "Job"]
 
 PLAN = "while planning"
 TEMP = "while creating the temporary folder"
 WRITE = "while writing its shards"
+CHECK = "while checking the CRC-32 of the source records it was given"
 COMMIT = "while writing the index and renaming the output into place"
 
 

@@ -19,6 +19,7 @@ from .._ranks import TIMEOUT_ENV, GroupRanks, gloo_detail, timeout_seconds
 from ..errors import OutputError
 from .atomic import AtomicDir
 from .comm import Job
+from .group_thread import GroupOnThread, JoiningRanks
 from .one_reader import convert_one_reader
 from .options import WriteOptions
 from .phases import WriteOutcome, write_checkpoint
@@ -145,10 +146,17 @@ def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOpt
     )
     if not _group_initialised() and torchrun_env():
         world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        if reader_ranks(world_size) == (0,):  # one reader (one host): it converts alone, at once, torch-free
-            with _sigterm_as_interrupt() as sigterm:
-                group = partial(_process_group, out.dst, timeout)
+        group = partial(_process_group, out.dst, timeout)
+        with _sigterm_as_interrupt() as sigterm:
+            if reader_ranks(world_size) == (0,):  # one reader (one host): it converts alone, at once, torch-free
                 return convert_one_reader(src, out, read, write, rank, world_size, group, sigterm.start_cleaning)
-    with _sigterm_as_interrupt() as sigterm, _process_group(out.dst, timeout) as comm:
-        job = Job(comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
+            joined = GroupOnThread(group)  # torch's import and the rendezvous run while this process plans
+            try:
+                comm = JoiningRanks(joined, rank, world_size)
+                job = Job(comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
+                return write_checkpoint(job, src, read, write)
+            finally:
+                joined.close()
+    with _sigterm_as_interrupt() as sigterm, _process_group(out.dst, timeout) as group_comm:
+        job = Job(group_comm, out, lost_advice=lost_advice, before_cleanup=sigterm.start_cleaning)
         return write_checkpoint(job, src, read, write)

@@ -9,18 +9,17 @@ place. The others plan the output from metadata meanwhile, so every process retu
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from .._formats import ReadOptions
 from .._messages import get_logger
-from .._ranks import Failure, OneRank, Ranks, RanksLost, settle
+from .._ranks import Failure, OneRank, RanksLost, settle
 from ..errors import OutputError, ZeroIOError
 from .atomic import AtomicDir
 from .comm import Job
+from .group_thread import GroupFactory, GroupOnThread
 from .options import WriteOptions
 from .phases import WriteOutcome, write_checkpoint
 from .plan import plan_write
@@ -28,37 +27,6 @@ from .plan import plan_write
 __all__ = ["GroupFactory", "convert_one_reader"]
 
 logger = get_logger(__name__)
-
-GroupFactory = Callable[[], contextlib.AbstractContextManager[Ranks]]
-"""Joins the job's process group (a context manager yielding its :class:`~zeroio._ranks.Ranks`)."""
-
-
-class _GroupOnThread:
-    """The process group, joined on a thread from the start; :meth:`comm` waits for it."""
-
-    def __init__(self, factory: GroupFactory) -> None:
-        self._stack = contextlib.ExitStack()
-        self._comm: Ranks | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._join, args=(factory,), name="zeroio-group", daemon=True)
-        self._thread.start()
-
-    def _join(self, factory: GroupFactory) -> None:
-        try:
-            self._comm = self._stack.enter_context(factory())
-        except BaseException as exc:  # noqa: BLE001 - raised by comm() in the converting thread
-            self._error = exc
-
-    def comm(self) -> Ranks:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._comm is not None
-        return self._comm
-
-    def close(self) -> None:
-        self._thread.join()
-        self._stack.close()
 
 
 def _line(error: BaseException) -> str:
@@ -89,7 +57,7 @@ def convert_one_reader(
         OutputError: process 0 failed (on every process), or, on another process, contact with it was lost.
         ZeroIOError: this process's own failure (process 0: the output is not in place).
     """
-    joined = _GroupOnThread(group)
+    joined = GroupOnThread(group)
     try:
         if rank == 0:
             return _write_alone(src, out, read, write, joined, before_cleanup)
@@ -103,7 +71,7 @@ def _write_alone(
     out: AtomicDir,
     read: ReadOptions,
     write: WriteOptions,
-    joined: _GroupOnThread,
+    joined: GroupOnThread,
     cleanup: Callable[[], None],
 ) -> WriteOutcome:
     outcome: WriteOutcome | None = None
@@ -129,7 +97,7 @@ def _write_alone(
 
 
 def _wait_for_writer(
-    src: Path, out: AtomicDir, read: ReadOptions, write: WriteOptions, joined: _GroupOnThread
+    src: Path, out: AtomicDir, read: ReadOptions, write: WriteOptions, joined: GroupOnThread
 ) -> WriteOutcome:
     from .._formats import open_checkpoint
 

@@ -20,11 +20,12 @@ from .._formats import Checkpoint, CheckpointMetadata, ReadOptions
 from .._io.fileio import naming, write_new_file
 from .._messages import get_logger
 from ..errors import OutputError
-from .comm import COMMIT, PLAN, TEMP, WRITE, Job
+from .comm import CHECK, COMMIT, PLAN, TEMP, WRITE, Job
 from .options import WriteOptions
 from .plan import WritePlan, plan_write
 from .readers import assign_to_readers
 from .shard_files import write_shards
+from .shared_checks import check_assigned, checks_of, partial_reports
 from .side_files import copy_side_files, write_derived_config
 
 __all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
@@ -115,28 +116,30 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         tmp = _create_temp(job)
 
         # 3. Execute: each process writes its own shards into the shared folder (fsynced), reading only their
-        #    tensors' byte ranges; rank 0 then the extra files. Everyone reports success or failure.
+        #    tensors' byte ranges; rank 0 then the extra files. Everyone reports success or failure, with the
+        #    records it read in part, whose CRC checks are then shared out (zeroio._write.shared_checks).
         error = None
+        partial = None
         try:
-            if not tmp.is_dir():
-                raise OutputError(
-                    f"Cannot write '{out.dst}': process {rank} cannot see the temporary folder '{tmp}' that process "
-                    "0 created. A distributed conversion needs the destination on a filesystem shared by every "
-                    "process, at the same path.",
-                    path=out.dst,
-                    rank=rank,
-                )
+            _check_visible(tmp, out.dst, rank)
             progress = write.progress
             shown = progress if (rank == 0 or callable(progress)) else False  # one bar per job, not per process
+            part = len(share.shards.shards) != len(plan.shards.shards)  # reads stay within this share's bytes
             write_shards(
-                ckpt, share, tmp, out.dst, workers=write.workers, chunk_bytes=write.chunk_bytes, progress=shown
-            )
+                ckpt, share, tmp, out.dst, workers=write.workers, chunk_bytes=write.chunk_bytes, progress=shown,
+                part=part,
+            )  # fmt: skip
             if write_extra is not None and rank == 0:
                 write_extra(tmp)
-            ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit
+            if world_size == 1:
+                ckpt.finish_crc_checks()  # records read in part (flat-group padding): checked before the commit
+            else:
+                partial = partial_reports(ckpt.checked_files())  # checked once for all (below)
         except BaseException as exc:  # noqa: BLE001
             error = exc
-        job.settle(WRITE, error)
+        reports = job.settle(WRITE, error, partial)
+        if any(reports):  # the same on every process: one more exchange only when a record was read in part
+            _check_shared(job, ckpt, reports)
 
         # 4. Commit: rank 0 checks every shard is there, writes the index last, copies side files and renames the
         #    folder into place; the others wait for its word.
@@ -160,6 +163,30 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         index_path=out.dst / plan.index_name if plan.index is not None else None,
         copied=tuple(out.dst / name for name in copied),
     )
+
+
+def _check_shared(job: Job, ckpt: Checkpoint, reports: list[Any]) -> None:
+    """Step 3's end with several processes: each checks the records read in part given to it; all learn the outcome."""
+    error = None
+    try:
+        checks = checks_of(reports, job.comm.rank)
+        shared = sum(1 for _, record in checks if record[4])
+        logger.debug("process %d checks %d records read in part, %d of them shared", job.comm.rank, len(checks), shared)
+        check_assigned(ckpt.checked_files(), checks)
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    job.settle(CHECK, error)
+
+
+def _check_visible(tmp: Path, dst: Path, rank: int) -> None:
+    if not tmp.is_dir():
+        raise OutputError(
+            f"Cannot write '{dst}': process {rank} cannot see the temporary folder '{tmp}' that process 0 created. "
+            "A distributed conversion needs the destination on a filesystem shared by every process, at the same "
+            "path.",
+            path=dst,
+            rank=rank,
+        )
 
 
 def _create_temp(job: Job) -> Path:

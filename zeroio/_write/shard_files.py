@@ -25,14 +25,23 @@ __all__ = ["write_shards"]
 
 
 def write_shards(
-    ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, chunk_bytes: int, progress: Progress
+    ckpt: Checkpoint,
+    plan: WritePlan,
+    tmp: Path,
+    dst: Path,
+    *,
+    workers: int,
+    chunk_bytes: int,
+    progress: Progress,
+    part: bool = False,
 ) -> None:
     """Write every shard of ``plan`` into the folder ``tmp``, fsynced (not the index: the commit writes it last).
 
-    Errors name the files by their final path in ``dst``.
+    Errors name the files by their final path in ``dst``. ``part``: ``plan`` is this process's share of a
+    distributed conversion: reads stay within its tensors' bytes (the others read the rest).
     """
     if plan.fmt == "safetensors":
-        _write_safetensors(ckpt, plan, tmp, dst, workers=workers, chunk_bytes=chunk_bytes, progress=progress)
+        _write_safetensors(ckpt, plan, tmp, dst, workers=workers, chunk_bytes=chunk_bytes, progress=progress, part=part)
     else:
         _write_torch(ckpt, plan, tmp, dst, workers=workers, progress=progress)
 
@@ -66,7 +75,15 @@ def _run_all(pool: cf.ThreadPoolExecutor | None, tasks: list[Callable[[], None]]
 
 
 def _write_safetensors(
-    ckpt: Checkpoint, plan: WritePlan, tmp: Path, dst: Path, *, workers: int, chunk_bytes: int, progress: Progress
+    ckpt: Checkpoint,
+    plan: WritePlan,
+    tmp: Path,
+    dst: Path,
+    *,
+    workers: int,
+    chunk_bytes: int,
+    progress: Progress,
+    part: bool,
 ) -> None:
     # 1. Create and preallocate every file (a full disk fails here, before reading), write the headers.
     meter = ByteProgress(progress, plan.shards.total_size, "Converting")
@@ -94,7 +111,8 @@ def _write_safetensors(
         #    flushed in the background as it fills (WriteBack), so durability overlaps the rest of the work.
         buffers = ChunkBuffers()
         byte_buffers = ByteBuffers()
-        read_ahead = ReadAhead(files=_source_files(ckpt))
+        order = [name for name in ckpt.infos if name in slot_of]
+        read_ahead = ReadAhead(files=_source_files(ckpt), spans=_spans(ckpt, order) if part else None)
         target = plan.target
 
         def task(name: str) -> Callable[[], None]:
@@ -120,7 +138,6 @@ def _write_safetensors(
 
             return run
 
-        order = [name for name in ckpt.infos if name in slot_of]
         with _pool(workers) as pool:
             _run_all(pool, [task(n) for n in order], stop)
         writeback = None
@@ -139,6 +156,28 @@ def _write_safetensors(
         for fd in fds:
             os.close(fd)
         meter.close()
+
+
+def _spans(ckpt: Checkpoint, names: list[str]) -> dict[int, list[tuple[int, int]]]:
+    """By ``id(source)``, the sorted, disjoint spans of the stored bytes of ``names`` (whole elements only)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for name in names:
+        for source, offset, nbytes in stored_runs(ckpt, name) or ():
+            mine = spans.setdefault(id(source), [])
+            if mine and mine[-1][1] == offset:  # the next parameter's piece, back to back in its rank file
+                mine[-1] = (mine[-1][0], offset + nbytes)
+            else:
+                mine.append((offset, offset + nbytes))
+    out = {}
+    for key, runs in spans.items():
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted(runs):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+            else:
+                merged.append((lo, hi))
+        out[key] = merged
+    return out
 
 
 def _source_files(ckpt: Checkpoint) -> int:
