@@ -246,10 +246,13 @@ def test_three_processes_write_the_single_process_bytes(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["four-shards", "two-shards", "zero2-many"]
 
 
-def test_torchrun_cli_writes_the_single_process_bytes(tmp_path):
-    """`torchrun --standalone --nproc-per-node 2 -m zeroio convert SRC DST --distributed` equals one process."""
+@pytest.mark.parametrize("readers", ["1", "2"], ids=["one-reader", "every-process-reads"])
+def test_torchrun_cli_writes_the_single_process_bytes(tmp_path, readers):
+    """`torchrun --standalone --nproc-per-node 2 -m zeroio convert SRC DST --distributed` equals one process: with
+    one reader (process 0 converts alone), and with both reading (each joins the group on a thread while planning,
+    then writes its shards; the records both read parts of are CRC-checked once)."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", ZEROIO_READERS_PER_HOST=readers)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "zeroio", "convert", str(FIXTURES / "z3_ws2_fp32"), str(tmp_path / "dist"),
