@@ -30,6 +30,9 @@ Methods (each in its own process, after one warm-up read of the files, so the pa
 - ``plan``: ``zeroio.open`` + ``ckpt.byte_ranges`` of every tensor (tied names: of their source): each tensor's read
   plan, as file byte ranges.
 - ``convert``: ``python -m zeroio convert CKPT OUT --quiet`` (fp32 safetensors, fsynced).
+- ``state_dict``: ``zeroio.open`` + ``ckpt.state_dict()``: every tensor read into memory.
+- ``load``: ``zeroio.open`` + ``zeroio.load(ckpt, model)`` into a model of every key as a meta parameter (built in
+  the timed part): the CPU load path.
 - ``ds_lazy``: ``get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)`` (DeepSpeed 0.19.8): its metadata
   pass, every tensor a lazy stand-in (no data materialised).
 - ``verify`` (GPT layouts): ``python -m zeroio verify SRC CKPT``, every tensor of the resharded layout against the
@@ -68,6 +71,21 @@ CHILD = {
         body=(
             "c = zeroio.open(SRC)\nn = 0\nfor name in c.infos:\n    n += len(c.byte_ranges(c.source_name(name)) or ())"
             "\nc.close()"
+        ),
+    ),
+    "state_dict": _TIMED.format(
+        imports="import zeroio", body="c = zeroio.open(SRC)\nsd = c.state_dict()\nn = len(sd)\nc.close()"
+    ),
+    "load": _TIMED.format(
+        imports="import torch\nimport zeroio",
+        body=(
+            "c = zeroio.open(SRC)\nm = torch.nn.Module()\nfor name, info in c.infos.items():\n"
+            "    *path, leaf = name.split('.')\n    mod = m\n    for part in path:\n"
+            "        if part not in mod._modules:\n            mod.add_module(part, torch.nn.Module())\n"
+            "        mod = mod._modules[part]\n"
+            "    t = torch.empty(info.shape, dtype=info.dtype, device='meta')\n"
+            "    mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))\n"
+            "n = len(zeroio.load(c, m).loaded_keys)\nc.close()"
         ),
     ),
     "ds_lazy": _TIMED.format(

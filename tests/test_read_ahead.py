@@ -1,6 +1,7 @@
-"""Read-ahead of a conversion (zeroio/_io/read_ahead.py): each ZeRO-3 rank file's partition is read in a few large
-reads, not one per parameter, the output stays DeepSpeed's tensors bit for bit, and a flipped byte anywhere in a
-window (in a parameter read after the one that opened it, or in padding) still fails the conversion."""
+"""Read-ahead of a conversion and of the passes over every tensor (verify, an unsharded load, ``state_dict``;
+zeroio/_io/read_ahead.py): each ZeRO-3 rank file's partition is read in a few large reads, not one per parameter,
+the tensors stay DeepSpeed's bit for bit, and a flipped byte anywhere in a window (in a parameter read after the one
+that opened it, or in padding) still fails the conversion, the verify, the load."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from fixture_data import FIXTURES, assert_state_dicts_equal, reference
 from safetensors.torch import load_file
+from torch import nn
 
 import zeroio
 from zeroio.errors import CheckpointFormatError
@@ -83,3 +86,64 @@ def test_a_flipped_byte_served_from_a_window_fails_the_conversion(tmp_path: Path
         zeroio.convert(copy, out, progress=False)
     assert not out.exists()
     assert zeroio.convert(copy, out, progress=False, verify_crc=False).num_tensors > 0  # the explicit opt-out
+
+
+def _meta_model(path: Path) -> nn.Module:
+    """A module holding every key of the checkpoint as a meta parameter (dots make submodules): what load fills."""
+    model = nn.Module()
+    with zeroio.open(path) as ckpt:
+        for name, info in ckpt.infos.items():
+            *parents, leaf = name.split(".")
+            owner = model
+            for part in parents:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]  # type: ignore[assignment]
+            meta = torch.empty(info.shape, dtype=info.dtype, device="meta")
+            owner.register_parameter(leaf, nn.Parameter(meta, requires_grad=False))
+    return model
+
+
+def _pass(how: str, ckpt: Path, converted: Path) -> dict[str, torch.Tensor] | None:
+    """Read every tensor of ``ckpt`` by ``how``: its tensors (None for verify, which compares them itself)."""
+    if how == "state_dict":
+        with zeroio.open(ckpt) as opened:
+            return opened.state_dict()
+    if how == "load":
+        model = _meta_model(ckpt)
+        zeroio.load(ckpt, model)
+        return dict(model.state_dict())
+    assert zeroio.verify(ckpt, converted).ok
+    return None
+
+
+@pytest.mark.parametrize("how", ["verify", "load", "state_dict"])
+def test_a_pass_over_every_tensor_reads_each_rank_partition_in_one_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """verify, an unsharded load and ``state_dict`` read through the conversion's windows (a read per parameter
+    and rank before: 7 a file), and their tensors are DeepSpeed's bit for bit."""
+    converted = tmp_path / "out"
+    zeroio.convert(FIXTURES / FIXTURE, converted, progress=False)
+    counts = _watch_reads(monkeypatch)
+    got = _pass(how, FIXTURES / FIXTURE, converted)
+    optim = {name: n for name, n in counts.items() if name.endswith("optim_states.pt")}
+    assert optim == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 2 for r in range(4)}  # 2 flat groups a file
+    if got is not None:
+        expected = reference(FIXTURE)
+        assert expected is not None
+        assert_state_dicts_equal(got, expected)
+
+
+@pytest.mark.parametrize("how", ["verify", "load", "state_dict"])
+@pytest.mark.parametrize(("name", "rank_index"), [("mlp_out.weight", 2), ("norm.bias", -1)], ids=["middle", "last"])
+def test_a_flipped_byte_served_from_a_window_fails_the_pass(
+    tmp_path: Path, how: str, name: str, rank_index: int
+) -> None:
+    """A byte of a later parameter, copied out of a window an earlier one opened, is checked with the window: the
+    pass fails with the CRC error, however it reads."""
+    converted = tmp_path / "out"
+    zeroio.convert(FIXTURES / FIXTURE, converted, progress=False)
+    copy = _flip_in(tmp_path, name, rank_index)
+    with pytest.raises(CheckpointFormatError, match="fails its CRC-32 check"):
+        _pass(how, copy, converted)

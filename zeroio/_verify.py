@@ -263,7 +263,8 @@ def verify(
     )  # fmt: skip
     read_b = dataclasses.replace(read_a, tag=None, names=None, true_vocab_size=None)
     with open_checkpoint(a, read_a) as ca, open_checkpoint(b, read_b) as cb:
-        keys, mismatches = _compare(ca, cb, target)
+        with ca.reading_in_order(), cb.reading_in_order():  # each file read in a few windows, not a read a piece
+            keys, mismatches = _compare(ca, cb, target)
         ca.finish_crc_checks()  # records read in part (flat-group padding)
         cb.finish_crc_checks()
     report = VerifyReport(

@@ -13,11 +13,11 @@ from typing_extensions import Self
 from .._dtypes import DType
 from .._io.byte_map import ByteMap, ConcatMap
 from .._io.integrity import CheckedFile
-from .._io.remote_path import as_path
+from .._io.read_ahead import ReadAhead
 from .._io.sources import ByteRange
 from .._messages import get_logger, redact
 from ..errors import CheckpointClosedError, TensorNotFoundError
-from .metadata import CheckpointMetadata, TensorInfo, output_dtype, parse_dtype
+from .metadata import CheckpointMetadata, TensorInfo, describe_tensors, output_dtype, parse_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +77,8 @@ class TensorReader(Protocol):
     def ensure_open(self, name: str | None = None) -> None: ...
 
     def finish_crc_checks(self) -> None: ...
+
+    def reading_in_order(self, on: bool = True) -> contextlib.AbstractContextManager[None]: ...
 
     def optimizer_state(self, name: str) -> dict[str, Any]: ...
 
@@ -147,6 +149,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         self._tied = tied
         self._state = _State.OPEN
         self._verify_crc = False  # zeroio.open switches it on (after parsing) unless told not to
+        self._read_ahead: ReadAhead | None = None  # during a pass (reading_in_order)
 
     # ----------------------------------------------------------------- backend interface
 
@@ -156,6 +159,11 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         ``name`` is a stored name (see :meth:`source_name`); no cast, no open-state check.
         """
         raise NotImplementedError
+
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
+        """:meth:`read_into`, small reads served by ``read_ahead``'s windows (:meth:`reading_in_order`) in readers
+        that read small pieces of local zip records (ZeRO, universal); the others read as asked."""
+        self.read_into(name, start, out)
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:
         """``(source, offset, nbytes)`` ranges whose concatenation is the stored bytes of ``name``, or None.
@@ -230,6 +238,20 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         self.ensure_open()
         for file in self._checked_files():
             file.finish()
+
+    @contextlib.contextmanager
+    def reading_in_order(self, on: bool = True) -> Iterator[None]:
+        """A pass reading many tensors whole, in key order (verify, an unsharded load, :meth:`state_dict`): meanwhile
+        :meth:`get_tensor` and :meth:`iter_chunks` serve small reads from a read-ahead window per file, as a
+        conversion does (``zeroio._io.read_ahead``: 64 MiB in all, dropped at the end; a ZeRO-3 parameter's piece
+        on each of 1,024 ranks is then a copy, not a read). ``on=False``: none (a sharded load reads its slice)."""
+        files = self._checked_files() if on and self._read_ahead is None else ()
+        self._read_ahead = ReadAhead(files=len(files)) if files else self._read_ahead
+        try:
+            yield
+        finally:
+            if files:
+                self._read_ahead = None
 
     # ----------------------------------------------------------------- lifetime
 
@@ -366,7 +388,9 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 
         out = torch.empty(info.numel, dtype=stored)
         if info.numel:
-            self.read_into(source, 0, out)  # a record this read completes is checked as its last bytes pass
+            self.read_ahead_into(
+                source, 0, out, self._read_ahead
+            )  # a record this read completes is checked as its last bytes pass
         tensor = out.view(info.shape)
         wanted = output_dtype(info, target)
         return tensor if tensor.dtype == wanted else tensor.to(wanted)
@@ -406,7 +430,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
             self.ensure_open(name)
             n = min(step, info.numel - start)
             raw = torch.empty(n, dtype=stored) if scratch is None else scratch(stored, size)[:n]
-            self.read_into(source, start, raw)
+            self.read_ahead_into(source, start, raw, self._read_ahead)
             if wanted == stored:
                 chunk = raw
             elif scratch is None:
@@ -425,15 +449,16 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         """
         targets = set(self._tied.values())
         kept: dict[str, torch.Tensor] = {}
-        for name in list(self._infos):
-            source = self.source_name(name)
-            if source in kept:
-                yield name, kept[source]
-                continue
-            tensor = self.get_tensor(source, dtype=dtype)
-            if source in targets:
-                kept[source] = tensor
-            yield name, tensor
+        with self.reading_in_order():
+            for name in list(self._infos):
+                source = self.source_name(name)
+                if source in kept:
+                    yield name, kept[source]
+                    continue
+                tensor = self.get_tensor(source, dtype=dtype)
+                if source in targets:
+                    kept[source] = tensor
+                yield name, tensor
         self.finish_crc_checks()
 
     def state_dict(self, *, dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -461,33 +486,4 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary: metadata, totals and one row per tensor (what ``zeroio inspect --json`` prints)."""
-        from .metadata import dtype_name
-
-        rows = []
-        names: dict[int, tuple[Any, list[str]]] = {}  # id(files) -> (files, names): ZeRO-3 shares one tuple
-        for name, info in self._infos.items():
-            known = names.get(id(info.files))
-            if known is None or known[0] is not info.files:
-                known = names[id(info.files)] = (info.files, [as_path(f).name for f in info.files])
-            rows.append(
-                {
-                    "name": name,
-                    "shape": list(info.shape),
-                    "dtype": dtype_name(info.dtype_spec),
-                    "stored_dtype": dtype_name(info.stored_spec or info.dtype_spec),
-                    "numel": info.numel,
-                    "nbytes": info.nbytes,
-                    "kind": info.kind,
-                    "tied_to": info.tied_to,
-                    "files": known[1],
-                }
-            )
-        distinct = [i for n, i in self._infos.items() if n not in self._tied]
-        return {
-            "metadata": self._metadata.as_dict(),
-            "num_tensors": len(self._infos),
-            "num_params": sum(i.numel for i in distinct),
-            "total_bytes": sum(i.nbytes for i in distinct),
-            "tied": dict(self._tied),
-            "tensors": rows,
-        }
+        return describe_tensors(self._metadata, self._infos, self._tied)

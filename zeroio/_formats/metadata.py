@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._dtypes import BY_NAME, DType, as_dtype
+from .._io.remote_path import as_path
 from ..errors import CheckpointFormatError
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointMetadata",
     "TensorInfo",
+    "describe_tensors",
     "dtype_name",
     "output_dtype",
     "output_spec",
@@ -283,3 +285,37 @@ def require_dict(value: Any, key: str, path: Path) -> dict[Any, Any]:
             found=type(value).__name__,
         )
     return value
+
+
+def describe_tensors(
+    metadata: CheckpointMetadata, infos: dict[str, TensorInfo], tied: dict[str, str]
+) -> dict[str, Any]:
+    """``Checkpoint.describe``: metadata, totals and one row per tensor (what ``zeroio inspect --json`` prints)."""
+    rows = []
+    names: dict[int, tuple[Any, list[str]]] = {}  # id(files) -> (files, names): ZeRO-3 shares one tuple
+    for name, info in infos.items():
+        known = names.get(id(info.files))
+        if known is None or known[0] is not info.files:
+            known = names[id(info.files)] = (info.files, [as_path(f).name for f in info.files])
+        rows.append(
+            {
+                "name": name,
+                "shape": list(info.shape),
+                "dtype": dtype_name(info.dtype_spec),
+                "stored_dtype": dtype_name(info.stored_spec or info.dtype_spec),
+                "numel": info.numel,
+                "nbytes": info.nbytes,
+                "kind": info.kind,
+                "tied_to": info.tied_to,
+                "files": known[1],
+            }
+        )
+    distinct = [i for n, i in infos.items() if n not in tied]
+    return {
+        "metadata": metadata.as_dict(),
+        "num_tensors": len(infos),
+        "num_params": sum(i.numel for i in distinct),
+        "total_bytes": sum(i.nbytes for i in distinct),
+        "tied": dict(tied),
+        "tensors": rows,
+    }

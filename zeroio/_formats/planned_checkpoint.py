@@ -14,6 +14,8 @@ from .read_plans import ReadPlan, plan_byte_ranges, read_plan_into
 if TYPE_CHECKING:
     import torch
 
+    from .._io.read_ahead import ReadAhead
+
 __all__ = ["PlannedCheckpoint"]
 
 
@@ -44,6 +46,9 @@ class PlannedCheckpoint(Checkpoint):
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         read_plan_into(self._sources[name], start, out)
+
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
+        read_plan_into(self._sources[name], start, out, read_ahead)
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:
         return plan_byte_ranges(self._sources[name])

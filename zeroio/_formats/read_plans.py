@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._dtypes import FLOAT32, DType, as_dtype, to_torch
-from .._io.sources import ByteRange
+from .._io.sources import ByteRange, writable_bytes
 from .._pickles import RankFile, TensorRef
 from .metadata import CheckpointMetadata, TensorInfo, require
 from .partition import Piece, Zero3Pieces
@@ -17,6 +17,8 @@ from .validate import tensor_ref
 
 if TYPE_CHECKING:
     import torch
+
+    from .._io.read_ahead import ReadAhead
 
 __all__ = [
     "FlatPlan",
@@ -82,20 +84,33 @@ ReadPlan: TypeAlias = FlatPlan | WholePlan
 """How to read one stored tensor."""
 
 
-def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor) -> None:
-    """Fill ``out`` with a tensor's flattened elements ``[start, start + out.numel())``; reads only those bytes."""
+def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor, ahead: ReadAhead | None = None) -> None:
+    """Fill ``out`` with a tensor's flattened elements ``[start, start + out.numel())``; reads only those bytes, or,
+    with ``ahead``, serves the pieces of a contiguous ``out`` from its windows (a pass over many tensors)."""
     end = start + out.numel()
     if isinstance(source, WholePlan):
         source.ref.read(start, out.numel(), out)
         return
-    pieces = source.pieces
+    pieces, places = source.pieces, source.places
+    view = writable_bytes(out) if ahead is not None and out.is_contiguous() else None
+    each = out.element_size()
     for piece in pieces.overlapping(start, end) if isinstance(pieces, Zero3Pieces) else pieces:
         lo = max(start, piece.dest)
         hi = min(end, piece.dest + piece.length)
         if lo >= hi:
             continue
         ref = source.groups[piece.rank][piece.group]
-        ref.read(piece.start + (lo - piece.dest), hi - lo, out[lo - start : hi - start])
+        at, found = piece.start + (lo - piece.dest), None
+        if view is not None:  # where the piece lies in its file: an addition once the group's place is known
+            found = (
+                places.byte_range(piece.rank, piece.group, at, hi - lo)
+                if places is not None
+                else ref.byte_range(at, hi - lo)
+            )
+        if found is None or ahead is None:
+            ref.read(at, hi - lo, out[lo - start : hi - start])
+        else:
+            ahead.read_into(found[0], found[1], view[(lo - start) * each : (hi - start) * each])
 
 
 def plan_byte_ranges(source: FlatPlan | WholePlan) -> list[ByteRange] | None:

@@ -367,7 +367,7 @@ def _load(
     # A caller's default-device context must not redirect our reads.
     on_device: dict[torch.device, list[_OnDevice]] = {}  # filled through pinned staging, reads overlapping copies
     fills = sharded.ShardFills(sharded.readers_per_rank() if fill is shard_reads.read_segments else 1)
-    with closing(meter), closing(fills), torch.no_grad(), torch.device("cpu"):
+    with closing(meter), closing(fills), torch.no_grad(), torch.device("cpu"), ckpt.reading_in_order(not is_sharded):
         for slot, key in plan.values():
             steps.check(where)  # another rank failed meanwhile: stop here, on every rank
             old = slot.tensor
