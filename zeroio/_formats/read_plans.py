@@ -93,6 +93,8 @@ def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor, 
         return
     pieces, places = source.pieces, source.places
     view = writable_bytes(out) if ahead is not None and out.is_contiguous() else None
+    if view is not None and ahead is not None and start == 0 and _read_whole(source, view, ahead):
+        return
     each = out.element_size()
     for piece in pieces.overlapping(start, end) if isinstance(pieces, Zero3Pieces) else pieces:
         lo = max(start, piece.dest)
@@ -111,6 +113,19 @@ def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor, 
             ref.read(at, hi - lo, out[lo - start : hi - start])
         else:
             ahead.read_into(found[0], found[1], view[(lo - start) * each : (hi - start) * each])
+
+
+def _read_whole(source: FlatPlan, view: memoryview, ahead: ReadAhead) -> bool:
+    """All of a tensor through ``ahead``: its byte ranges back to back, as a conversion reads them (no
+    :class:`Piece` made); False when they are not plain bytes or hold more than ``view`` (the first chunk)."""
+    ranges = plan_byte_ranges(source)
+    if ranges is None or sum(n for _, _, n in ranges) != len(view):
+        return False
+    at = 0
+    for file, offset, nbytes in ranges:
+        ahead.read_into(file, offset, view[at : at + nbytes])
+        at += nbytes
+    return True
 
 
 def plan_byte_ranges(source: FlatPlan | WholePlan) -> list[ByteRange] | None:
