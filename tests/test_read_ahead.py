@@ -147,3 +147,17 @@ def test_a_flipped_byte_served_from_a_window_fails_the_pass(
     copy = _flip_in(tmp_path, name, rank_index)
     with pytest.raises(CheckpointFormatError, match="fails its CRC-32 check"):
         _pass(how, copy, converted)
+
+
+def test_chunks_of_a_pass_cut_pieces_and_stay_the_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``iter_chunks`` in a pass, 5 elements a chunk (each rank's piece cut at the chunks' bounds, each part served
+    from its window): still one read per rank file and flat group, and the chunks make DeepSpeed's tensor."""
+    expected = reference(FIXTURE)
+    assert expected is not None
+    counts = _watch_reads(monkeypatch)
+    with zeroio.open(FIXTURES / FIXTURE) as ckpt, ckpt.reading_in_order():
+        for name in ckpt.infos:
+            got = torch.cat(list(ckpt.iter_chunks(name, chunk_bytes=20)))
+            assert torch.equal(got, expected[name].reshape(-1)), name
+    optim = {name: n for name, n in counts.items() if name.endswith("optim_states.pt")}
+    assert optim == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 2 for r in range(4)}

@@ -109,10 +109,10 @@ def read_plan_into(source: FlatPlan | WholePlan, start: int, out: torch.Tensor, 
                 if places is not None
                 else ref.byte_range(at, hi - lo)
             )
-        if found is None or ahead is None:
-            ref.read(at, hi - lo, out[lo - start : hi - start])
-        else:
+        if found is not None and view is not None and ahead is not None:
             ahead.read_into(found[0], found[1], view[(lo - start) * each : (hi - start) * each])
+        else:
+            ref.read(at, hi - lo, out[lo - start : hi - start])
 
 
 def _read_whole(source: FlatPlan, view: memoryview, ahead: ReadAhead) -> bool:
