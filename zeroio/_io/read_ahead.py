@@ -84,7 +84,8 @@ class ReadAhead:
         self, files: int = 1, budget: int = BUDGET, spans: dict[int, list[tuple[int, int]]] | None = None
     ) -> None:
         """``spans``: by ``id(source)``, the sorted, disjoint byte spans this process reads (a distributed
-        conversion's share): a window stays inside one, so no process reads bytes that only another one writes."""
+        conversion's share): a window stays inside one, so no process reads bytes that only another one writes
+        (a file not named: windows as they come)."""
         self._budget = budget
         self._spans = spans
         self._files: dict[int, _File] = {}
@@ -120,8 +121,9 @@ class ReadAhead:
     def _fill(self, file: _File, offset: int, n: int) -> _Window | None:
         """Read the window of ``offset``'s record from ``offset`` on (the caller holds the file's lock)."""
         span = file.source.record_span(offset)
-        if span is not None and self._spans is not None:
-            span = _clip(span, self._spans.get(id(file.source), []), offset)
+        limits = None if self._spans is None else self._spans.get(id(file.source))
+        if span is not None and limits is not None:
+            span = _clip(span, limits, offset)
         if span is None or span[1] < offset + n or span == (offset, offset + n):
             return None  # not inside one record, or the whole record (a small tensor of its own): read as asked
         size = self.window_bytes()

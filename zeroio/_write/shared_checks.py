@@ -20,7 +20,7 @@ from typing import Any
 
 from .._io.integrity import CheckedFile, PartialRecord
 
-__all__ = ["Reports", "check_assigned", "checks_of", "partial_reports"]
+__all__ = ["MAX_RUNS", "Reports", "check_assigned", "checks_of", "partial_reports"]
 
 Reports = dict[str, list[Any]]
 """One process's records read in part, by file name: ``[name, start, size, crc, [[lo, hi, crc], ...]]`` each."""
@@ -29,15 +29,25 @@ _RECORD_COST = 4096
 """Bytes a record's check counts for on top of what it reads (balancing many small records)."""
 
 
+MAX_RUNS = 256
+"""A record this process read in more runs than this is checked here, whole, as alone: its pieces are interleaved
+with the other processes' (a 1,024-rank checkpoint of small parameters), so their runs overlap through the
+read-ahead windows, and sending them would cost more than reading the record."""
+
+
 def partial_reports(files: Sequence[CheckedFile]) -> Reports | None:
-    """This process's report (None when it read no record in part)."""
+    """This process's report (None when it read no record in part); records read in more than :data:`MAX_RUNS`
+    runs are checked here at once (CheckpointFormatError on a mismatch)."""
     out: Reports = {}
     for file in files:
-        records = file.partial_records()
+        records = []
+        for name, start, size, crc, runs in file.partial_records():
+            if len(runs) > MAX_RUNS:
+                file.finish_with((name, start, size, crc, []))
+            else:
+                records.append([name, start, size, crc, [list(run) for run in runs]])
         if records:
-            out[file.name] = [
-                [name, start, size, crc, [list(run) for run in runs]] for name, start, size, crc, runs in records
-            ]
+            out[file.name] = records
     return out or None
 
 
