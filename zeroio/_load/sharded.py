@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import ShardedModelError, ZeroIOError
 from . import rank_agreement
+from .shard_reads import staging_bytes
 from .shard_slices import Placement, Strided, local_indices, strided_runs
 
 __all__ = [
@@ -150,7 +151,7 @@ def plan_shard(tensor: torch.Tensor, name: str, where: str) -> ShardPlan:
     return ShardPlan(list(strided_runs(shape, held)), local_shape)
 
 
-def agree(error: ZeroIOError | None, where: str, *, broadcast: bool = False, checkpoint: Any = None) -> None:
+def agree(error: BaseException | None, where: str, *, broadcast: bool = False, checkpoint: Any = None) -> None:
     """Raise on every rank if any rank failed to plan its load, or ranks opened different checkpoints
     (``checkpoint``: this rank's ``rank_agreement.fingerprint``), before any rank reads or writes: the plan
     step (:func:`zeroio._load.rank_agreement.agree`). Without an initialised process group, ``error`` is
@@ -179,15 +180,18 @@ def plan_agreed(
     ranks that opened different checkpoints (``ckpt``'s fingerprint: tag, files) refuse before any reads."""
     plans: dict[int, ShardPlan] = {}
     seen = None
+    agreed_failure: BaseException | None = failure
     try:
+        if failure is None:
+            staging_bytes()  # a bad ZEROIO_STAGING_BYTES is this step's failure on every rank, not a later read's
         for key, (tensor, name) in targets.items() if failure is None else ():
             if is_sharded(tensor):
                 plans[key] = plan_shard(tensor, name, where)
         if ckpt is not None and failure is None and rank_agreement.in_process_group():
             seen = rank_agreement.fingerprint(ckpt)
-    except ZeroIOError as exc:
-        failure = exc
-    agree(failure, where, broadcast=broadcast, checkpoint=seen)
+    except (ZeroIOError, ValueError) as exc:
+        agreed_failure = exc
+    agree(agreed_failure, where, broadcast=broadcast, checkpoint=seen)
     return plans
 
 
