@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from .._formats import (
 )
 from .._io.fileio import create_new, preallocate, pwrite_all, write_new_file
 from .._messages import get_logger
+from ..errors import TensorNotFoundError, UnsupportedCheckpointError
 from .safetensors_writer import SafetensorsLayout, plan_file, write_chunks
 from .sharding import ShardPlan, index_json, plan_shards
 
@@ -154,9 +156,16 @@ def _plan_composed(ckpt: Checkpoint, names: Sequence[str], *, max_shard_size: in
     groups: dict[str, dict[str, Any]] = {}
     steps: dict[str, dict[str, Any]] = {}
     keys: dict[str, None] = {}
-    for name, info in ckpt.infos.items():
-        if name not in wanted or name in ckpt.tied or info.kind != "trainable":
-            continue
+    trainable = [n for n, i in ckpt.infos.items() if n in wanted and n not in ckpt.tied and i.kind == "trainable"]
+    if not trainable:
+        for name in list(ckpt.infos)[:1]:
+            with contextlib.suppress(TensorNotFoundError):
+                ckpt.optimizer_state_spec(name)  # the reader's own reason (e.g. state it cannot read), by name
+        raise UnsupportedCheckpointError(
+            f"'{ckpt.metadata.path}' has no parameters with optimizer state; drop include_optimizer.",
+            path=ckpt.metadata.path,
+        )
+    for name in trainable:
         spec = ckpt.optimizer_state_spec(name)
         state = [k for k, v in spec.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
         hyper = {k: _jsonable(v) for k, v in spec.items() if k not in state and k != "step"}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._messages import get_logger
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
 from ..options import ReadOptions
@@ -34,6 +34,8 @@ __all__ = ["MegatronCheckpoint", "is_megatron", "open_megatron", "unstack_layers
 logger = get_logger(__name__)
 
 OPTIMIZER_STATE = "optimizer.state."
+_BUCKETS = "optimizer.distributed."
+"""Distributed-optimizer state saved as flat gradient-buffer buckets (``dp_reshardable``, ``dp_zero_gather_scatter``)."""
 _STACKED = re.compile(r"^(?P<head>(?:.+\.)?layers)\.(?P<rest>[^0-9.][^.]*(?:\..+)?)$")
 """``<...>layers.<rest>`` where ``rest`` does not start with a layer number: a layer-stacked ShardedTensor key."""
 
@@ -61,19 +63,30 @@ def unstack_layers(entry: TensorEntry) -> dict[str, TensorEntry] | None:
 class MegatronCheckpoint(DcpCheckpoint):
     """A Megatron-Core ``torch_dist`` checkpoint; build it with ``zeroio.open``."""
 
-    def __init__(self, *args: Any, step: torch.Tensor | None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, step: torch.Tensor | None, unread_optimizer: str | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._step = step
+        self._unread_optimizer = unread_optimizer
 
     def optimizer_state(self, name: str) -> dict[str, Any]:
         """The optimizer state of one parameter (per layer for stacked ones): ``exp_avg``, ``exp_avg_sq`` as
-        stored, Megatron's shared ``step`` from common.pt and the param group's hyper-parameters (when the
-        optimizer had one group)."""
+        stored (with a mixed-precision or distributed optimizer also its fp32 master copy, ``fp32_param`` or
+        ``param``), Megatron's shared ``step`` from common.pt and the hyper-parameters every param group agrees on.
+
+        Raises:
+            UnsupportedCheckpointError: the state is the distributed optimizer's flat buckets (``dp_reshardable``).
+        """
+        self._refuse_buckets(name)
         return self._with_step(super().optimizer_state(name))
 
     def optimizer_state_spec(self, name: str) -> dict[str, Any]:
         """:meth:`optimizer_state` with the state tensors on the ``meta`` device (nothing read)."""
+        self._refuse_buckets(name)
         return self._with_step(super().optimizer_state_spec(name))
+
+    def _refuse_buckets(self, name: str) -> None:
+        if self._unread_optimizer is not None and name not in self._optim:
+            raise UnsupportedCheckpointError(self._unread_optimizer, path=self._metadata.path, name=name)
 
     def describe(self) -> dict[str, Any]:
         """:meth:`Checkpoint.describe` plus ``metadata.not_read``: the non-tensor state zeroio does not return."""
@@ -94,7 +107,10 @@ def _split(
     model: dict[str, TensorEntry] = {}
     moments: dict[str, dict[str, TensorEntry]] = {}
     kept_stacked: list[str] = []
+    buckets = [fqn for fqn in tensors if fqn.startswith(_BUCKETS)]  # optimizer state, never weights
     for fqn, entry in tensors.items():
+        if fqn.startswith(_BUCKETS):
+            continue
         layers = unstack_layers(entry)
         if layers is None and _STACKED.match(fqn):
             kept_stacked.append(fqn)
@@ -107,7 +123,7 @@ def _split(
         else:
             model.update(pieces)
     model = {name: model[name] for name in _layer_order(list(model))}
-    other = [f"{OPTIMIZER_STATE}{k}.{p}" for p, states in moments.items() if p not in model for k in states]
+    other = [f"{OPTIMIZER_STATE}{k}.{p}" for p, states in moments.items() if p not in model for k in states] + buckets
     moments = {name: states for name, states in moments.items() if name in model}
     return model, moments, other, kept_stacked
 
@@ -126,12 +142,36 @@ def _layer_order(names: list[str]) -> list[str]:
     return before + layered + [n for n in rest if n not in before]
 
 
+def _bucket_refusal(folder: Path, other: list[str], sharding: str | None) -> str | None:
+    """Why the optimizer state is not read, when it is the distributed optimizer's buckets; else None."""
+    buckets = [k for k in other if k.startswith(_BUCKETS)]
+    if not buckets:
+        return None
+    return (
+        f"'{folder}' holds Megatron's distributed-optimizer state in its {sharding or 'bucket'} layout ("
+        f"{buckets[0]}, ...: flat gradient-buffer buckets whose parameter offsets are not saved), which zeroio does "
+        "not read. Re-save the checkpoint from Megatron-LM with --dist-ckpt-optim-fully-reshardable (one "
+        "optimizer.state.<moment>.<key> tensor per parameter), or convert the weights alone (drop "
+        "include_optimizer)."
+    )
+
+
+def _shared_hyper(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The hyper-parameters (and ``step``) every param group agrees on: one group's all; the distributed
+    optimizer's groups (weight decay on and off, each with its own step) their common values."""
+    if not groups:
+        return {}
+    return {k: v for k, v in groups[0].items() if all(k in g and g[k] == v for g in groups[1:])}
+
+
 def _non_tensor_keys(values: list[str]) -> list[str]:
     """ShardedObject keys (``<key>/shard_<i>_<n>`` entries) and other pickled values, each named once."""
     return sorted({fqn.partition("/shard_")[0] for fqn in values})
 
 
-def _metadata(found: Any, common: MegatronCommon, model: dict[str, TensorEntry], extra: dict[str, Any]) -> Any:
+def _metadata(
+    found: Any, common: MegatronCommon, model: dict[str, TensorEntry], extra: dict[str, Any], *, master: bool
+) -> Any:
     args = common.args
     sizes = [("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size")]
     if args.get("num_experts"):  # MoE: the experts' own parallel sizes
@@ -150,7 +190,7 @@ def _metadata(found: Any, common: MegatronCommon, model: dict[str, TensorEntry],
         tag=found.tag,
         train_dtype=train,
         global_step=iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None,
-        has_fp32_master=train is not None and train.name == "float32",
+        has_fp32_master=master or (train is not None and train.name == "float32"),
         layout="torch_dist",
         parallel=parallel,
         optimizer=extra.pop("optimizer"),
@@ -183,7 +223,7 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
         for name, entry in model.items()
     }
     kinds = {k for states in moments.values() for k in states}
-    hyper = dict(common.param_groups[0]) if len(common.param_groups) == 1 else {}
+    hyper = _shared_hyper(common.param_groups)
     non_tensor = _non_tensor_keys(list(part.meta.values))
     extra: dict[str, Any] = {
         "optimizer": "Adam" if {"exp_avg", "exp_avg_sq"} <= kinds else None,
@@ -198,11 +238,18 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
         "files": list(part.meta.files),
         "save_id": part.meta.save_id,
     }
-    metadata = _metadata(found, common, model, extra)
+    metadata = _metadata(found, common, model, extra, master=bool(kinds & {"fp32_param", "param"}))
     logger.debug("opened %s: megatron torch_dist, %d tensors", found.folder, len(infos))
     entries = {name: (part, entry) for name, entry in model.items()}
     optim = {name: {k: (part, e) for k, e in states.items()} for name, states in moments.items()}
     ckpt = MegatronCheckpoint(
-        metadata, infos, entries, optim, {name: hyper for name in optim}, [part], step=common.step
+        metadata,
+        infos,
+        entries,
+        optim,
+        {name: hyper for name in optim},
+        [part],
+        step=common.step,
+        unread_optimizer=_bucket_refusal(found.folder, other, common.optimizer_sharding),
     )
     return hf_view(ckpt, options.true_vocab_size) if names == "hf" else ckpt

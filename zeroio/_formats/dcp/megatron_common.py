@@ -63,6 +63,8 @@ class MegatronCommon:
     """The optimizer's param groups without their ``params`` lists."""
     unread: str | None = None
     """Why common.pt was not read (a global outside the allowlist), or None."""
+    optimizer_sharding: str | None = None
+    """The distributed optimizer's ``param_state_sharding_type`` (``dp_reshardable``, ``fully_reshardable``, ...)."""
 
     @property
     def args(self) -> dict[str, Any]:
@@ -108,6 +110,12 @@ def read_common(folder: Path, trusted: frozenset[str]) -> MegatronCommon:
         return MegatronCommon(values={"common": _copy(tree, [MAX_NODES])})
     values = {str(k): _copy(v, [MAX_NODES]) for k, v in tree.items() if k != "optimizer"}
     optimizer = tree.get("optimizer")
+    sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict):
+        # Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params: every --bf16 / --fp16 run
+        # without the distributed optimizer) and its distributed optimizer nest the torch optimizer's state dict
+        # one level down (the latter's param groups each carry their own step).
+        optimizer = optimizer["optimizer"]
     step, groups = None, []
     if isinstance(optimizer, dict):
         state = optimizer.get("state")
@@ -118,7 +126,8 @@ def read_common(folder: Path, trusted: frozenset[str]) -> MegatronCommon:
             if isinstance(group, dict):
                 groups.append({str(k): _copy(v, [MAX_NODES]) for k, v in group.items() if k != "params"})
     file.close()
-    return MegatronCommon(values=values, step=step, param_groups=groups)
+    sharding = sharding if isinstance(sharding, str) else None
+    return MegatronCommon(values=values, step=step, param_groups=groups, optimizer_sharding=sharding)
 
 
 def not_read(extra: Mapping[str, Any]) -> dict[str, Any]:
