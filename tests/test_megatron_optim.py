@@ -6,6 +6,7 @@ run: ``expected/plain.pt`` (``load_plain_tensors``), ``expected/model.pt`` (the 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,24 @@ NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
 
 def _load(name: str, what: str) -> dict:
     return torch.load(FIXTURES / name / "expected" / what, weights_only=False)
+
+
+def _plain(name: str) -> dict[str, torch.Tensor]:
+    """load_plain_tensors' tensors, ChainedOptimizer's ``chained_<i>.`` prefix dropped (keys are unique without)."""
+    found = {re.sub(r"^chained_\d+\.", "", k): v for k, v in _load(name, "plain.pt").items()}
+    assert len(found) == len(_load(name, "plain.pt"))
+    return found
+
+
+def _step(name: str) -> torch.Tensor:
+    """The step in common.pt: Float16Optimizer's common_step, else the (equal) steps of every param group of every
+    chained optimizer."""
+    common = _load(name, "optimizer_common.pt")
+    parts = list(common.values()) if all(isinstance(k, int) for k in common) else [common]
+    if "state" in parts[0]["optimizer"]:
+        return parts[0]["optimizer"]["state"]["common_step"]
+    (step,) = {g["step"] for part in parts for g in part["optimizer"]["param_groups"]}
+    return torch.tensor(step)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -41,7 +60,13 @@ def _stacked(name: str) -> tuple[str, int | None]:
 
 
 def test_fixtures_present():
-    assert NAMES == ["gpt_dp2_distopt", "gpt_dp2_distopt_reshardable", "gpt_tp2_bf16"]
+    assert NAMES == [
+        "gpt_dp2_distopt",
+        "gpt_dp2_distopt_reshardable",
+        "gpt_moe_ep2_distopt",
+        "gpt_moe_ep2_distopt_reshardable",
+        "gpt_tp2_bf16",
+    ]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -57,14 +82,20 @@ def test_weights_are_the_live_models_and_nothing_else(name, tmp_path):
     assert set(written) == set(live) and all(_same(written[k], v) for k, v in live.items())
 
 
-@pytest.mark.parametrize(("name", "master"), [("gpt_tp2_bf16", "fp32_param"), ("gpt_dp2_distopt_reshardable", "param")])
+@pytest.mark.parametrize(
+    ("name", "master"),
+    [
+        ("gpt_tp2_bf16", "fp32_param"),
+        ("gpt_dp2_distopt_reshardable", "param"),
+        ("gpt_moe_ep2_distopt_reshardable", "param"),
+    ],
+)
 def test_optimizer_state_with_step_and_hyper_parameters(name, master):
     """Float16OptimizerWithFloat16Params keeps step and param groups under common.pt's ``optimizer.optimizer``; the
-    distributed optimizer's two param groups (weight decay on / off) each carry the step. Before, both lost the
-    step and learning rate."""
-    plain = _load(name, "plain.pt")
-    common = _load(name, "optimizer_common.pt")["optimizer"]
-    step = common["state"]["common_step"] if "state" in common else torch.tensor(common["param_groups"][0]["step"])
+    distributed optimizer's two param groups (weight decay on / off) each carry the step; MoE's ChainedOptimizer
+    prefixes its keys ``chained_<i>.`` and saves one common entry per optimizer. Before, the first two lost the step
+    and learning rate, and the chained moments were read as weights."""
+    plain, step = _plain(name), _step(name)
     with zeroio.open(FIXTURES / name) as ckpt:
         assert ckpt.metadata.has_fp32_master and ckpt.metadata.optimizer == "Adam"
         for key in ckpt:
@@ -78,14 +109,15 @@ def test_optimizer_state_with_step_and_hyper_parameters(name, master):
             assert state["lr"] == 0.01 and list(state["betas"]) == [0.9, 0.999]
 
 
-def test_bucket_optimizer_state_is_refused_by_name(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["gpt_dp2_distopt", "gpt_moe_ep2_distopt"])
+def test_bucket_optimizer_state_is_refused_by_name(name, tmp_path, capsys):
     """dp_reshardable (Megatron-LM's default with --use-distributed-optimizer) saves flat buckets whose parameter
     offsets are not in the checkpoint: optimizer_state and --include-optimizer refuse, naming the re-save flag;
     before, convert wrote an empty optimizer.safetensors and exited 0."""
-    src = FIXTURES / "gpt_dp2_distopt"
+    src = FIXTURES / name
     with zeroio.open(src) as ckpt:
         assert ckpt.metadata.optimizer is None
-        assert any(k.startswith("optimizer.distributed.") for k in ckpt.metadata.extra["other_tensors"])
+        assert any(".distributed." in k for k in ckpt.metadata.extra["other_tensors"])
         with pytest.raises(UnsupportedCheckpointError, match="--dist-ckpt-optim-fully-reshardable"):
             ckpt.optimizer_state("decoder.layers.0.mlp.linear_fc1.weight")
     assert main(["convert", str(src), str(tmp_path / "out"), "--include-optimizer", "--quiet"]) == 1

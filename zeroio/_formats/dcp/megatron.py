@@ -100,6 +100,15 @@ class MegatronCheckpoint(DcpCheckpoint):
         return state
 
 
+_CHAINED = re.compile(r"^chained_\d+\.(?=optimizer\.)")
+"""ChainedOptimizer's prefix (MoE's dense and expert optimizers; Megatron adds it unless the metadata says
+``chained_optim_avoid_prefix`` and the format is fully reshardable): ``chained_1.optimizer.state.exp_avg.<key>``."""
+
+
+def _unchained(fqn: str) -> str:
+    return _CHAINED.sub("", fqn, count=1)
+
+
 def _split(
     tensors: dict[str, TensorEntry],
 ) -> tuple[dict[str, TensorEntry], dict[str, dict[str, TensorEntry]], list[str], list[str]]:
@@ -107,19 +116,19 @@ def _split(
     model: dict[str, TensorEntry] = {}
     moments: dict[str, dict[str, TensorEntry]] = {}
     kept_stacked: list[str] = []
-    buckets = [fqn for fqn in tensors if fqn.startswith(_BUCKETS)]  # optimizer state, never weights
+    buckets = [fqn for fqn in tensors if _unchained(fqn).startswith(_BUCKETS)]  # optimizer state, never weights
     for fqn, entry in tensors.items():
-        if fqn.startswith(_BUCKETS):
+        if fqn in buckets:
             continue
         layers = unstack_layers(entry)
         if layers is None and _STACKED.match(fqn):
             kept_stacked.append(fqn)
         pieces = layers or {fqn: entry}
-        if fqn.startswith(OPTIMIZER_STATE):
-            moment, _, _ = fqn[len(OPTIMIZER_STATE) :].partition(".")
+        if _unchained(fqn).startswith(OPTIMIZER_STATE):
+            moment, _, _ = _unchained(fqn)[len(OPTIMIZER_STATE) :].partition(".")
             prefix = f"{OPTIMIZER_STATE}{moment}."
             for name, piece in pieces.items():
-                moments.setdefault(name[len(prefix) :], {})[moment] = piece
+                moments.setdefault(_unchained(name)[len(prefix) :], {})[moment] = piece
         else:
             model.update(pieces)
     model = {name: model[name] for name in _layer_order(list(model))}
@@ -144,12 +153,12 @@ def _layer_order(names: list[str]) -> list[str]:
 
 def _bucket_refusal(folder: Path, other: list[str], sharding: str | None) -> str | None:
     """Why the optimizer state is not read, when it is the distributed optimizer's buckets; else None."""
-    buckets = [k for k in other if k.startswith(_BUCKETS)]
+    buckets = [k for k in other if _unchained(k).startswith(_BUCKETS)]
     if not buckets:
         return None
     return (
         f"'{folder}' holds Megatron's distributed-optimizer state in its {sharding or 'bucket'} layout ("
-        f"{buckets[0]}, ...: flat gradient-buffer buckets whose parameter offsets are not saved), which zeroio does "
+        f"{buckets[0]}, ...: flat gradient-buffer buckets, whose parameter offsets are not saved), which zeroio does "
         "not read. Re-save the checkpoint from Megatron-LM with --dist-ckpt-optim-fully-reshardable (one "
         "optimizer.state.<moment>.<key> tensor per parameter), or convert the weights alone (drop "
         "include_optimizer)."
@@ -250,6 +259,6 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
         {name: hyper for name in optim},
         [part],
         step=common.step,
-        unread_optimizer=_bucket_refusal(found.folder, other, common.optimizer_sharding),
+        unread_optimizer=_bucket_refusal(found.folder, other + non_tensor, common.optimizer_sharding),
     )
     return hf_view(ckpt, options.true_vocab_size) if names == "hf" else ckpt

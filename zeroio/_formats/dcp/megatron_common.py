@@ -96,6 +96,33 @@ def _copy(value: Any, budget: list[int], depth: int = 0) -> Any:
     return f"<{global_name(value) or type(value).__name__}>"
 
 
+def _optimizer_parts(optimizer: Any) -> tuple[torch.Tensor | None, list[dict[str, Any]], str | None]:
+    """(the shared step, the param groups without their ``params``, the distributed optimizer's sharding type).
+
+    Megatron's ChainedOptimizer (MoE: the dense and the expert optimizers) saves ``{0: ..., 1: ...}``, one entry
+    per optimizer (their steps synchronized); its mixed-precision optimizer (Float16OptimizerWithFloat16Params:
+    every --bf16 / --fp16 run without the distributed optimizer) and its distributed optimizer nest the torch
+    optimizer's state dict one level down (the latter's param groups each carry their own step)."""
+    chained = isinstance(optimizer, dict) and optimizer and all(isinstance(k, int) for k in optimizer)
+    parts = list(optimizer.values()) if chained else [optimizer]
+    step, groups, sharding = None, [], None
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        found_sharding = part.get("param_state_sharding_type")
+        sharding = found_sharding if isinstance(found_sharding, str) else sharding
+        inner = part["optimizer"] if isinstance(part.get("optimizer"), dict) else part
+        state = inner.get("state")
+        found = state.get("common_step") if isinstance(state, dict) else None
+        if step is None and isinstance(found, TensorRef) and found.numel <= 1:
+            step = found.materialize().clone()
+        raw_groups = inner.get("param_groups")
+        for group in raw_groups if isinstance(raw_groups, list) else []:
+            if isinstance(group, dict):
+                groups.append({str(k): _copy(v, [MAX_NODES]) for k, v in group.items() if k != "params"})
+    return step, groups, sharding
+
+
 def read_common(folder: Path, trusted: frozenset[str]) -> MegatronCommon:
     """Parse ``folder/common.pt``; a global outside the allowlist leaves it unread (logged), never run."""
     path = folder / "common.pt"
@@ -109,24 +136,8 @@ def read_common(folder: Path, trusted: frozenset[str]) -> MegatronCommon:
         file.close()
         return MegatronCommon(values={"common": _copy(tree, [MAX_NODES])})
     values = {str(k): _copy(v, [MAX_NODES]) for k, v in tree.items() if k != "optimizer"}
-    optimizer = tree.get("optimizer")
-    sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict):
-        # Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params: every --bf16 / --fp16 run
-        # without the distributed optimizer) and its distributed optimizer nest the torch optimizer's state dict
-        # one level down (the latter's param groups each carry their own step).
-        optimizer = optimizer["optimizer"]
-    step, groups = None, []
-    if isinstance(optimizer, dict):
-        state = optimizer.get("state")
-        found = state.get("common_step") if isinstance(state, dict) else None
-        step = found.materialize().clone() if isinstance(found, TensorRef) and found.numel <= 1 else None
-        raw_groups = optimizer.get("param_groups")
-        for group in raw_groups if isinstance(raw_groups, list) else []:
-            if isinstance(group, dict):
-                groups.append({str(k): _copy(v, [MAX_NODES]) for k, v in group.items() if k != "params"})
+    step, groups, sharding = _optimizer_parts(tree.get("optimizer"))
     file.close()
-    sharding = sharding if isinstance(sharding, str) else None
     return MegatronCommon(values=values, step=step, param_groups=groups, optimizer_sharding=sharding)
 
 
