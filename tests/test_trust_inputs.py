@@ -80,6 +80,32 @@ def test_zero3_optim_file_from_another_step(tmp_path):
     assert "step" in str(exc) and MIXED in str(exc)
 
 
+def test_zero3_flat_groups_of_another_dtype(tmp_path):
+    """Rank 1's fp32 partitions re-saved as bf16 (same element counts): each piece is read at rank 0's element
+    size, so this converted with exit 0 and wrong values (bytes past the record's end) before it was refused."""
+    root = _copy(tmp_path, "z3_ws2_fp32")
+    path = root / "global_step2" / _z3(1, "optim")
+    tree = torch.load(path, weights_only=False, map_location="cpu")
+    osd = tree["optimizer_state_dict"]
+    osd["fp32_flat_groups"] = [t.to(torch.bfloat16) for t in osd["fp32_flat_groups"]]
+    torch.save(tree, path)
+    exc = _refuse(root)
+    assert exc.path == path and exc.rank == 1
+    assert "flat group 0 is stored as torch.bfloat16, rank 0's as torch.float32" in str(exc) and MIXED in str(exc)
+
+
+def test_zero3_frozen_fragment_of_another_dtype(tmp_path):
+    """Rank 1's frozen fragments re-saved as fp16 (same element counts): read at rank 0's element size before."""
+    root = _copy(tmp_path, "z3_ws2_fp32")
+    path = root / "global_step2" / _z3(1, "model")
+    tree = torch.load(path, weights_only=False, map_location="cpu")
+    tree["frozen_param_fragments"] = {k: v.half() for k, v in tree["frozen_param_fragments"].items()}
+    torch.save(tree, path)
+    exc = _refuse(root)
+    assert exc.path == path and exc.rank == 1 and exc.name == "frozen.weight"
+    assert "stored as torch.float16, rank 0's fragment as torch.float32" in str(exc) and MIXED in str(exc)
+
+
 @pytest.mark.parametrize("kinds", [("model", "optim"), ("optim",), ("model",)])
 def test_zero3_rank0_duplicated_as_rank1(tmp_path, kinds):
     """Rank 0's files copied over rank 1's: the archive records the name each file was saved under."""

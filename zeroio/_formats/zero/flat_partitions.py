@@ -85,5 +85,22 @@ def optimizer_partitions(
             "checkpoints.",
             path=tag_dir,
         )
+    _check_dtypes(flat_groups, layout.optim_files, stage)
     first_state = trees[0][C.OPTIMIZER_STATE_DICT]
     return OptimizerPartitions(stage, tuple(layout.optim_files), flat_groups, base_states, first_state, slice_mappings)
+
+
+def _check_dtypes(flat_groups: list[tuple[TensorRef, ...]], files: Sequence[Path], stage: int) -> None:
+    """Every rank's flat groups in rank 0's dtypes (at ZeRO-3 one dtype for all: a parameter may span two groups).
+    A piece is read at the first file's element size, so a rank file from a run of another dtype read wrong bytes."""
+    for rank, groups in enumerate(flat_groups):
+        for g, ref in enumerate(groups):
+            reference = flat_groups[0][0 if stage == 3 else min(g, len(flat_groups[0]) - 1)]
+            if ref.dtype_spec != reference.dtype_spec:
+                raise CheckpointFormatError(
+                    f"'{files[rank]}': flat group {g} is stored as {ref.dtype_spec}, rank 0's as "
+                    f"{reference.dtype_spec}: the folder mixes files from different saves; copy the whole tag folder "
+                    "again.",
+                    path=files[rank],
+                    rank=rank,
+                )

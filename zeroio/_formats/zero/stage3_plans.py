@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import _constants as C
+from ..._pickles import TensorRef
 from ...errors import PartitionMismatchError
 from ..metadata import TensorInfo, require, require_dict
 from ..partition import Piece, Zero3Pieces, zero3_offsets, zero3_partition_numel
@@ -25,7 +26,7 @@ def zero3_frozen(
     for name, shape in frozen_shapes.items():
         numel = numel_of(shape)
         part = zero3_partition_numel(numel, world_size)
-        frags = []
+        frags: list[tuple[TensorRef]] = []
         for rank, (mpath, tree) in enumerate(zip(model_files, model_trees)):
             fragments = require_dict(tree.get(C.FROZEN_PARAM_FRAGMENTS) or {}, C.FROZEN_PARAM_FRAGMENTS, mpath)
             frag = tensor_ref(
@@ -34,6 +35,14 @@ def zero3_frozen(
                 mpath,
             )
             needed = max(0, min(part, numel - rank * part))
+            if frags and frag.dtype_spec != frags[0][0].dtype_spec:
+                raise PartitionMismatchError(
+                    f"'{mpath}': frozen parameter '{name}' is stored as {frag.dtype_spec}, rank 0's fragment as "
+                    f"{frags[0][0].dtype_spec}: the folder mixes files from different saves; copy the whole tag folder again.",
+                    path=mpath,
+                    name=name,
+                    rank=rank,
+                )
             if frag.numel < needed:
                 raise PartitionMismatchError(
                     f"'{mpath}': frozen parameter '{name}' {shape} needs {needed} elements from rank {rank}, the "
