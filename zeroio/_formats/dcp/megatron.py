@@ -111,8 +111,10 @@ def _unchained(fqn: str) -> str:
 
 def _split(
     tensors: dict[str, TensorEntry],
+    where: Path,
 ) -> tuple[dict[str, TensorEntry], dict[str, dict[str, TensorEntry]], list[str], list[str]]:
-    """Model tensors and optimizer moments by per-layer name; the keys of other tensors; stacked keys kept whole."""
+    """Model tensors and optimizer moments by per-layer name; the keys of other tensors; stacked keys kept whole
+    (``where``: the metadata file, for errors)."""
     model: dict[str, TensorEntry] = {}
     moments: dict[str, dict[str, TensorEntry]] = {}
     kept_stacked: list[str] = []
@@ -128,7 +130,15 @@ def _split(
             moment, _, _ = _unchained(fqn)[len(OPTIMIZER_STATE) :].partition(".")
             prefix = f"{OPTIMIZER_STATE}{moment}."
             for name, piece in pieces.items():
-                moments.setdefault(_unchained(name)[len(prefix) :], {})[moment] = piece
+                states = moments.setdefault(_unchained(name)[len(prefix) :], {})
+                if moment in states:  # two chained optimizers (dense, experts) never hold the same parameter
+                    raise CheckpointFormatError(
+                        f"'{where}': Megatron optimizer state '{fqn}' holds the {moment} of "
+                        f"'{_unchained(name)[len(prefix) :]}', which another chained optimizer's state holds too: the "
+                        "checkpoint is corrupted or hostile; copy it again from where it was saved.",
+                        path=where,
+                    )
+                states[moment] = piece
         else:
             model.update(pieces)
     model = {name: model[name] for name in _layer_order(list(model))}
@@ -214,7 +224,7 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
     found = megatron_folder(path, tag)
     part, _ = read_dcp_part(found.folder, trusted_globals | MEGATRON_GLOBALS, read_values=False)
     common = read_common(found.folder, trusted_globals)
-    model, moments, other, kept_stacked = _split(part.meta.tensors)
+    model, moments, other, kept_stacked = _split(part.meta.tensors, found.folder / ".metadata")
     if not model:
         raise CheckpointFormatError(
             f"'{found.folder}' is a Megatron checkpoint without model tensors (only "
