@@ -75,6 +75,23 @@ def test_s3_without_network_fails_fast():
     assert time.monotonic() - start < 20
 
 
+def test_a_port_holding_403_is_no_refused_access():
+    """A closed endpoint whose port holds the digits 403 (127.0.0.1:40403, as a random port once was): the failure
+    says check the endpoint and the network, not set credentials (the URL's digits were taken for an HTTP 403)."""
+    for port in [*range(40300, 40400), *range(14030, 14040)]:
+        with socket.socket() as sock:  # nothing listens once it is closed: every connection is refused at once
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        break
+    else:
+        pytest.skip("no free port holding 403")
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"}
+    with pytest.raises(RemoteStorageError, match="Check the endpoint and the network"):
+        zeroio.open("s3://bucket/ckpt", storage_options=options)
+
+
 def test_abbreviated_flags_are_refused(tmp_path, capsys):
     """`--exclude` is not silently taken for --exclude-frozen."""
     with pytest.raises(SystemExit) as exc:

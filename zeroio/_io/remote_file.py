@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -66,7 +67,10 @@ _POOL: cf.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 _AUTH_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
-               "signaturedoesnotmatch", "unauthorized", "invalidtoken", "expiredtoken", "401", "403")  # fmt: skip
+               "signaturedoesnotmatch", "unauthorized", "invalidtoken", "expiredtoken")  # fmt: skip
+_AUTH_STATUS = re.compile(r"(?<![\w.:/-])40[13](?![\w.])")
+"""401 or 403 as a status of its own (``403, message='Forbidden'``, ``(403)``), not inside a port or a number."""
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 
 
 def _pool() -> cf.ThreadPoolExecutor:
@@ -80,8 +84,11 @@ def _pool() -> cf.ThreadPoolExecutor:
 def _is_auth_error(exc: BaseException) -> bool:
     if isinstance(exc, PermissionError):
         return True
-    text = f"{type(exc).__name__} {exc}".lower().replace(" ", "")
-    return any(word.replace(" ", "") in text for word in _AUTH_WORDS)
+    if getattr(exc, "status", None) in (401, 403):
+        return True
+    said = _URL.sub(" ", f"{type(exc).__name__} {exc}".lower())  # a URL's port or path is no status (":40403")
+    text = said.replace(" ", "")
+    return any(word.replace(" ", "") in text for word in _AUTH_WORDS) or _AUTH_STATUS.search(said) is not None
 
 
 def call_with_retries(
