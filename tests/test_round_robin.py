@@ -30,8 +30,8 @@ from zeroio import errors
 from zeroio._formats.partition import round_robin_original
 
 NAME = "round_robin_z2_ws2_fp32"
-PIPE = "pipe_z1_ws4_pp2dp2_fp32_rr"
-BF16_ACC = "round_robin_bf16acc_z1_ws2"  # BF16_Optimizer ignores round_robin_gradients: groups keep their order  # ZeRO-1 pipeline (2 stages x 2 dp ranks): each stage's groups round-robin
+PIPE = "pipe_z1_ws4_pp2dp2_fp32_rr"  # ZeRO-1 pipeline (2 stages x 2 dp ranks): each stage's groups round-robin
+BF16_ACC = "round_robin_bf16acc_z1_ws2"  # BF16_Optimizer ignores round_robin_gradients: groups keep their order
 
 
 def test_open_load_convert_equal_engine(tmp_path: Path) -> None:
