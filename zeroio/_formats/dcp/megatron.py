@@ -120,21 +120,23 @@ def _split(
     kept_stacked: list[str] = []
     buckets = [fqn for fqn in tensors if _unchained(fqn).startswith(_BUCKETS)]  # optimizer state, never weights
     for fqn, entry in tensors.items():
-        if fqn in buckets:
+        key = _unchained(fqn)
+        if key.startswith(_BUCKETS):
             continue
         layers = unstack_layers(entry)
         if layers is None and _STACKED.match(fqn):
             kept_stacked.append(fqn)
         pieces = layers or {fqn: entry}
-        if _unchained(fqn).startswith(OPTIMIZER_STATE):
-            moment, _, _ = _unchained(fqn)[len(OPTIMIZER_STATE) :].partition(".")
+        if key.startswith(OPTIMIZER_STATE):
+            moment, _, _ = key[len(OPTIMIZER_STATE) :].partition(".")
             prefix = f"{OPTIMIZER_STATE}{moment}."
             for name, piece in pieces.items():
-                states = moments.setdefault(_unchained(name)[len(prefix) :], {})
+                param = _unchained(name)[len(prefix) :]
+                states = moments.setdefault(param, {})
                 if moment in states:  # two chained optimizers (dense, experts) never hold the same parameter
                     raise CheckpointFormatError(
                         f"'{where}': Megatron optimizer state '{fqn}' holds the {moment} of "
-                        f"'{_unchained(name)[len(prefix) :]}', which another chained optimizer's state holds too: the "
+                        f"'{param}', which another chained optimizer's state holds too: the "
                         "checkpoint is corrupted or hostile; copy it again from where it was saved.",
                         path=where,
                     )
