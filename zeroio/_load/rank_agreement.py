@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
-from .._io.confine import hub_cache_blobs, open_regular
+from .._io.confine import confined_path, hub_cache_blobs, open_regular
 from .._messages import get_logger, listing
 from .._ranks import Alarm, Failure, RanksLost, default_group, gloo_detail, in_job, settle
 from ..errors import ShardedModelError, ZeroIOError
@@ -115,15 +115,13 @@ def _edges(root: Path, names: list[str]) -> list[str]:
     """A hash of the first and last :data:`EDGE_BYTES` of each named file under ``root`` (all of it when smaller);
     "" for what is not a regular file (opened as the readers open files: a FIFO never blocks), cannot be read, or
     is a link leading out of the checkpoint (and out of a Hub cache's blobs): its bytes are not read."""
-    inside = [root.resolve()] + ([] if (blobs := hub_cache_blobs(root)) is None else [blobs.resolve()])
+    blobs = hub_cache_blobs(root)
     hashes = []
     for name in names:
-        path = root / name if root.is_dir() else root
         try:
-            if path.is_symlink() and not any(path.resolve().is_relative_to(p) for p in inside):
-                raise OSError("a link out of the checkpoint")
+            path = confined_path(root, name, source=root, what="file", links_into=blobs) if root.is_dir() else root
             fd, (_, _, size, _) = open_regular(path)
-        except (OSError, RuntimeError, ZeroIOError):  # RuntimeError: a loop of links before Python 3.13
+        except (OSError, ZeroIOError):
             hashes.append("")
             continue
         try:
