@@ -68,6 +68,7 @@ class TensorReader(Protocol):
         target: torch.dtype | None,
         chunk_bytes: int,
         scratch: Callable[[torch.dtype, int], torch.Tensor] | None = None,
+        read_ahead: ReadAhead | None = None,
     ) -> Iterator[torch.Tensor]: ...
 
     def get_tensor(self, name: str, *, dtype: str | torch.dtype | None = None) -> torch.Tensor: ...
@@ -161,8 +162,13 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         raise NotImplementedError
 
     def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
-        """:meth:`read_into`, small reads served by ``read_ahead``'s windows (:meth:`reading_in_order`) in readers
-        that read small pieces of local zip records (ZeRO, universal); the others read as asked."""
+        """:meth:`read_into`, small reads served by ``read_ahead``'s windows (:meth:`reading_in_order`, a conversion)
+        in readers that read small pieces of local zip records (ZeRO, universal); the others read as asked.
+
+        A reader that reads through other readers (:class:`~zeroio._formats.view.CheckpointView`, a tensor-parallel
+        composite) overrides this, not :meth:`read_into`, and hands ``read_ahead`` on to them: the windows are
+        the outermost reader's, over its inner readers' files (its :meth:`_checked_files`), so a renamed, merged
+        or composite checkpoint is read in a few windows per rank file, as the plain one is."""
         self.read_into(name, start, out)
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:
@@ -380,17 +386,19 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
             ...     ckpt.get_tensor("emb.weight").shape
             torch.Size([13, 7])
         """
+        return self.read_tensor(name, parse_dtype(dtype), self._read_ahead)
+
+    def read_tensor(self, name: str, target: torch.dtype | None, read_ahead: ReadAhead | None) -> torch.Tensor:
+        """:meth:`get_tensor` with small reads served by ``read_ahead``'s windows (a reader that reads another
+        one's tensors whole, such as a LoRA merge's factors, hands on the windows it was given)."""
         info = self._resolve(name)
-        target = parse_dtype(dtype)
         source = self.source_name(name)
         stored = self.stored_dtype(name)
         import torch
 
         out = torch.empty(info.numel, dtype=stored)
         if info.numel:
-            self.read_ahead_into(
-                source, 0, out, self._read_ahead
-            )  # a record this read completes is checked as its last bytes pass
+            self.read_ahead_into(source, 0, out, read_ahead)  # a record this read completes is checked as it passes
         tensor = out.view(info.shape)
         wanted = output_dtype(info, target)
         return tensor if tensor.dtype == wanted else tensor.to(wanted)
@@ -410,8 +418,10 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         target: torch.dtype | None,
         chunk_bytes: int,
         scratch: Callable[[torch.dtype, int], torch.Tensor] | None = None,
+        read_ahead: ReadAhead | None = None,
     ) -> Iterator[torch.Tensor]:
-        """The one chunking loop, behind :meth:`iter_chunks` and the converter.
+        """The one chunking loop, behind :meth:`iter_chunks` and the converter (``read_ahead``: the conversion's
+        windows; None: those of the pass in progress, if any).
 
         Without ``scratch`` every chunk is a fresh, owned tensor. With ``scratch(dtype, numel)`` (a 1-D buffer
         of at least ``numel`` elements, reused by the caller) chunks are views of those buffers, valid until the
@@ -430,7 +440,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
             self.ensure_open(name)
             n = min(step, info.numel - start)
             raw = torch.empty(n, dtype=stored) if scratch is None else scratch(stored, size)[:n]
-            self.read_ahead_into(source, start, raw, self._read_ahead)
+            self.read_ahead_into(source, start, raw, read_ahead or self._read_ahead)
             if wanted == stored:
                 chunk = raw
             elif scratch is None:

@@ -129,7 +129,7 @@ def _write_safetensors(
                     args = (ckpt, name, runs, target, fd, slot, chunk_bytes, on_bytes, stop)
                     if not copy_in_kernel(*args) and not copy_through_memory(*args, byte_buffers, read_ahead):
                         torch_target = None if target is None else target.torch
-                        chunks = ckpt.chunks(name, torch_target, chunk_bytes, buffers.get)
+                        chunks = ckpt.chunks(name, torch_target, chunk_bytes, buffers.get, read_ahead)
                         write_chunks(fd, slot, chunks, on_bytes=on_bytes, stop=stop)
                 with left_lock:
                     left[fd] -= 1

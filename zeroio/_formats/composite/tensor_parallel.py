@@ -46,6 +46,8 @@ from ..zero.reader import ZeroCheckpoint, open_zero
 if TYPE_CHECKING:
     import torch
 
+    from ..._io.read_ahead import ReadAhead
+
 __all__ = [
     "Merge",
     "MergePlan",
@@ -95,9 +97,14 @@ class TensorParallelCheckpoint(Checkpoint):
         return describe_rule(self._merges[self.source_name(self.info(name).name)].rule)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        self.read_ahead_into(name, start, out, None)
+
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
+        """Each tp rank's runs read through that rank, handing on ``read_ahead``: the windows of this checkpoint's
+        pass (over every rank's files) or of a conversion."""
         merge = self._merges[name]
         if merge.rule == REPLICATED:
-            self._ranks[0].read_into(name, start, out)
+            self._ranks[0].read_ahead_into(name, start, out, read_ahead)
             return
         # Row-major order: for each index before the split dim, rank 0's run, rank 1's run, ... Read run by run
         # into slices of ``out``: memory stays the caller's chunk, whatever the tensor size.
@@ -111,7 +118,9 @@ class TensorParallelCheckpoint(Checkpoint):
             rank = bisect.bisect_right(offsets, within) - 1
             into = within - offsets[rank]
             take = min(widths[rank] - into, end - pos)
-            self._ranks[rank].read_into(name, outer * widths[rank] + into, out[pos - start : pos - start + take])
+            self._ranks[rank].read_ahead_into(
+                name, outer * widths[rank] + into, out[pos - start : pos - start + take], read_ahead
+            )
             pos += take
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:

@@ -40,6 +40,8 @@ from .megatron_vocab import Vocab, vocab_rows
 if TYPE_CHECKING:
     import torch
 
+    from ..._io.read_ahead import ReadAhead
+
 __all__ = ["HfNamedCheckpoint", "hf_view"]
 
 _LAYER = "decoder.layers."
@@ -84,12 +86,12 @@ class HfNamedCheckpoint(CheckpointView):
         super().__init__(base, metadata, infos, {})
         self._recipes = recipes
 
-    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
         end, at = start + out.numel(), 0
         for piece in self._recipes[name]:
             a, b = max(start, at), min(end, at + piece.count)
             if a < b:
-                self._inner.read_into(piece.source, piece.start + a - at, out[a - start : b - start])
+                self._inner.read_ahead_into(piece.source, piece.start + a - at, out[a - start : b - start], read_ahead)
             at += piece.count
 
     def describe(self) -> dict[str, Any]:

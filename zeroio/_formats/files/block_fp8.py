@@ -16,6 +16,8 @@ from ..view import CheckpointView
 if TYPE_CHECKING:
     import torch
 
+    from ..._io.read_ahead import ReadAhead
+
 __all__ = ["BlockFP8Checkpoint", "ScaledWeight", "dequantize_into"]
 
 FP32 = BY_NAME["float32"]
@@ -106,10 +108,10 @@ class BlockFP8Checkpoint(CheckpointView):
         super().__init__(inner, metadata, infos, tied)
         self._weights = dict(weights)
 
-    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
         quantized = self._weights.get(name)
         if quantized is None:
-            self._inner.read_into(name, start, out)
+            self._inner.read_ahead_into(name, start, out, read_ahead)
             return
         import torch
 
@@ -119,9 +121,10 @@ class BlockFP8Checkpoint(CheckpointView):
         first = start // cols // block_rows
         last = (start + out.numel() - 1) // cols // block_rows
         scale = torch.empty((last - first + 1, -(-cols // block_cols)), dtype=torch.float32)
-        self._inner.read_into(self._inner.source_name(quantized.scale), first * scale.shape[1], scale.view(-1))
+        scale_name = self._inner.source_name(quantized.scale)
+        self._inner.read_ahead_into(scale_name, first * scale.shape[1], scale.view(-1), read_ahead)
         raw = torch.empty(out.numel(), dtype=self._inner.stored_dtype(name))
-        self._inner.read_into(name, start, raw)
+        self._inner.read_ahead_into(name, start, raw, read_ahead)
         dequantize_into(raw, scale, quantized.shape, quantized.block, start, out, first)
 
     def stored_spec(self, name: str) -> DType:

@@ -26,6 +26,8 @@ from .names import LoraPair, adapter_keys, adapter_names, base_names, lora_pairs
 if TYPE_CHECKING:
     import torch
 
+    from ..._io.read_ahead import ReadAhead
+
 __all__ = ["RenamedView", "adapter_configs", "adapter_view", "merged_lora_view", "peft_adapters"]
 
 _FP32 = as_dtype("float32")
@@ -52,8 +54,8 @@ class RenamedView(CheckpointView):
             )  # fmt: skip
         super().__init__(inner, inner.metadata, {n: infos[n] for n in self._stored}, tied)
 
-    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
-        self._inner.read_into(self._inner.source_name(self._stored[name]), start, out)
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
+        self._inner.read_ahead_into(self._inner.source_name(self._stored[name]), start, out, read_ahead)
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:
         return self._inner.byte_ranges(self._inner.source_name(self._stored[name]))
@@ -95,23 +97,23 @@ class _MergedView(RenamedView):
         self._deltas: dict[str, torch.Tensor] = {}  # weights being read in chunks: their deltas
         self._lock = threading.Lock()
 
-    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
         stored = self._stored[name]
         if stored not in self._merges:
-            super().read_into(name, start, out)
+            super().read_ahead_into(name, start, out, read_ahead)
             return
         count, numel = out.numel(), self.info(name).numel
         base = self._inner.stored_dtype(stored)
         raw = out if base == out.dtype else out.new_empty(count, dtype=base)
-        self._inner.read_into(self._inner.source_name(stored), start, raw)
-        delta = self._delta(stored, done=start + count == numel)
+        self._inner.read_ahead_into(self._inner.source_name(stored), start, raw, read_ahead)
+        delta = self._delta(stored, read_ahead, done=start + count == numel)
         # base + delta, elementwise in fp32, in place: any slice of it equals the same slice of PEFT's whole-weight
         # sum (`base_layer.weight.data += delta`), and no chunk-sized temporary is made.
         if raw is not out:
             out.copy_(raw)
         out.add_(delta[start : start + count])
 
-    def _delta(self, stored: str, *, done: bool) -> torch.Tensor:
+    def _delta(self, stored: str, read_ahead: ReadAhead | None, *, done: bool) -> torch.Tensor:
         """``transpose(B @ A, fan_in_fan_out) * scaling``, flattened, in fp32: peft 0.21.2's exact expression
         (``Linear.get_delta_weight``; ``Conv1D`` layers set ``fan_in_fan_out``), so the merge is bit-identical.
 
@@ -122,8 +124,8 @@ class _MergedView(RenamedView):
             delta = self._deltas.pop(stored, None) if done else self._deltas.get(stored)
         if delta is None:
             pair, scale, transposed = self._merges[stored]
-            lora_a = self._inner.get_tensor(pair.lora_a).float()
-            lora_b = self._inner.get_tensor(pair.lora_b).float()
+            lora_a = self._inner.read_tensor(pair.lora_a, None, read_ahead).float()
+            lora_b = self._inner.read_tensor(pair.lora_b, None, read_ahead).float()
             product = lora_b @ lora_a
             delta = ((product.T if transposed else product) * scale).reshape(-1)
             if not done:
