@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer  # 4.6+, for type checking only
 
-__all__ = ["CheckedFile", "PartialRecord"]
+__all__ = ["CheckedFile", "PartialRecord", "Record"]
 
 PartialRecord = tuple[str, int, int, int, list[tuple[int, int, int]]]
 """A record read in part: its name, data start, size, stored CRC, and the ``(lo, hi, crc32)`` runs read (relative
@@ -57,7 +57,7 @@ def _scratch(nbytes: int) -> memoryview:
 
 
 @dataclass(slots=True)
-class _Record:
+class Record:
     """One zip record: where its data lies, its stored CRC, and the CRCs of the disjoint runs seen so far."""
 
     name: str
@@ -141,9 +141,9 @@ class CheckedFile:
         self.source = source
         """The bytes checked."""
         self.verify = False
-        self._records: list[_Record] = []
+        self._records: list[Record] = []
         self._starts: list[int] = []
-        self._pending: dict[int, _Record] = {}  # read in part, not yet checked, by start
+        self._pending: dict[int, Record] = {}  # read in part, not yet checked, by start
         self._crc_lock = threading.Lock()
 
     def expect(self, name: str, start: int, size: int, crc: int) -> None:
@@ -153,7 +153,7 @@ class CheckedFile:
             if i < len(self._starts) and self._starts[i] == start:
                 return
             self._starts.insert(i, start)
-            self._records.insert(i, _Record(name, start, size, crc & 0xFFFFFFFF))
+            self._records.insert(i, Record(name, start, size, crc & 0xFFFFFFFF))
         if isinstance(self.source, Fenced):
             self.source.fence(start + size)  # reading ahead past a record could fetch bytes never needed
 
@@ -184,14 +184,24 @@ class CheckedFile:
             return self.source.read_ahead(offset, nbytes)
         return self.source.read_bytes(offset, nbytes)
 
-    def record_span(self, offset: int) -> tuple[int, int] | None:
-        """``(start, end)`` of the registered record holding byte ``offset``, or None (a read-ahead stops at a
-        record's end: bytes outside the records read are never needed)."""
+    def record_at(self, offset: int) -> Record | None:
+        """The registered record holding byte ``offset``, or None (a read-ahead window stops at its record's end,
+        and asks :meth:`raise_if_failed` of it before serving its bytes)."""
         with self._crc_lock:
             i = bisect.bisect_right(self._starts, offset) - 1
             if i >= 0 and offset < self._records[i].start + self._records[i].size:
-                return self._records[i].start, self._records[i].start + self._records[i].size
+                return self._records[i]
         return None
+
+    def record_span(self, offset: int) -> tuple[int, int] | None:
+        """``(start, end)`` of the registered record holding byte ``offset``, or None."""
+        record = self.record_at(offset)
+        return None if record is None else (record.start, record.start + record.size)
+
+    def raise_if_failed(self, record: Record) -> None:
+        """Raise ``record``'s CRC error once its bytes failed their check: bytes of it served from elsewhere (a
+        read-ahead window filled before the failure) raise as every later read of it does."""
+        self._raise_if_bad(record)
 
     def will_need(self, offset: int, nbytes: int) -> None:
         """The source's own read-ahead advice (a local file's ``posix_fadvise``), if it takes any."""
@@ -240,13 +250,20 @@ class CheckedFile:
         for record in pending:
             self._finish_record(record)
 
-    def _finish_record(self, record: _Record) -> None:
+    def _finish_record(self, record: Record) -> None:
         self._raise_if_bad(record)
         with self._crc_lock:
             gaps = record.gaps(0, record.size) if not record.verified else []
         for lo, hi in gaps:
             self._read_and_check(record.start + lo, record.start + hi)
         self._raise_if_bad(record)
+        if not record.verified:  # every byte was seen, yet the runs never settled into one: never a silent pass
+            raise CheckpointFormatError(
+                f"'{self.name}': record '{record.name}' ({record.size} bytes) could not be checked against its "
+                "CRC-32 (its runs do not cover it once); pass verify_crc=False / --no-verify-crc to read it "
+                "unchecked, and report this.",
+                path=self.name,
+            )
 
     def partial_records(self) -> list[PartialRecord]:
         """The records read in part and not yet checked, with the CRCs of the runs read: what another process
@@ -262,6 +279,14 @@ class CheckedFile:
         what this file saw of it: each run whose bytes were not seen here counts with its CRC; the bytes no run
         covers are read here. Raise on a mismatch (or when the record is not the one this file holds there)."""
         name, start, size, crc, runs = record
+        bad = next(((lo, hi) for lo, hi, _ in runs if not 0 <= lo < hi <= size), None)
+        if bad is not None:  # a run past its record covered every byte without settling: a silent pass before
+            raise CheckpointFormatError(
+                f"'{self.name}': record '{name}': another process reported bytes [{bad[0]}, {bad[1]}) of it, "
+                f"outside its {size} bytes: the processes read different files. Put the checkpoint on a "
+                "filesystem shared by every process, at the same path.",
+                path=self.name,
+            )
         self.expect(name, start, size, crc)
         with self._crc_lock:
             mine = self._records[bisect.bisect_left(self._starts, start)]
@@ -287,7 +312,7 @@ class CheckedFile:
 
     # ----------------------------------------------------------------- bookkeeping
 
-    def _overlapping(self, lo: int, hi: int) -> list[_Record]:
+    def _overlapping(self, lo: int, hi: int) -> list[Record]:
         with self._crc_lock:
             i = max(0, bisect.bisect_right(self._starts, lo) - 1)
             found = []
@@ -347,7 +372,7 @@ class CheckedFile:
                     self._pending[record.start] = record
             self._raise_if_bad(record)
 
-    def _raise_if_bad(self, record: _Record) -> None:
+    def _raise_if_bad(self, record: Record) -> None:
         if record.found is not None:
             raise CheckpointFormatError(
                 f"'{self.name}': record '{record.name}' ({record.size} bytes) fails its CRC-32 check (stored "

@@ -8,7 +8,7 @@ record), read ahead from the first small read, serves the next parameters' piece
 
 Memory is bounded: one window per file and record, ``budget / windows`` bytes each (between :data:`MIN_WINDOW` and
 :data:`MAX_WINDOW`), so 1,024 files share 64 MiB. A window never crosses the end of the zip record it starts in
-(:meth:`~zeroio._io.integrity.CheckedFile.record_span`): it reads no byte of a record the conversion does not read
+(:meth:`~zeroio._io.integrity.CheckedFile.record_at`): it reads no byte of a record the conversion does not read
 (the Adam moments after the fp32 partition), holds no more than its record has left, and the CRC of each record
 it covers is still checked once all of the record's bytes have been seen. Only local files read ahead here; a
 remote source has its own read-ahead.
@@ -20,7 +20,7 @@ import bisect
 import threading
 from typing import TYPE_CHECKING
 
-from .integrity import CheckedFile
+from .integrity import CheckedFile, Record
 from .sources import LocalFile
 
 if TYPE_CHECKING:
@@ -40,12 +40,14 @@ turns); past that the oldest window is dropped."""
 
 
 class _Window:
-    """Bytes ``[start, stop)`` of one record of a file, in ``data``."""
+    """Bytes ``[start, stop)`` of one record of a file, in ``data``; ``checked``: that record's CRC check, asked
+    before each read served (a record that failed its check raises on every later read, windows included)."""
 
-    __slots__ = ("data", "record", "start", "stop")
+    __slots__ = ("checked", "data", "record", "start", "stop")
 
-    def __init__(self, record: int) -> None:
+    def __init__(self, record: int, checked: Record) -> None:
         self.record = record
+        self.checked = checked
         self.start = self.stop = 0
         self.data = memoryview(bytearray(0))
 
@@ -113,6 +115,8 @@ class ReadAhead:
             with file.lock:
                 window = _covering(file.windows, offset, offset + n) or self._fill(file, offset, n)
                 if window is not None:
+                    if window.checked.found is not None:  # failed since the window was read
+                        file.source.raise_if_failed(window.checked)
                     at = offset - window.start
                     out[:] = window.data[at : at + n]
                     return
@@ -120,16 +124,17 @@ class ReadAhead:
 
     def _fill(self, file: _File, offset: int, n: int) -> _Window | None:
         """Read the window of ``offset``'s record from ``offset`` on (the caller holds the file's lock)."""
-        span = file.source.record_span(offset)
+        checked = file.source.record_at(offset)
+        span = None if checked is None else (checked.start, checked.start + checked.size)
         limits = None if self._spans is None else self._spans.get(id(file.source))
         if span is not None and limits is not None:
             span = _clip(span, limits, offset)
-        if span is None or span[1] < offset + n or span == (offset, offset + n):
+        if checked is None or span is None or span[1] < offset + n or span == (offset, offset + n):
             return None  # not inside one record, or the whole record (a small tensor of its own): read as asked
         size = self.window_bytes()
         window = next((w for w in file.windows if w.record == span[0]), None)
         if window is None:
-            window = _Window(span[0])
+            window = _Window(span[0], checked)
             file.windows.append(window)
             if len(file.windows) > WINDOWS_PER_FILE:  # the oldest: a file of many small records
                 del file.windows[0]  # (DCP) holds a few windows, not all its small tensors

@@ -142,7 +142,15 @@ def _split(
                     )
                 states[moment] = piece
         else:
-            model.update(pieces)
+            for name, piece in pieces.items():
+                if name in model:  # a plain entry named as a layer of a stacked one: one of them silently won
+                    raise CheckpointFormatError(
+                        f"'{where}': Megatron tensor '{name}' is recorded twice (as its own entry and as a layer of "
+                        "a layer-stacked one): the checkpoint is corrupted or hostile; copy it again from where it "
+                        "was saved.",
+                        path=where,
+                    )
+                model[name] = piece
     model = {name: model[name] for name in _layer_order(list(model))}
     other = [f"{OPTIMIZER_STATE}{k}.{p}" for p, states in moments.items() if p not in model for k in states] + buckets
     moments = {name: states for name, states in moments.items() if name in model}
