@@ -15,6 +15,11 @@
 # PHASE zero: the 8-rank ZeRO-3 checkpoint (DeepSpeed, make_checkpoint.py) while the CUDA tests run; side by side
 #   of the default tree on the bf16 files and from the ZeRO-3 source, cold files and warm; distributed convert with
 #   the source on /dev/shm (1, 2, 4 processes; one reader per host and one per process) and on the disk.
+# PHASE engines: the bf16 and fp32 files and the ZeRO-3 checkpoint built at once (with the CUDA tests); then, each
+#   step only while DEADLINE allows: read_engines.py on the cold bf16 files (fastsafetensors' C++ reader, Python
+#   threads, one Python thread driving Linux AIO), zeroio.load against fastsafetensors on them (cold files, warm),
+#   distributed convert (plain and torchrun x4, ZEROIO_READERS_PER_HOST 1 and 4) from /dev/shm and from the disk
+#   (cold files), and read_engines.py on the cold fp32 files.
 set -u
 OUT=${1:?usage: gpu_host_reads.sh OUT PHASE}
 PHASE=${2:-reads}
@@ -144,6 +149,60 @@ elif [ "$PHASE" = zero ]; then
     $SBS $F --rounds 1 --cache warm --deadline $((DEADLINE - 10)) --methods fastsafetensors zeroio \
         --json "$R/sbs-fp32-warm.json" >>"$R/sbs.log" 2>&1
     note "side by side fp32, warm"
+elif [ "$PHASE" = engines ]; then
+    python3 -m compileall -q -j 16 "$TORCH_DIR" "$TF_DIR" /tmp/site "$TREE/zeroio" "$B" "$TREE/tests" \
+        >/dev/null 2>&1 &
+    COMPILE=$!
+    (for d in bf16 fp32; do
+        [ -f $W/hf-$d/config.json ] || python3 $B/make_safetensors.py --params 1.3B --shards 2 --hf --dtype $d \
+            --out $W/hf-$d || exit 1
+    done) >$W/make.log 2>&1 &
+    GEN=$!
+    (
+        [ -f $W/ck/manifest.json ] || python3 $B/make_checkpoint.py --params 1.3B --world-size 8 --launcher torchrun \
+            --out $W/ck || exit 1
+    ) >$W/build.log 2>&1 &
+    BUILD=$!
+    (cd "$TREE" && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_load.py -k "cuda or imports" \
+        tests/test_cuda_sharded.py tests/test_read_parts.py >"$R/cuda_tests.txt" 2>&1
+     echo "cuda tests exit $?" >>"$R/cuda_tests.txt")
+    note "cuda tests"
+    wait $COMPILE
+    wait $GEN || { tail -30 $W/make.log >>"$R/env.txt"; note "make failed"; exit 1; }
+    CK=1
+    wait $BUILD || { CK=0; tail -30 $W/build.log >>"$R/env.txt"; note "build failed"; }
+    du -sb $W/hf-bf16 $W/hf-fp32 $W/ck >>"$R/env.txt" 2>&1
+    note "checkpoints built"
+    ENGINES="fst@16,16384,1 fst@16,16384,0 threads@d16x512 threads@b16x32768 aio@16x512 aio@32x512 aio@16x4096
+        aio@32x4096"
+    python3 $B/read_engines.py --files $W/hf-bf16/model-0000*.safetensors --rounds 2 --methods $ENGINES \
+        --deadline $((DEADLINE - 300)) --json "$R/engines-bf16.json" >"$R/engines.log" 2>&1
+    note "read engines, bf16"
+    F="--folder $W/hf-bf16 --config $W/hf-bf16/manifest.json --dtype bf16"
+    $SBS $F --rounds 2 --cache cold-files --deadline $((DEADLINE - 260)) --methods zeroio fastsafetensors \
+        --json "$R/sbs-bf16-coldfiles.json" >"$R/sbs.log" 2>&1
+    $SBS $F --rounds 2 --cache warm --deadline $((DEADLINE - 240)) --methods zeroio fastsafetensors \
+        --json "$R/sbs-bf16-warm.json" >>"$R/sbs.log" 2>&1
+    note "side by side bf16"
+    if [ $CK = 1 ] && [ "$(left)" -gt 200 ]; then
+        cp $W/ck/manifest.json "$R/ck-manifest.json"
+        rm -rf /dev/shm/ck && cp -r $W/ck /dev/shm/ck && note "copied to /dev/shm"
+        D="python3 $B/distributed.py --max-shard-size 500MB --processes 4 --verify first"
+        for n in 1 4; do
+            [ "$(left)" -gt 150 ] && ZEROIO_READERS_PER_HOST=$n $D --checkpoint /dev/shm/ck --work /dev/shm/dist \
+                --cache warm --repeats 2 --json "$R/dist-shm-readers$n.json" >>"$R/dist.log" 2>&1
+            note "distributed, /dev/shm, $n readers per host"
+        done
+        rm -rf /dev/shm/ck /dev/shm/dist
+        for n in 1 4; do
+            [ "$(left)" -gt 100 ] && ZEROIO_READERS_PER_HOST=$n $D --checkpoint $W/ck --work $W/dist \
+                --cache cold-files --repeats 1 --json "$R/dist-disk-readers$n.json" >>"$R/dist.log" 2>&1
+            note "distributed, disk, cold files, $n readers per host"
+        done
+    fi
+    python3 $B/read_engines.py --files $W/hf-fp32/model-0000*.safetensors --rounds 2 --methods $ENGINES \
+        --deadline $((DEADLINE - 15)) --json "$R/engines-fp32.json" >>"$R/engines.log" 2>&1
+    note "read engines, fp32"
 fi
 grep -v WARNING "$R"/*.log 2>/dev/null | grep -iE 'error|Traceback' | tail -8
 tail -3 "$R/cuda_tests.txt" 2>/dev/null
