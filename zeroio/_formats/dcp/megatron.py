@@ -23,6 +23,7 @@ from ..options import ReadOptions
 from .megatron_common import MEGATRON_GLOBALS, MegatronCommon, not_read, read_common
 from .megatron_files import is_megatron, megatron_folder
 from .megatron_hf import hf_view
+from .megatron_optim import BUCKETS, OPTIMIZER_STATE, not_per_parameter, optimizer_refusal, shape_mismatches, unchained
 from .metadata import Chunk, TensorEntry
 from .reader import DcpCheckpoint, read_dcp_part
 
@@ -33,9 +34,6 @@ __all__ = ["MegatronCheckpoint", "is_megatron", "open_megatron", "unstack_layers
 
 logger = get_logger(__name__)
 
-OPTIMIZER_STATE = "optimizer.state."
-_BUCKETS = "optimizer.distributed."
-"""Distributed-optimizer state saved as flat gradient-buffer buckets (``dp_reshardable``, ``dp_zero_gather_scatter``)."""
 _STACKED = re.compile(r"^(?P<head>(?:.+\.)?layers)\.(?P<rest>[^0-9.][^.]*(?:\..+)?)$")
 """``<...>layers.<rest>`` where ``rest`` does not start with a layer number: a layer-stacked ShardedTensor key."""
 
@@ -74,18 +72,19 @@ class MegatronCheckpoint(DcpCheckpoint):
         ``param``), Megatron's shared ``step`` from common.pt and the hyper-parameters every param group agrees on.
 
         Raises:
-            UnsupportedCheckpointError: the state is the distributed optimizer's flat buckets (``dp_reshardable``).
+            UnsupportedCheckpointError: the state is in a layout zeroio does not read (:mod:`.megatron_optim`): the
+                distributed optimizer's flat buckets (``dp_reshardable``), an unchecked sharding type, ...
         """
-        self._refuse_buckets(name)
+        self._refuse_unread(name)
         return self._with_step(super().optimizer_state(name))
 
     def optimizer_state_spec(self, name: str) -> dict[str, Any]:
         """:meth:`optimizer_state` with the state tensors on the ``meta`` device (nothing read)."""
-        self._refuse_buckets(name)
+        self._refuse_unread(name)
         return self._with_step(super().optimizer_state_spec(name))
 
-    def _refuse_buckets(self, name: str) -> None:
-        if self._unread_optimizer is not None and name not in self._optim:
+    def _refuse_unread(self, name: str) -> None:
+        if self._unread_optimizer is not None:
             raise UnsupportedCheckpointError(self._unread_optimizer, path=self._metadata.path, name=name)
 
     def describe(self) -> dict[str, Any]:
@@ -100,28 +99,20 @@ class MegatronCheckpoint(DcpCheckpoint):
         return state
 
 
-_CHAINED = re.compile(r"^chained_\d+\.(?=optimizer\.)")
-"""ChainedOptimizer's prefix (MoE's dense and expert optimizers; Megatron adds it unless the metadata says
-``chained_optim_avoid_prefix`` and the format is fully reshardable): ``chained_1.optimizer.state.exp_avg.<key>``."""
-
-
-def _unchained(fqn: str) -> str:
-    return _CHAINED.sub("", fqn, count=1)
-
-
 def _split(
     tensors: dict[str, TensorEntry],
     where: Path,
 ) -> tuple[dict[str, TensorEntry], dict[str, dict[str, TensorEntry]], list[str], list[str]]:
-    """Model tensors and optimizer moments by per-layer name; the keys of other tensors; stacked keys kept whole
-    (``where``: the metadata file, for errors)."""
+    """Model tensors and optimizer moments by per-layer name; the keys of other tensors (those under
+    ``optimizer.`` that are not per-parameter state last); stacked keys kept whole (``where``: the metadata file,
+    for errors)."""
     model: dict[str, TensorEntry] = {}
     moments: dict[str, dict[str, TensorEntry]] = {}
     kept_stacked: list[str] = []
-    buckets = [fqn for fqn in tensors if _unchained(fqn).startswith(_BUCKETS)]  # optimizer state, never weights
+    unknown = [fqn for fqn in tensors if not_per_parameter(fqn)]  # the distributed optimizer's buckets, ...
     for fqn, entry in tensors.items():
-        key = _unchained(fqn)
-        if key.startswith(_BUCKETS):
+        key = unchained(fqn)
+        if not_per_parameter(fqn):  # optimizer state, never weights
             continue
         layers = unstack_layers(entry)
         if layers is None and _STACKED.match(fqn):
@@ -131,7 +122,7 @@ def _split(
             moment, _, _ = key[len(OPTIMIZER_STATE) :].partition(".")
             prefix = f"{OPTIMIZER_STATE}{moment}."
             for name, piece in pieces.items():
-                param = _unchained(name)[len(prefix) :]
+                param = unchained(name)[len(prefix) :]
                 states = moments.setdefault(param, {})
                 if moment in states:  # two chained optimizers (dense, experts) never hold the same parameter
                     raise CheckpointFormatError(
@@ -152,7 +143,7 @@ def _split(
                     )
                 model[name] = piece
     model = {name: model[name] for name in _layer_order(list(model))}
-    other = [f"{OPTIMIZER_STATE}{k}.{p}" for p, states in moments.items() if p not in model for k in states] + buckets
+    other = [f"{OPTIMIZER_STATE}{k}.{p}" for p, states in moments.items() if p not in model for k in states] + unknown
     moments = {name: states for name, states in moments.items() if name in model}
     return model, moments, other, kept_stacked
 
@@ -169,20 +160,6 @@ def _layer_order(names: list[str]) -> list[str]:
     rest = [n for n in names if not index[n]]
     before = [n for n in rest if names.index(n) < first]
     return before + layered + [n for n in rest if n not in before]
-
-
-def _bucket_refusal(folder: Path, other: list[str], sharding: str | None) -> str | None:
-    """Why the optimizer state is not read, when it is the distributed optimizer's buckets; else None."""
-    buckets = [k for k in other if _unchained(k).startswith(_BUCKETS)]
-    if not buckets:
-        return None
-    return (
-        f"'{folder}' holds Megatron's distributed-optimizer state in its {sharding or 'bucket'} layout ("
-        f"{buckets[0]}, ...: flat gradient-buffer buckets, whose parameter offsets are not saved), which zeroio does "
-        "not read. Re-save the checkpoint from Megatron-LM with --dist-ckpt-optim-fully-reshardable (one "
-        "optimizer.state.<moment>.<key> tensor per parameter), or convert the weights alone (drop "
-        "include_optimizer)."
-    )
 
 
 def _shared_hyper(groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,6 +204,23 @@ def _metadata(
     )
 
 
+def _unread_optimizer(
+    folder: Path,
+    sharding: str | None,
+    model: dict[str, TensorEntry],
+    moments: dict[str, dict[str, TensorEntry]],
+    other: list[str],
+    objects: list[str],
+) -> str | None:
+    """Why the optimizer state is not read (:func:`.megatron_optim.optimizer_refusal`), or None. ``other``: the
+    tensors that are neither weights nor per-parameter state; ``objects``: the non-tensor entries."""
+    unknown = [k for k in other if not_per_parameter(k)]
+    unknown += [k for k in objects if unchained(k).startswith(BUCKETS)]  # dp_zero_gather_scatter: objects only
+    shapes = {name: {k: e.shape for k, e in states.items()} for name, states in moments.items()}
+    mismatched = shape_mismatches(shapes, {name: model[name].shape for name in moments})
+    return optimizer_refusal(folder, sharding=sharding, other=unknown, mismatched=mismatched)
+
+
 def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
     """Open a Megatron ``torch_dist`` checkpoint: metadata.json, common.pt and .metadata only, no tensor bytes;
     ``names="hf"``: under transformers' Llama names (:mod:`.megatron_hf`)."""
@@ -241,6 +235,10 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
             f"{', '.join(list(part.meta.tensors)[:5]) or 'non-tensor state'}).",
             path=found.folder,
         )
+    non_tensor = _non_tensor_keys(list(part.meta.values))
+    unread = _unread_optimizer(found.folder, common.optimizer_sharding, model, moments, other, non_tensor)
+    if unread is not None:  # a layout zeroio does not read: no parameter has optimizer state, the weights stay
+        moments = {}
     infos = {
         name: TensorInfo(
             name,
@@ -253,7 +251,6 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
     }
     kinds = {k for states in moments.values() for k in states}
     hyper = _shared_hyper(common.param_groups)
-    non_tensor = _non_tensor_keys(list(part.meta.values))
     extra: dict[str, Any] = {
         "optimizer": "Adam" if {"exp_avg", "exp_avg_sq"} <= kinds else None,
         "megatron": found.info,
@@ -279,6 +276,6 @@ def open_megatron(path: Path, options: ReadOptions) -> Checkpoint:
         {name: hyper for name in optim},
         [part],
         step=common.step,
-        unread_optimizer=_bucket_refusal(found.folder, other + non_tensor, common.optimizer_sharding),
+        unread_optimizer=unread,
     )
     return hf_view(ckpt, options.true_vocab_size) if names == "hf" else ckpt
