@@ -25,7 +25,11 @@ from zeroio.errors import CheckpointFormatError, CheckpointNotFoundError, Output
 peft = pytest.importorskip("peft")
 
 # transformers 5.24 warns from inside peft 0.21.2's PeftModel (its own deprecated alias): not zeroio's concern.
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    # PEFT's note when it saves a targeted embedding layer's base weight with the adapter (what the files hold).
+    pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers` to `True`:UserWarning"),
+]
 
 PEFT_FIXTURES = FIXTURES / "peft"
 SINGLE = [
@@ -35,8 +39,9 @@ SINGLE = [
     "lora_llama_z2_fp16",
     "lora_gpt2_z3_fp32",
     "lora_llama_fsdp2_dcp",
+    "lora_qwen2_z3_bias_embed",
 ]
-ALL = [*SINGLE, "lora_llama_z2_two_adapters"]
+ALL = [*SINGLE, "lora_llama_z2_two_adapters", "lora_gpt2_z2_tokens", "lora_qwen3moe_z2_experts"]
 
 
 def _generator() -> Any:
@@ -113,6 +118,33 @@ def test_peft_loads_adapter(name: str, adapters_out: dict[str, Path]) -> None:
             assert not [k for k in result.missing_keys if f".{adapter}" in k] and not result.unexpected_keys
     for adapter, tensors in expected.items():
         _assert_equal(get_peft_model_state_dict(model, adapter_name=adapter), tensors)
+
+
+def test_adapter_file_biases_and_embeddings_follow_the_config(tmp_path: Path) -> None:
+    """What PEFT saves besides the LoRA tensors depends on the config: bias="all" every bias, bias="lora_only"
+    the LoRA layers' biases, a targeted embed_tokens (listed, or matched by a pattern) its base weight (the fixture
+    trains with "all" and LoRA on embed_tokens). The same checkpoint with each config gives
+    get_peft_model_state_dict's keys for that config, computed by PEFT here from the engine's tensors."""
+    from peft import get_peft_model_state_dict
+
+    name = "lora_qwen2_z3_bias_embed"
+    engine = _expected(name, "engine")
+    adapter = load_file(_adapter_folder(name, tmp_path / "all") / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.self_attn.k_proj.bias" in adapter  # not a LoRA layer's: still saved
+    assert "base_model.model.model.embed_tokens.base_layer.weight" in adapter
+    config = json.loads((_ckpt(name) / "adapter_config.json").read_text())
+    regex = r".*\.(q_proj|v_proj|down_proj|embed_tokens)"  # the same layers as a pattern (PEFT's other branch)
+    for bias, targets in (("lora_only", config["target_modules"]), ("none", regex)):
+        changed = {**config, "bias": bias, "target_modules": targets}
+        out = tmp_path / bias
+        zeroio.convert(_ckpt(name), out, fmt="peft", adapter_config=changed, progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PEFT's notes on the config (embedding layers saved, ...)
+            model = peft.get_peft_model(_base(name), peft.LoraConfig(**{
+                k: v for k, v in changed.items() if k not in ("peft_type", "peft_version", "auto_mapping")
+            }))  # fmt: skip
+            expected = get_peft_model_state_dict(model, state_dict=engine)
+        _assert_equal(load_file(out / "adapter_model.safetensors"), expected)
 
 
 def test_adapter_config_missing_is_refused(tmp_path: Path) -> None:
@@ -254,6 +286,37 @@ def test_merge_refuses_several_adapters_and_dora(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     with pytest.raises(ValueError, match="merge_lora"):
         zeroio.convert(_ckpt("lora_llama_z3_fp32"), tmp_path / "c", merge_lora=True, fmt="peft", progress=False)
+
+
+def test_merge_refuses_variants_peft_does_not_merge_as_lora(tmp_path: Path) -> None:
+    """aLoRA and Arrow (PEFT itself refuses to merge them) and KaSA (another delta): refused by name."""
+    config = json.loads((_ckpt("lora_llama_z3_fp32") / "adapter_config.json").read_text())
+    variants = {"alora_invocation_tokens": [5, 6], "arrow_config": {"top_k": 2}, "kasa_config": {"k": 1}}
+    for key, value in variants.items():
+        with pytest.raises(UnsupportedCheckpointError, match=key):
+            zeroio.convert(
+                _ckpt("lora_llama_z3_fp32"), tmp_path / "m", merge_lora=True, adapter_config={**config, key: value},
+                progress=False,
+            )  # fmt: skip
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [
+        ("lora_gpt2_z2_tokens", r"trained token rows \(trainable_token_indices\) at '.*transformer\.wte'"),
+        ("lora_qwen3moe_z2_experts", r"'lora_A' factors but no '.*mlp\.experts\..*base_layer\.weight'"),
+    ],
+)
+def test_merge_refuses_what_is_not_w_plus_ba(name: str, what: str, tmp_path: Path) -> None:
+    """Trained token rows (trainable_token_indices) and LoRA on parameters other than a layer's weight
+    (target_parameters on fused MoE experts) are refused by name: before, the rows and the expert factors were
+    silently left out and the unmerged base written under PEFT's inner names."""
+    with pytest.raises(UnsupportedCheckpointError, match=what):
+        zeroio.convert(_ckpt(name), tmp_path / "m", merge_lora=True, progress=False)
+    with pytest.raises(UnsupportedCheckpointError, match=what):
+        zeroio.open(_ckpt(name), merge_lora=True)
+    assert not (tmp_path / "m").exists()
 
 
 def test_merge_refuses_a_config_that_does_not_fit(tmp_path: Path) -> None:

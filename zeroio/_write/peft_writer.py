@@ -60,7 +60,7 @@ def write_peft(src: Path, dst: Path, read: ReadOptions, write: WriteOptions) -> 
         # 2. Plan every adapter from metadata: its keys, the config to write beside, its file's layout.
         adapters = peft_adapters(ckpt)
         configs = adapter_configs(ckpt, src, adapters, read.adapter_config)
-        views = {adapter: adapter_view(ckpt, adapter) for adapter in adapters}
+        views = {adapter: adapter_view(ckpt, adapter, configs[adapter]) for adapter in adapters}
         plans = {adapter: _adapter_plan(view, write) for adapter, view in views.items()}
         # 3. Stream each adapter into the temporary folder, its config beside; rename into place when complete.
         with out as tmp:

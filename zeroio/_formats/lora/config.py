@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 from ..._io.remote_path import RemotePath
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
+from .names import EMBEDDING_LAYER_NAMES, AdapterFileRules
 
 __all__ = ["ADAPTER_CONFIG", "AdapterConfig", "AdapterConfigSource", "adapter_config_folder", "read_adapter_configs"]
 
@@ -33,6 +35,11 @@ _UNMERGEABLE = {
     "lora_bias": "lora_bias=True adds lora_B's bias to the base bias",
     "use_bdlora": "BD-LoRA (use_bdlora) uses block-diagonal factors",
     "alpha_pattern": "alpha_pattern gives some modules another lora_alpha",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) applies the adapter only after its invocation tokens, "
+    "which PEFT itself refuses to merge",
+    "arrow_config": "Arrow (arrow_config) routes between adapters per token, which PEFT itself refuses to merge",
+    "kasa_config": "KaSA (kasa_config) truncates the base weight's singular values and scales the delta by its own "
+    "singular values",
 }
 
 
@@ -79,6 +86,33 @@ class AdapterConfig:
             )  # fmt: skip
         # The very expressions of peft 0.21.2 LoraLayer.update_layer (a Python float, applied as `tensor * scaling`).
         return alpha / math.sqrt(rank) if values.get("use_rslora") else alpha / rank
+
+    def file_rules(self, modules: Iterable[str]) -> AdapterFileRules:
+        """What PEFT's adapter file holds besides the adapter's tensors, for a model of ``modules`` (the base
+        model's module names): peft 0.21.2 ``get_peft_model_state_dict`` with ``save_embedding_layers="auto"``.
+
+        Raises:
+            CheckpointFormatError: ``target_modules`` is a pattern that is not a valid regular expression.
+        """
+        values = self.values
+        bias = values.get("bias")
+        target = values.get("target_modules")
+        tokens = values.get("trainable_token_indices") is not None or values.get("peft_type") == "TRAINABLE_TOKENS"
+        embeddings = False
+        if isinstance(target, str) and target != "all-linear":
+            try:
+                pattern = re.compile(target)
+            except re.error as exc:
+                raise CheckpointFormatError(
+                    f"{self.where}: adapter '{self.adapter}' has target_modules {target[:80]!r}, which is not a "
+                    f"regular expression ({exc}). Pass the run's adapter_config.json with adapter_config=.",
+                    path=self.where, name=self.adapter,
+                ) from None  # fmt: skip
+            layer = re.compile(r"(.*\.)?(" + "|".join(EMBEDDING_LAYER_NAMES) + r")$")
+            embeddings = any(layer.match(m) and pattern.fullmatch(m) for m in modules)
+        elif isinstance(target, list):
+            embeddings = any(name in target for name in EMBEDDING_LAYER_NAMES)
+        return AdapterFileRules(bias=bias if isinstance(bias, str) else "none", embeddings=embeddings and not tokens)
 
     @property
     def fan_in_fan_out(self) -> bool:

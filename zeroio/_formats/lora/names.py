@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "EMBEDDING_LAYER_NAMES",
     "PEFT_PREFIX",
+    "AdapterFileRules",
     "LoraPair",
     "adapter_keys",
     "adapter_names",
     "base_names",
     "lora_pairs",
+    "unmergeable_tensors",
 ]
 
 PEFT_PREFIX = "base_model.model."
@@ -28,6 +31,23 @@ _LORA = re.compile(
 # ModulesToSaveWrapper: the trained copy per adapter, and the untouched original beside it.
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
+# TrainableTokensWrapper (LoraConfig.trainable_token_indices): the trained rows of an embedding, per adapter.
+_TOKENS = re.compile(r"^(?P<module>.+)\.token_adapter\.trainable_tokens_delta\.(?P<adapter>[^.]+)$")
+
+EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
+"""peft 0.21.2 ``EMBEDDING_LAYER_NAMES``: a LoRA config targeting one of these saves the embedding layers too."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFileRules:
+    """What ``get_peft_model_state_dict`` puts in an adapter file besides the adapter's own tensors (its
+    config decides: peft 0.21.2 ``BaseTuner._get_learnable_bias_state_dict`` and the ``save_embedding_layers``
+    step)."""
+
+    bias: str = "none"
+    """``LoraConfig.bias``: ``"all"`` saves every bias, ``"lora_only"`` the bias of each LoRA-wrapped layer."""
+    embeddings: bool = False
+    """An embedding layer name is targeted: the LoRA-wrapped embedding layers' base weights are saved too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,27 +74,88 @@ def adapter_names(names: Iterable[str]) -> list[str]:
     return list(found)
 
 
-def adapter_keys(names: Iterable[str], adapter: str) -> dict[str, str]:
+def adapter_keys(
+    names: Sequence[str],
+    adapter: str,
+    *,
+    others: Sequence[str] = (),
+    rules: AdapterFileRules = AdapterFileRules(),
+    tied: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """``{PEFT adapter-file key: stored name}`` of one adapter, as ``get_peft_model_state_dict`` names them.
 
     peft 0.21.2: LoRA tensors keep their path with the adapter name removed (``...q_proj.lora_A.weight``), DoRA's
-    magnitude also loses ``.weight`` (``LoraModel._get_adapter_state_dict``), and a ``modules_to_save`` copy is
-    stored under its module's own name (``ModulesToSaveWrapper.adapter_state_dict``), after the LoRA tensors.
+    magnitude also loses ``.weight`` (``LoraModel._get_adapter_state_dict``); ``rules`` adds the biases and the
+    targeted embedding layers' base weights; a ``modules_to_save`` copy is stored under its module's own name
+    (``ModulesToSaveWrapper.adapter_state_dict``) and trained token rows as ``<module>.token_adapter.
+    trainable_tokens_delta`` (``TrainableTokensWrapper``; not for a tied alias, which PEFT leaves to its source).
+    Names of the ``others`` adapters are left out first, as PEFT filters them out of the state dict.
     """
+    kept = [n for n in names if not any(f".{o}." in n or n.endswith(f".{o}") for o in others)]
     lora: dict[str, str] = {}
-    saved: dict[str, str] = {}
-    for name in names:
+    for name in kept:
         match = _LORA.match(name)
         if match and match["adapter"] == adapter:
             rest = match["rest"]
             if match["part"] == "lora_magnitude_vector" and rest == ".weight":
                 rest = ""
             lora[f"{match['module']}.{match['part']}{rest}"] = name
-            continue
+    lora.update({_without_adapter(n, adapter): n for n in _extra_base_tensors(names, kept, rules)})
+    saved: dict[str, str] = {}
+    for name in kept:
         match = _SAVED.match(name)
         if match and match["adapter"] == adapter:
             saved[f"{match['module']}.{match['rest']}"] = name
+        match = _TOKENS.match(name)
+        if match and match["adapter"] == adapter and name not in (tied or {}):
+            saved[f"{match['module']}.token_adapter.trainable_tokens_delta"] = name
     return {**lora, **saved}
+
+
+def _extra_base_tensors(names: Sequence[str], kept: Sequence[str], rules: AdapterFileRules) -> list[str]:
+    """The biases and embedding base weights ``rules`` add (from ``kept``, the state dict without other adapters)."""
+    wrapped = {m["module"] for m in map(_LORA.match, names) if m}  # every LoRA layer, whichever adapter
+    embeddings = {m["module"] for m in map(_LORA.match, names) if m and m["part"].startswith("lora_embedding")}
+    extra: list[str] = []
+    if rules.bias == "all":
+        extra += [n for n in kept if n == "bias" or n.endswith(".bias")]
+    elif rules.bias.endswith("_only"):
+        present = set(kept)
+        extra += [f"{m}.base_layer.bias" for m in wrapped if f"{m}.base_layer.bias" in present]
+    if rules.embeddings:
+        # PEFT saves the model's input and output embeddings when LoRA wraps them: the wrapped embedding
+        # layers and a wrapped layer named like one (lm_head).
+        layers = embeddings | {m for m in wrapped if m.rpartition(".")[2] in EMBEDDING_LAYER_NAMES}
+        extra += [n for n in kept if any(n.startswith(f"{m}.base_layer.") for m in layers)]
+    return list(dict.fromkeys(extra))
+
+
+def _without_adapter(key: str, adapter: str) -> str:
+    """peft 0.21.2 ``_remove_adapter_name_from_state_dict_key``: the adapter name dropped at the end of the key
+    or before its last part (``lora_A.default.weight`` -> ``lora_A.weight``), never in the middle."""
+    if "." not in key:
+        return key
+    if key.endswith(f".{adapter}"):
+        return key.removesuffix(f".{adapter}")
+    head, _, suffix = key.rpartition(".")
+    return f"{head.removesuffix(f'.{adapter}')}.{suffix}"
+
+
+def unmergeable_tensors(names: Sequence[str], adapter: str) -> dict[str, str]:
+    """``{module: what}`` for each of ``adapter``'s tensors that a ``W + scale * B @ A`` merge cannot place:
+    trained token rows (``trainable_token_indices``) and factors whose layer keeps no ``base_layer.weight``
+    (``target_parameters`` on a parameter of another name, such as fused MoE experts, or a checkpoint without
+    its base weights)."""
+    present = set(names)
+    found: dict[str, str] = {}
+    for name in names:
+        tokens = _TOKENS.match(name)
+        if tokens and tokens["adapter"] == adapter:
+            found.setdefault(tokens["module"], "trained token rows (trainable_token_indices)")
+        match = _LORA.match(name)
+        if match and match["adapter"] == adapter and f"{match['module']}.base_layer.weight" not in present:
+            found.setdefault(match["module"], f"'{match['part']}' factors but no '{match['module']}.base_layer.weight'")
+    return found
 
 
 def lora_pairs(names: Sequence[str], adapter: str) -> dict[str, LoraPair]:

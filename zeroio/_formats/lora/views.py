@@ -21,7 +21,7 @@ from ..checkpoint import Checkpoint
 from ..metadata import TensorInfo
 from ..view import CheckpointView
 from .config import AdapterConfig, AdapterConfigSource, read_adapter_configs
-from .names import LoraPair, adapter_keys, adapter_names, base_names, lora_pairs
+from .names import PEFT_PREFIX, LoraPair, adapter_keys, adapter_names, base_names, lora_pairs, unmergeable_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -167,9 +167,41 @@ def adapter_configs(
     return read_adapter_configs(adapters, folders, given)
 
 
-def adapter_view(ckpt: Checkpoint, adapter: str) -> RenamedView:
-    """One adapter's tensors under the keys of PEFT's ``adapter_model.safetensors``."""
-    return RenamedView(ckpt, adapter_keys(ckpt.infos, adapter))
+def adapter_view(ckpt: Checkpoint, adapter: str, config: AdapterConfig) -> RenamedView:
+    """One adapter's tensors under the keys of PEFT's ``adapter_model.safetensors``; its ``config`` says which
+    biases and embedding weights PEFT saves with them."""
+    names = list(ckpt.infos)
+    others = [a for a in adapter_names(names) if a != adapter]
+    rules = config.file_rules(_module_names(names))
+    return RenamedView(ckpt, adapter_keys(names, adapter, others=others, rules=rules, tied=ckpt.tied))
+
+
+def _module_names(names: list[str]) -> set[str]:
+    """The PEFT-wrapped base model's module names (``model.embed_tokens``), as ``named_modules`` lists them."""
+    modules: set[str] = set()
+    for name in names:
+        parts = name.removeprefix(PEFT_PREFIX).split(".")[:-1]
+        modules.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return modules
+
+
+def _refuse_unmergeable(path: Path, names: list[str], adapter: str) -> None:
+    """Tensors of ``adapter`` that ``W + scale * B @ A`` cannot place, refused by name: trained token rows,
+    factors without a base weight (``target_parameters``), DoRA magnitude vectors."""
+    unmergeable = unmergeable_tensors(names, adapter)
+    if unmergeable:
+        module, what = next(iter(unmergeable.items()))
+        raise UnsupportedCheckpointError(
+            f"'{path}': adapter '{adapter}' has {what} at '{module}', which merge_lora cannot merge as "
+            "W + scale * B @ A. Write the adapter with fmt='peft' and merge it with PEFT's merge_and_unload().",
+            path=path, name=module,
+        )  # fmt: skip
+    if any(".lora_magnitude_vector." in n for n in names):  # DoRA tensors, whatever the config says
+        raise UnsupportedCheckpointError(
+            f"'{path}': adapter '{adapter}' has DoRA magnitude vectors (lora_magnitude_vector), which merge_lora does "
+            "not merge. Write the adapter with fmt='peft' and merge it with PEFT's merge_and_unload().",
+            path=path, name=adapter,
+        )  # fmt: skip
 
 
 def merged_lora_view(ckpt: Checkpoint, source: Path | RemotePath, given: AdapterConfigSource) -> Checkpoint:
@@ -177,7 +209,8 @@ def merged_lora_view(ckpt: Checkpoint, source: Path | RemotePath, given: Adapter
 
     Raises:
         UnsupportedCheckpointError: no adapter, several (merge_and_unload merges the active ones, which the
-            checkpoint does not record), LoRA on embeddings or convolutions, or a variant such as DoRA, by name.
+            checkpoint does not record), LoRA on convolutions, trained token rows, factors without a base weight,
+            or a variant such as DoRA, by name.
         CheckpointNotFoundError: no ``adapter_config.json`` (the scale ``lora_alpha / r`` is not in the checkpoint).
     """
     adapters = peft_adapters(ckpt)
@@ -192,29 +225,26 @@ def merged_lora_view(ckpt: Checkpoint, source: Path | RemotePath, given: Adapter
     config = adapter_configs(ckpt, source, adapters, given)[adapter]
     config.merge_scale(1)  # refuses DoRA and the other variants by name before anything is planned
     names = list(ckpt.infos)
-    if any(".lora_magnitude_vector." in n for n in names):  # DoRA tensors, whatever the config says
-        raise UnsupportedCheckpointError(
-            f"'{path}': adapter '{adapter}' has DoRA magnitude vectors (lora_magnitude_vector), which merge_lora does "
-            "not merge. Write the adapter with fmt='peft' and merge it with PEFT's merge_and_unload().",
-            path=path, name=adapter,
-        )  # fmt: skip
+    _refuse_unmergeable(path, names, adapter)
     merges: dict[str, tuple[LoraPair, float, bool]] = {}
     for base, pair in lora_pairs(names, adapter).items():
         lora_a, lora_b = ckpt.info(pair.lora_a).shape, ckpt.info(pair.lora_b).shape
-        if pair.embedding or len(lora_a) != 2:
-            what = "an embedding" if pair.embedding else f"a {len(lora_a)}-D (convolution) layer"
+        if len(lora_a) != 2:
             raise UnsupportedCheckpointError(
-                f"'{path}': LoRA adapter '{adapter}' targets {what} ('{pair.module}'), which merge_lora does not "
-                "merge yet. Write the adapter with fmt='peft' and merge it with PEFT's merge_and_unload().",
+                f"'{path}': LoRA adapter '{adapter}' targets a {len(lora_a)}-D (convolution) layer ('{pair.module}'), "
+                "which merge_lora does not merge yet. Write the adapter with fmt='peft' and merge it with PEFT's "
+                "merge_and_unload().",
                 path=path, name=pair.module,
             )  # fmt: skip
-        delta = (lora_a[1], lora_b[0]) if config.fan_in_fan_out else (lora_b[0], lora_a[1])
+        # peft 0.21.2 Embedding.get_delta_weight transposes always (lora_embedding_A is [r, num_embeddings]).
+        transposed = pair.embedding or config.fan_in_fan_out
+        delta = (lora_a[1], lora_b[0]) if transposed else (lora_b[0], lora_a[1])
         if len(lora_b) != 2 or lora_b[1] != lora_a[0] or ckpt.info(base).shape != delta:
             raise CheckpointFormatError(
                 f"'{path}': '{pair.module}' has base weight {ckpt.info(base).shape}, lora_A {lora_a} and lora_B "
-                f"{lora_b}, which do not make W + B @ A with fan_in_fan_out={config.fan_in_fan_out} ({config.where}). "
+                f"{lora_b}, which do not make W + B @ A with fan_in_fan_out={transposed} ({config.where}). "
                 "Check that the adapter_config.json is this run's.",
                 path=path, name=pair.module,
             )  # fmt: skip
-        merges[base] = (pair, config.merge_scale(lora_a[0]), config.fan_in_fan_out)
+        merges[base] = (pair, config.merge_scale(lora_a[0]), transposed)
     return _MergedView(ckpt, base_names(names, adapter), merges)
