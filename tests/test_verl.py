@@ -146,6 +146,19 @@ def test_step_folders_and_root(tmp_path):
     assert "verl" not in str(info.value)
 
 
+def test_convert_from_the_root_copies_the_chosen_steps_config(tmp_path):
+    """From the root (or with tag=), the output gets config.json from the huggingface/ folder of the step read,
+    so transformers loads it; before, only an actor/ or global_step_N/ source had it copied."""
+    root = tmp_path / "ckpts"
+    _copy("verl_fsdp2_ws2_fp32", root / "global_step_2" / "actor")
+    _copy("verl_fsdp2_ws2_bf16", root / "global_step_4" / "actor")
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    for tag, name in ((None, "verl_fsdp2_ws2_fp32"), ("global_step_4", "verl_fsdp2_ws2_bf16")):
+        out = tmp_path / f"out-{tag}"
+        zeroio.convert(root, out, tag=tag, progress=False)
+        assert (out / "config.json").read_bytes() == (VERL / name / "huggingface" / "config.json").read_bytes()
+
+
 def test_fsdp1_weights_read_and_its_optimizer_refused_by_name(tmp_path):
     """verl's FSDP1 (strategy fsdp, with its device mesh) saves DTensors too: weights equal FSDP1's own
     FULL_STATE_DICT bit for bit; its flattened-parameter optimizer state gets a typed error naming it."""

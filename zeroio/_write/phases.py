@@ -146,7 +146,10 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         dequantized = dequantized_dtype(ckpt.metadata.extra)  # FP8 in, plain weights out
         dtype = write.dtype if write.dtype is not None else dequantized
         hf_config = ckpt.metadata.extra.get("hf_config")
-        copied = _commit(job, plan, owners, src, tmp, dtype, hf_config, dequantized=dequantized is not None)
+        copied = _commit(
+            job, plan, owners, src, tmp, dtype, hf_config, dequantized=dequantized is not None,
+            read=ckpt.metadata.path,
+        )  # fmt: skip
         source = ckpt.metadata
 
     files = tuple(out.dst / filename for filename, _ in plan.shards.shards)
@@ -216,10 +219,12 @@ def _commit(
     config: Any = None,
     *,
     dequantized: bool = False,
+    read: Path | None = None,
 ) -> list[str]:
     """Step 4 of :func:`write_checkpoint`: rank 0 checks the shards, writes the index last, copies the side files
     and renames the folder into place; every process returns the names of the side files copied. ``dequantized``:
-    the source's quantized weights were written dequantized (``config.json`` loses ``quantization_config``)."""
+    the source's quantized weights were written dequantized (``config.json`` loses ``quantization_config``);
+    ``read``: the folder the checkpoint was read from (side files may sit beside it, under ``src``)."""
     rank, out = job.comm.rank, job.out
     error, copied = None, []
     if rank == 0:
@@ -228,7 +233,7 @@ def _commit(
             if plan.index is not None:
                 with naming(out.dst / plan.index_name):
                     write_new_file(tmp / plan.index_name, plan.index)
-            copied = list(copy_side_files(src, tmp, dtype=dtype, dequantized=dequantized))  # config, tokenizer
+            copied = list(copy_side_files(src, tmp, dtype=dtype, dequantized=dequantized, read=read))  # config, ...
             copied += write_derived_config(config, tmp, dtype=dtype)  # names="hf": the config the mapping implies
         except BaseException as exc:  # noqa: BLE001
             error = exc

@@ -48,12 +48,13 @@ CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
 _DTYPE_ENTRY = re.compile(r'("(?:' + "|".join(CONFIG_DTYPE_KEYS) + r')"\s*:\s*)"[^"\\]*"')
 
 
-def find_side_files(src: Path) -> list[Path]:
+def find_side_files(src: Path, read: Path | None = None) -> list[Path]:
     """The :data:`SIDE_FILES` next to a checkpoint: in ``src`` and, for a tag folder or a file, in its parent.
 
     A plain DeepSpeed checkpoint has none of them, so nothing is found. For a tag folder
     (``checkpoint-N/global_stepN``) or a single file, the parent folder is searched too, as the Trainer keeps
-    ``config.json`` in ``checkpoint-N/`` beside ``global_stepN/``.
+    ``config.json`` in ``checkpoint-N/`` beside ``global_stepN/``. ``read`` is the folder the reader chose under
+    ``src`` (verl's ``global_step_N/actor/`` when ``src`` is the root): its ``huggingface/`` is searched too.
     """
     folders = [src] if src.is_dir() else []
     is_tag_folder = src.is_dir() and any(p.name.endswith(_ZERO_RANK_SUFFIXES) for p in src.iterdir())
@@ -61,7 +62,8 @@ def find_side_files(src: Path) -> list[Path]:
         folders.append(src.parent)
     # verl keeps the model's config and tokenizer in huggingface/ beside its rank files (global_step_N/actor/).
     # The folder itself must stay inside the checkpoint: a link to elsewhere would copy files from there.
-    hf = [f / "huggingface" for f in folders[:1] + [src / "actor"]]
+    inner = [read] if read is not None and read.is_dir() and read != src else []
+    hf = [f / "huggingface" for f in folders[:1] + [src / "actor"] + inner]
     folders += [h for h in hf if h.is_dir() and _stays_inside(h, h.parent)]
     found: dict[str, Path] = {}
     for folder in folders:
@@ -85,7 +87,12 @@ def _stays_inside(path: Path, folder: Path) -> bool:
 
 
 def copy_side_files(
-    src: Path, dst: Path, *, dtype: torch.dtype | DType | None = None, dequantized: bool = False
+    src: Path,
+    dst: Path,
+    *,
+    dtype: torch.dtype | DType | None = None,
+    dequantized: bool = False,
+    read: Path | None = None,
 ) -> tuple[str, ...]:
     """Copy the side files found for ``src`` into the folder ``dst`` (new files, fsynced); return their names.
 
@@ -94,9 +101,10 @@ def copy_side_files(
     whichever it has), so ``from_pretrained(dtype="auto")`` loads them as written; every other byte is kept.
     ``dequantized``: the weights were quantized and are written dequantized, so ``config.json`` loses its
     ``quantization_config`` (transformers would otherwise quantize-load plain weights) (:func:`config_dequantized`).
+    ``read``: the folder the checkpoint was read from (:func:`find_side_files`).
     """
     copied: list[str] = []
-    for path in find_side_files(src):
+    for path in find_side_files(src, read):
         with path.open("rb") as fin, open(dst / path.name, "xb") as fout:
             if path.name == "config.json" and dequantized and dtype is not None:
                 fout.write(config_with_dtype(config_dequantized(fin.read(), dtype), dtype))
