@@ -258,6 +258,22 @@ def test_files_written_from_a_pickle_template_equal_those_pickled_afresh(
         assert a.read_bytes() == b.read_bytes(), a.name
 
 
+def test_torch_save_writes_the_first_file_of_each_kind_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The later files of a kind are written from the first one's archive (zeroio/_pickles/archive_layout.py), not
+    by torch.save (10 calls for 5 ranks before): rank 0's model states, the other ranks' and the optimizer states';
+    the files are byte for byte torch.save's (the test above)."""
+    calls: list[object] = []
+    save = torch.save
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        calls.append(args[1])
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting)
+    result = reshard(FIXTURES / "z3_ws2_bf16", tmp_path / "out", world_size=5)
+    assert len(result.files) == 10 and len(calls) == 3
+
+
 def test_output_tag_and_progress(tmp_path: Path) -> None:
     """output_tag names the tag folder and `latest`; a progress callback sees every byte."""
     seen: list[tuple[int, int]] = []

@@ -4,8 +4,9 @@ Modules, lowest first: ``standins`` (inert stand-ins for the classes a pickle na
 pickle may ask for), ``archive`` (the torch zip archive, :class:`RankFile` and lazy :class:`TensorRef`), ``allowed``
 (the globals a pickle may name, sealed against change), ``read`` (the restricted unpickler, :func:`load_pickle`),
 ``replica`` (rank files repeating another's pickle, read without unpickling it), ``plain`` (one walk from a parsed
-tree to plain objects), ``write`` (DeepSpeed-class records and rank files
-written chunk by chunk), ``pickle_template`` (rank files of one shape pickled once).
+tree to plain objects), ``archive_layout`` (a rank file's archive around its data, written for the later files
+of its kind), ``write`` (DeepSpeed-class records and rank files written chunk by chunk), ``pickle_template`` (rank
+files of one shape pickled once).
 """
 
 from __future__ import annotations

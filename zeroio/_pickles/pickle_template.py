@@ -6,13 +6,14 @@ byte, see ``replica.py``). ``torch.save`` pickles each tree afresh and calls its
 its objects (25,000 in a model-states file of 2,000 parameters): most of the reshard's 80 s of CPU at 1,024 ranks.
 
 A :class:`PickleTemplate` lets ``torch.save`` pickle the first tree it is given, recording the tensors in the order
-the pickle meets them, where each sits in the tree and the persistent id its storage got. A later tree is not
-pickled: the storages of the tensors at the recorded places are handed to ``torch.save``'s own ``persistent_id`` in
-the recorded order (so torch registers them under the same keys and writes their records, as it would have), and
-the recorded bytes become its ``data.pkl``. Every such tensor must match the recorded one (type, dtype, shape,
-stride, offset, storage size), else the tree is pickled as usual. That the rest of the tree is the same is the
-caller's promise: ``zeroio._reshard.trees.RankTrees.pickle_kind`` gives one template per kind of file whose trees
-differ only in tensor bytes, and tests/test_reshard.py checks the files equal, byte for byte, those pickled afresh.
+the pickle meets them, where each sits in the tree and the persistent id its storage got, and keeps the archive
+``torch.save`` wrote around that pickle (``archive_layout.ArchiveLayout``). A later tree is neither pickled nor
+given to ``torch.save``: where the tensors at the recorded places match the recorded ones (type, dtype, shape,
+stride, offset, storage size, and storages shared as the recorded ones were, so torch would number them alike), its
+archive is the kept one, only its records' bytes differ; else the tree is pickled and saved as usual. That the rest
+of the tree is the same is the caller's promise: ``zeroio._reshard.trees.RankTrees.pickle_kind`` gives one template
+per kind of file whose trees differ only in tensor bytes, and tests/test_reshard.py checks the files equal, byte
+for byte, those ``torch.save`` wrote for each tree.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .archive_layout import ArchiveLayout
 from .plain_tree import Where
 from .write import DeepSpeedPickler, walk_path
 
@@ -42,8 +44,6 @@ class _Entry:
     tensor: torch.Tensor
     """The tensor itself: a later tree holding the very tensor (an empty placeholder shared by every rank's
     tree) needs no check, and its storage registers as before."""
-    storage: Any
-    """The ``TypedStorage`` the pickle gave ``persistent_id`` for it."""
     key: int
     """Its storage's key (``pid[2]``): storages are numbered as the pickle first meets them."""
     storage_id: int
@@ -86,16 +86,31 @@ class PickleTemplate:
     def __init__(self) -> None:
         self._data: bytes | None = None
         self._entries: list[_Entry] = []
+        self._layout: ArchiveLayout | None = None
         self._last_from_template = False  # the last tree saved: recorded or replayed (its keys known here)
         self.replayed = 0
         """Trees written from the template (not pickled)."""
 
     def pickle_module(self) -> types.ModuleType:
-        """The ``pickle_module`` to give ``torch.save`` for the next tree."""
+        """The ``pickle_module`` to give ``torch.save`` for the next tree: the first one is recorded, a later one
+        that :meth:`layout_for` did not take is pickled afresh."""
         module = types.ModuleType("zeroio._template_pickle")
-        base = _Recording if self._data is None else _Replaying
+        base = _Recording if self._data is None else _Afresh
         module.Pickler = type("Pickler", (base,), {"template": self})  # type: ignore[attr-defined]
         return module
+
+    def layout_for(self, tree: Any) -> ArchiveLayout | None:
+        """The archive to write for ``tree``, the recorded one's (None: save it with ``torch.save``)."""
+        self._last_from_template = self._layout is not None and self._matches(tree)
+        if not self._last_from_template:
+            return None
+        self.replayed += 1
+        return self._layout
+
+    def keep_layout(self, layout: ArchiveLayout) -> None:
+        """Keep ``layout``, the archive just written, where its tree was the one recorded."""
+        if self._layout is None and self._data is not None and self._last_from_template:
+            self._layout = layout
 
     def storage_keys(self, paths: list[Where]) -> dict[Where, tuple[str, int]] | None:
         """``{path: (storage key, storage elements)}`` of the tensors at ``paths`` in the last tree saved, or None
@@ -112,37 +127,36 @@ class PickleTemplate:
         if len(tensors) != len(pids) or any(id(t) not in paths for t in tensors):
             return  # a storage met outside a tensor, or a tensor outside the tree's containers: never replayed
         self._entries = [
-            _Entry(paths[id(t)], pid, _form(t), t, s, int(pid[2]), id(t.untyped_storage()))
-            for t, (pid, s) in zip(tensors, pids)
+            _Entry(paths[id(t)], pid, _form(t), t, int(pid[2]), id(t.untyped_storage()))
+            for t, (pid, _) in zip(tensors, pids)
         ]
         self._data = data
         self._last_from_template = True
 
-    def storages(self, tree: Any) -> list[Any] | None:
-        """The storages to register for ``tree``, in the recorded order, or None when a tensor differs (or tensors
-        share storages otherwise than the recorded ones: the keys torch would give them are the recorded ones)."""
+    def _matches(self, tree: Any) -> bool:
+        """Whether ``tree``'s tensors at the recorded places are the recorded ones' likes, their storages shared
+        as the recorded ones were (``torch.save`` numbers storages as the pickle first meets them: it would give
+        them the recorded keys)."""
         import torch
 
-        found, held = [], []  # held: the storages whose ids are keys below, alive until the end
-        keys: dict[int, int] = {}  # id(storage) -> the key torch gives it: storages numbered as first met
+        held = []  # the storages whose ids are keys below, alive until the end
+        keys: dict[int, int] = {}  # id(storage) -> the key torch gives it
         for entry in self._entries:
             try:
                 tensor = walk_path(tree, entry.path)
             except (KeyError, IndexError, TypeError):
-                return None
+                return False
             if tensor is entry.tensor:  # the very tensor recorded (a placeholder every rank's tree shares)
                 if keys.setdefault(entry.storage_id, len(keys)) != entry.key:
-                    return None
-                found.append(entry.storage)
+                    return False
                 continue
             if not isinstance(tensor, torch.Tensor) or _form(tensor) != entry.form:
-                return None
+                return False
             storage = tensor.untyped_storage()
             held.append(storage)
             if keys.setdefault(id(storage), len(keys)) != entry.key:
-                return None
-            found.append(torch.TypedStorage(wrap_storage=storage, dtype=tensor.dtype, _internal=True))  # type: ignore[no-untyped-call]
-        return found
+                return False
+        return True
 
 
 class _Recording(DeepSpeedPickler):
@@ -176,23 +190,11 @@ class _Recording(DeepSpeedPickler):
         return NotImplemented
 
 
-class _Replaying(DeepSpeedPickler):
-    """Writes the recorded pickle, registering the tree's storages with torch in the recorded order."""
+class _Afresh(DeepSpeedPickler):
+    """Pickles a later tree that does not match the recorded one, as ``torch.save`` would (its keys read back)."""
 
     template: PickleTemplate
 
     def pickled(self, obj: Any) -> bytes:
-        template = self.template
-        storages = template.storages(obj)
-        template._last_from_template = storages is not None
-        if storages is None:
-            return super().pickled(obj)
-        torch_id = self.persistent_id
-        if template._data is None or any(torch_id(s) != e.pid for s, e in zip(storages, template._entries)):
-            # Not reached: storages() predicts each persistent id (storage type from the dtype, the key from the
-            # order storages are first met, torch keying a storage by its one Python object, location, numel).
-            # Were torch to key otherwise, the tree is pickled afresh: torch reuses the keys just registered.
-            template._last_from_template = False
-            return super().pickled(obj)
-        template.replayed += 1
-        return template._data
+        self.template._last_from_template = False
+        return super().pickled(obj)

@@ -12,7 +12,6 @@ import struct
 import tempfile
 import types
 import weakref
-import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from .._io.fileio import pwrite_all, tensor_bytes
 from .._messages import get_logger
 from ..errors import CheckpointFormatError, OutputError, PartitionMismatchError, UnsupportedCheckpointError
 from .archive import TensorRef
+from .archive_layout import ArchiveLayout, StoredRecord
 from .plain_tree import TensorRule, Walk, Where, to_plain
 from .read import load_pickle
 from .standins import ZERO_STAGE_ENUM, Inert, ZeroStageEnum, global_name, inert_parts
@@ -164,11 +164,16 @@ class DeepSpeedPickler(pickle.Pickler):
 
 
 class Template(Protocol):
-    """A pickle reused across trees of one shape (``pickle_template.PickleTemplate``)."""
+    """A pickle reused across trees of one shape (``pickle_template.PickleTemplate``), and the archive written
+    around it (``archive_layout.ArchiveLayout``)."""
 
     def pickle_module(self) -> types.ModuleType: ...
 
     def storage_keys(self, paths: list[Where]) -> dict[Where, tuple[str, int]] | None: ...
+
+    def layout_for(self, tree: Any) -> ArchiveLayout | None: ...
+
+    def keep_layout(self, layout: ArchiveLayout) -> None: ...
 
 
 _PICKLE_MODULE = types.ModuleType("zeroio._reshard_pickle")
@@ -270,34 +275,34 @@ class RankFileBuilder:
 
         ``torch.serialization.skip_data`` writes the archive with every storage record reserved but not filled;
         each record is then written with ``pwrite`` from bounded chunks, and its CRC-32 set in the data
-        descriptor and the central directory, so the result is the archive ``torch.save`` would have written.
-        ``template`` pickles the tree once for all the trees of its shape (``pickle_template.py``).
+        descriptor and the central directory, so the result is the archive ``torch.save`` would have written (but
+        for ``.data/serialization_id``, which torch derives from the CRCs it wrote: those of the unfilled records).
+        ``template`` pickles the tree once for all the trees of its shape (``pickle_template.py``), and writes the
+        later ones' archives from the first one's layout without ``torch.save`` (``archive_layout.py``).
         """
-        # 1. The archive, storage bytes left empty (no tensor is ever materialised).
+        # 1. The archive, storage bytes left empty (no tensor is ever materialised): the layout of the first file
+        #    of its kind where the template has one (no torch.save), else torch.save's.
         import torch
 
-        with open(path, "xb") as fh, torch.serialization.skip_data():
-            torch.save(tree, fh, pickle_module=_PICKLE_MODULE if template is None else template.pickle_module())
+        layout = None if template is None else template.layout_for(tree)
+        if layout is not None:
+            layout.write(path)
+        else:
+            with open(path, "xb") as fh, torch.serialization.skip_data():
+                torch.save(tree, fh, pickle_module=_PICKLE_MODULE if template is None else template.pickle_module())
         self._placeholders.close()
-        if not self._fills:  # every record empty (ZeRO-3 model states without frozen parameters): nothing to fill
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return
         # 2. Which record holds which tensor: known to the template, else read back with zeroio's own parser.
-        keys = self._keys(path, template)
-        with zipfile.ZipFile(path) as archive:
-            records = {info.filename: info for info in archive.infolist()}
-            start_dir = archive.start_dir
-        root = next(name[: -len("data.pkl")] for name in records if name.endswith("data.pkl"))
+        keys = self._keys(path, template) if self._fills else []
+        if layout is None and (keys or template is not None):
+            layout = ArchiveLayout.read(path, set(keys))
+            if template is not None:
+                template.keep_layout(layout)  # kept where the tree was the template's first: for the next ones
+        records = {} if layout is None else layout.records
         # 3. The bytes, then the CRCs.
         fd = os.open(path, os.O_RDWR)
         try:
-            central = _central_directory(fd, start_dir, os.fstat(fd).st_size)
             for fill, key in zip(self._fills, keys):
-                _fill_record(fd, path, key, records[f"{root}data/{key}"], central, fill, on_bytes)
+                _fill_record(fd, path, records[key], fill, on_bytes)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -322,38 +327,23 @@ class RankFileBuilder:
         return keys
 
 
-def _fill_record(
-    fd: int,
-    path: Path,
-    key: str,
-    info: zipfile.ZipInfo,
-    central: dict[str, int],
-    fill: _Fill,
-    on_bytes: Callable[[int], None],
-) -> None:
+def _fill_record(fd: int, path: Path, record: StoredRecord, fill: _Fill, on_bytes: Callable[[int], None]) -> None:
     """Write one storage record's bytes and set its CRC-32 where the zip format keeps it."""
-    header = os.pread(fd, 30, info.header_offset)
-    name_len, extra_len = struct.unpack_from("<HH", header, 26)
-    begin = info.header_offset + 30 + name_len + extra_len
-    offset, crc = begin, 0
+    offset, crc = record.begin, 0
     for chunk in fill.chunks():
         view = tensor_bytes(chunk)
         pwrite_all(fd, view, offset)
         crc = zlib.crc32(view, crc)
         offset += len(view)
         on_bytes(len(view))
-    if offset - begin != info.file_size:
+    if offset - record.begin != record.size:
         raise PartitionMismatchError(
-            f"'{path}': record data/{key} holds {info.file_size} bytes, {offset - begin} were produced.",
+            f"'{path}': record {record.name} holds {record.size} bytes, {offset - record.begin} were produced.",
             path=path,
         )
     packed = struct.pack("<I", crc)
-    if info.flag_bits & 0x08:  # data descriptor after the data (torch's writer uses one)
-        signature = os.pread(fd, 4, offset)
-        pwrite_all(fd, packed, offset + 4 if signature == b"PK\x07\x08" else offset)
-    else:
-        pwrite_all(fd, packed, info.header_offset + 14)
-    pwrite_all(fd, packed, central[info.filename] + 16)
+    pwrite_all(fd, packed, record.header_offset + 14 if record.descriptor is None else record.descriptor)
+    pwrite_all(fd, packed, record.central + 16)
 
 
 def walk_path(tree: Any, path: Where) -> Any:
@@ -362,15 +352,3 @@ def walk_path(tree: Any, path: Where) -> Any:
     for key in path:
         node = node[key] if isinstance(node, (dict, list, tuple)) else node.__dict__[key]
     return node
-
-
-def _central_directory(fd: int, start: int, size: int) -> dict[str, int]:
-    """``{record name: offset of its central directory header}``."""
-    data = os.pread(fd, size - start, start)
-    offsets: dict[str, int] = {}
-    pos = 0
-    while pos + 46 <= len(data) and struct.unpack_from("<I", data, pos)[0] == 0x02014B50:
-        n, m, k = struct.unpack_from("<HHH", data, pos + 28)
-        offsets[data[pos + 46 : pos + 46 + n].decode("utf-8")] = start + pos
-        pos += 46 + n + m + k
-    return offsets
