@@ -137,30 +137,37 @@ def build_model(cfg: GPTConfig):  # type: ignore[no-untyped-def]
     return GPT()
 
 
-def ds_config() -> dict:
-    """ZeRO-3, bf16, torch's fused AdamW (the default foreach AdamW is OOM-killed in step() at ~700M here)."""
+def ds_config(stage: int = 3) -> dict:
+    """ZeRO-3 (or ``stage``), bf16, torch's fused AdamW (the default foreach AdamW is OOM-killed in step() at ~700M
+    here)."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
 
-def worker(cfg: GPTConfig, out: Path) -> None:
-    """Runs on every rank under DeepSpeed's launcher: build, one step, save."""
+def worker(cfg: GPTConfig, out: Path, stage: int = 3) -> None:
+    """Runs on every rank under DeepSpeed's launcher: build, one step, save (ZeRO-1/2: the whole model on each rank,
+    built in bf16 as zero.Init builds it)."""
+    import contextlib
+
     import deepspeed
     import torch
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234)
-    config = ds_config()
-    with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
+    config = ds_config(stage)
+    init = deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16) if stage == 3 else None
+    with init or contextlib.nullcontext():
         model = build_model(cfg)
+    if init is None:
+        model = model.to(torch.bfloat16)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     ids = torch.randint(0, cfg.vocab, (1, 8), generator=torch.Generator().manual_seed(rank))
     logits = engine(ids)
@@ -191,6 +198,7 @@ def make_checkpoint(
     overwrite: bool = False,
     launcher: str = "deepspeed",
     cfg: GPTConfig | None = None,
+    stage: int = 3,
 ) -> dict:
     """Build the checkpoint at ``out`` (a DeepSpeed checkpoint root) and return its manifest.
 
@@ -225,6 +233,8 @@ def make_checkpoint(
         str(out),
         "--config",
         json.dumps(asdict(cfg)),
+        "--stage",
+        str(stage),
     ]
     log = out.parent / f".{out.name}.build.log"
     t0 = time.perf_counter()
@@ -246,7 +256,7 @@ def make_checkpoint(
         "config": asdict(cfg),
         "world_size": world_size,
         "dtype": "bf16",
-        "zero_stage": 3,
+        "zero_stage": stage,
         "optimizer": "AdamW (torch, fused)",
         "deepspeed": deepspeed.__version__,
         "torch": torch.__version__,
@@ -271,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3, help="ZeRO stage (default 3)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument(
         "--launcher",
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(GPTConfig(**json.loads(args.config)), args.out)
+        worker(GPTConfig(**json.loads(args.config)), args.out, args.stage)
         return 0
     cfg = config_for(args.params, vocab=args.vocab, n_ctx=args.n_ctx, tied=not args.untied)
     if args.dry_run:
@@ -302,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world_size,
         overwrite=args.overwrite,
         launcher=args.launcher,
+        stage=args.stage,
     )
     print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
     return 0
