@@ -6,8 +6,8 @@ their data offsets are looked up) and checks a record once every one of its byte
 
 * reads (``read_into``) are folded in as they happen, from any thread and in any order (CRCs of the pieces are
   combined with :func:`crc32_combine`), so streaming a tensor costs one ``zlib.crc32`` pass over its bytes;
-* an in-kernel copy (``copy_to``) first reads the bytes it copies, to check them (the page cache then serves
-  the copy);
+* an in-kernel copy (``copy_to``) first reads the bytes it copies that no read has seen yet, to check them (the
+  page cache then serves the copy; bytes a read-ahead window already folded in are not read twice);
 * :meth:`CheckedFile.finish` reads what reads left out of a record read in part (the padding at the end of a ZeRO
   flat group, a slice of a big record), so a record zeroio read from is checked in full.
 
@@ -100,6 +100,23 @@ class Record:
             _, n_hi, n_crc = self.seen.pop(i)
             crc, hi = crc32_combine(crc, n_crc, n_hi - hi), n_hi
         self.seen.insert(i, (lo, hi, crc))
+
+    def unseen_around(self, lo: int, hi: int) -> tuple[int, int]:
+        """The widest ``[a, b)`` holding ``[lo, hi)`` with no byte outside ``[lo, hi)`` seen yet: how far a read of
+        ``[lo, hi)`` may reach back and ahead without reading again what was read."""
+        i = bisect.bisect_left(self.seen, (hi, 0))  # the first run starting at or after hi
+        b = self.seen[i][0] if i < len(self.seen) else self.size
+        if i > 0 and self.seen[i - 1][1] > hi:  # a run reaching past hi from inside [lo, hi)
+            b = hi
+        a = 0
+        for s_lo, s_hi, _ in reversed(self.seen[:i]):
+            if s_hi <= lo:
+                a = s_hi
+                break
+            if s_lo < lo:  # a run reaching into [lo, hi) from before it: nothing before lo is unseen here
+                a = lo
+                break
+        return a, max(b, hi)
 
     def run_ending_at(self, lo: int) -> tuple[int, int, int] | None:
         """The seen run that ends at ``lo``, if any."""
@@ -198,6 +215,13 @@ class CheckedFile:
         record = self.record_at(offset)
         return None if record is None else (record.start, record.start + record.size)
 
+    def unseen_around(self, record: Record, lo: int, hi: int) -> tuple[int, int]:
+        """The widest span of ``record`` holding ``[lo, hi)`` (file offsets) with no byte outside ``[lo, hi)`` read
+        yet: what a read-ahead window may read without reading a byte twice (the whole record once it is checked)."""
+        with self._crc_lock:
+            a, b = record.unseen_around(lo - record.start, hi - record.start)
+        return record.start + a, record.start + b
+
     def raise_if_failed(self, record: Record) -> None:
         """Raise ``record``'s CRC error once its bytes failed their check: bytes of it served from elsewhere (a
         read-ahead window filled before the failure) raise as every later read of it does."""
@@ -237,8 +261,9 @@ class CheckedFile:
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
         if not can_copy_in_kernel(self.source):
             return None  # the caller streams through read_into, which checks as it reads
-        if self.verify and self._unchecked(offset, offset + nbytes):
-            self._read_and_check(offset, offset + nbytes)  # the copy below then reads from the page cache
+        if self.verify:  # the copy below then reads from the page cache
+            for lo, hi in self._unseen(offset, offset + nbytes):
+                self._read_and_check(lo, hi)
         return self.source.copy_to(fd, offset, nbytes, dst_offset)
 
     def finish(self) -> None:
@@ -323,8 +348,22 @@ class CheckedFile:
                     found.append(record)
             return found
 
-    def _unchecked(self, lo: int, hi: int) -> bool:
-        return any(not r.verified for r in self._overlapping(lo, hi))
+    def _unseen(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The bytes of ``[lo, hi)`` (file offsets) in records not yet checked that no read has seen, merged; a
+        record that failed its check raises (every later read of it does)."""
+        out: list[tuple[int, int]] = []
+        for record in self._overlapping(lo, hi):
+            self._raise_if_bad(record)
+            r_lo, r_hi = max(lo, record.start) - record.start, min(hi, record.start + record.size) - record.start
+            with self._crc_lock:
+                gaps = [] if record.verified else record.gaps(r_lo, r_hi)
+            for a, b in gaps:
+                a, b = record.start + a, record.start + b
+                if out and out[-1][1] == a:
+                    out[-1] = (out[-1][0], b)
+                else:
+                    out.append((a, b))
+        return out
 
     def _read_and_check(self, lo: int, hi: int) -> None:
         """Read ``[lo, hi)`` (file offsets) in bounded pieces only to fold it into the records' CRCs."""

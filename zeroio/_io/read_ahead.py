@@ -12,6 +12,12 @@ Memory is bounded: one window per file and record, ``budget / windows`` bytes ea
 (the Adam moments after the fp32 partition), holds no more than its record has left, and the CRC of each record
 it covers is still checked once all of the record's bytes have been seen. Only local files read ahead here; a
 remote source has its own read-ahead.
+
+No byte is read twice for a window: a window stops before bytes already read (a long read or an in-kernel copy's
+check that went first), a long read takes what a window holds of it, and an in-kernel copy's check reads only the
+bytes no read has seen (:meth:`~zeroio._io.integrity.CheckedFile.copy_to`). Reading ahead into a large tensor's bytes and then
+reading them again cost a 1.3B conversion 2.4 GB of reads it did not need (docs/benchmarks.md, "Bytes a conversion
+reads").
 """
 
 from __future__ import annotations
@@ -63,11 +69,16 @@ class _File:
         self.windows: list[_Window] = []
 
 
-def _covering(windows: list[_Window], start: int, stop: int) -> _Window | None:
+def _holding(windows: list[_Window], at: int) -> _Window | None:
     for window in windows:
-        if window.start <= start and stop <= window.stop:
+        if window.start <= at < window.stop:
             return window
     return None
+
+
+def _next_start(windows: list[_Window], at: int, end: int) -> int:
+    """Where the first window starting inside ``(at, end)`` starts, else ``end``."""
+    return min((w.start for w in windows if at < w.start < end), default=end)
 
 
 def _clip(span: tuple[int, int], spans: list[tuple[int, int]], offset: int) -> tuple[int, int] | None:
@@ -79,8 +90,10 @@ def _clip(span: tuple[int, int], spans: list[tuple[int, int]], offset: int) -> t
 
 
 class ReadAhead:
-    """Serves reads of at most a quarter window from a window per file and record, read ahead on a miss; longer
-    reads go straight to the file. Safe for concurrent use by several threads (one lock per file)."""
+    """Serves reads from a window per file and record: the bytes a window holds are copied from it, a short rest (at
+    most a quarter window) is read ahead into a new window, a longer rest straight from the file. No byte is read
+    twice for it: a window holds no byte read before it (by a read or an in-kernel copy's check), and a long read
+    takes what a window holds of it. Safe for concurrent use by several threads (one lock per file)."""
 
     def __init__(
         self, files: int = 1, budget: int = BUDGET, spans: dict[int, list[tuple[int, int]]] | None = None
@@ -107,20 +120,30 @@ class ReadAhead:
 
     def read_into(self, source: ByteSource, offset: int, out: memoryview) -> None:
         """Fill ``out`` with ``source``'s bytes at ``offset`` (a :class:`CheckedFile` checks them as it reads)."""
-        n = len(out)
-        file = None
-        if n * 4 <= self._size:
-            file = self._files.get(id(source)) or self._file(source)
-        if file is not None:
-            with file.lock:
-                window = _covering(file.windows, offset, offset + n) or self._fill(file, offset, n)
-                if window is not None:
-                    if window.checked.found is not None:  # failed since the window was read
-                        file.source.raise_if_failed(window.checked)
-                    at = offset - window.start
-                    out[:] = window.data[at : at + n]
-                    return
-        source.read_into(offset, out)  # a long read, not a local file, or not inside one record: as asked
+        file = self._files.get(id(source)) or self._file(source)
+        if file is None:
+            source.read_into(offset, out)  # not a local file: as asked
+            return
+        end = offset + len(out)
+        straight: list[tuple[int, int]] = []  # long parts, read outside the lock
+        with file.lock:
+            at = offset
+            while at < end:
+                window = _holding(file.windows, at)
+                stop = end if window is not None else _next_start(file.windows, at, end)
+                if window is None and (stop - at) * 4 <= self._size:
+                    window = self._fill(file, at, stop - at)
+                if window is None:  # long, or not inside one record: as asked
+                    straight.append((at, stop))
+                    at = stop
+                    continue
+                if window.checked.found is not None:  # failed since the window was read
+                    file.source.raise_if_failed(window.checked)
+                stop = min(end, window.stop)
+                out[at - offset : stop - offset] = window.data[at - window.start : stop - window.start]
+                at = stop
+        for lo, hi in straight:
+            source.read_into(lo, out[lo - offset : hi - offset])
 
     def _fill(self, file: _File, offset: int, n: int) -> _Window | None:
         """Read the window of ``offset``'s record from ``offset`` on (the caller holds the file's lock)."""
@@ -131,7 +154,7 @@ class ReadAhead:
             span = _clip(span, limits, offset)
         if checked is None or span is None or span[1] < offset + n or span == (offset, offset + n):
             return None  # not inside one record, or the whole record (a small tensor of its own): read as asked
-        size = self.window_bytes()
+        size, start = self.window_bytes(), offset
         window = next((w for w in file.windows if w.record == span[0]), None)
         if window is None:
             window = _Window(span[0], checked)
@@ -143,8 +166,12 @@ class ReadAhead:
                     self._held += 1
                     self._resize()
             if offset - span[0] < size // 2:  # the record's first read: from its start (padding of a parameter
-                offset = span[0]  # this rank holds none of), so the CRC check has no gap left to read
-        stop = min(offset + size, span[1])
+                start = span[0]  # this rank holds none of), so the CRC check has no gap left to read
+        # Never a byte read before (a tensor's long read or an in-kernel copy's check went first): it is not needed
+        # again, and reading it would read it twice.
+        unseen = file.source.unseen_around(checked, offset, offset + n)
+        start, stop = max(start, unseen[0]), min(offset + size, span[1], unseen[1])
+        offset = start
         if not stop - offset <= len(window.data) <= 2 * size:  # held memory stays bounded
             window.data = memoryview(bytearray(stop - offset))
         window.start = window.stop = offset  # a failed read leaves no stale window
