@@ -146,6 +146,28 @@ def test_step_folders_and_root(tmp_path):
     assert "verl" not in str(info.value)
 
 
+def test_optimizer_of_other_param_groups_is_refused_weights_read(tmp_path):
+    """An optimizer built with its own param groups (layer-wise learning rates, not in model order) numbers its
+    parameters group after group, which the files do not record: optimizer_state and include_optimizer are refused
+    naming the groups, the weights still equal the live run's (3 ranks). Before, index i was taken for the i-th
+    parameter and layer 0's moments and lr were returned for layer 1 (equal shapes) without an error."""
+    name = "verl_fsdp2_ws3_param_groups"
+    model, optim = _reference(name)
+    assert {g["lr"] for g in optim["param_groups"]} == {0.05, 0.01}
+    with zeroio.open(VERL / name) as ckpt:
+        assert ckpt.metadata.world_size == 3 and ckpt.metadata.optimizer is None
+        for key, want in model.items():
+            assert _same(ckpt[key], want), key
+        with pytest.raises(UnsupportedCheckpointError, match=r"holds 2 param groups.*weights only"):
+            ckpt.optimizer_state("model.layers.1.self_attn.q_proj.weight")
+    with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
+        zeroio.convert(VERL / name, tmp_path / "out", include_optimizer=True, progress=False)
+    assert not (tmp_path / "out").exists()
+    zeroio.convert(VERL / name, tmp_path / "weights", progress=False)
+    written = load_file(tmp_path / "weights" / "model.safetensors")
+    assert all(_same(written[k], v) for k, v in model.items())
+
+
 def test_convert_from_the_root_copies_the_chosen_steps_config(tmp_path):
     """From the root (or with tag=), the output gets config.json from the huggingface/ folder of the step read,
     so transformers loads it; before, only an actor/ or global_step_N/ source had it copied."""

@@ -1,8 +1,11 @@
 """verl's ``optim_world_size_W_rank_R.pt``: ``optimizer.state_dict()`` of each rank, keyed by parameter index.
 
 The index is the parameter's position in ``model.parameters()``: the model's DTensor entries in state-dict order,
-a tied name counted once (torch yields a shared parameter once). Each moment is checked to have its parameter's
-global shape, so a misnumbered mapping is refused rather than returned under the wrong name.
+a tied name counted once (torch yields a shared parameter once), because verl 0.9.1 builds its optimizer from
+``module.parameters()`` in one param group (``build_optimizer``). An optimizer built otherwise (several param
+groups, or some parameters only) numbers them in an order the files do not record: its state is refused by name
+(:class:`UnmappedOptimizer`) while the weights still read. Each moment is checked to have its parameter's global
+shape, so a misnumbered mapping is refused rather than returned under the wrong name.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ from ..._pickles import RankFile, TensorRef, load_pickle
 from ...errors import CheckpointFormatError
 from .dtensors import Assembled, assemble, is_dtensor
 
-__all__ = ["OptimizerShards", "read_optimizer"]
+__all__ = ["OptimizerShards", "UnmappedOptimizer", "read_optimizer"]
 
 OptimizerShards = tuple[dict[str, dict[str, Assembled]], dict[str, dict[str, Any]], dict[str, TensorRef]]
 """``({name: {moment: Assembled}}, {name: hyper-parameters}, {name: rank 0's step})``."""
+
+
+class UnmappedOptimizer(Exception):
+    """The optimizer was not built from ``model.parameters()`` in one group: which parameter an index stands for
+    is not in the files. Its message says why (zeroio's readers turn it into a refusal of optimizer state)."""
 
 
 def _bad(path: Path, what: str) -> CheckpointFormatError:
@@ -39,7 +47,18 @@ def _tree(path: Path, trusted: frozenset[str], files: list[RankFile]) -> tuple[d
 
 
 def _index_names(groups: list[Any], params: list[str], path: Path) -> dict[int, tuple[str, dict[str, Any]]]:
-    """Parameter index -> (name, its group's hyper-parameters); every parameter named exactly once."""
+    """Parameter index -> (name, its group's hyper-parameters); every parameter named exactly once.
+
+    Raises:
+        UnmappedOptimizer: several param groups, or another number of parameters than the model's.
+    """
+    if len(groups) != 1:
+        # torch numbers parameters group after group: unless the groups were cut from parameters() in order
+        # (nothing records it), index i is not the i-th parameter, and equal shapes would hide the swap.
+        raise UnmappedOptimizer(
+            f"'{path}' holds {len(groups)} param groups; verl builds one from model.parameters(), and only then is "
+            "optimizer index i the model's i-th parameter (the files do not record which parameter each index is)"
+        )
     found: dict[int, tuple[str, dict[str, Any]]] = {}
     for group in groups:
         members = group.get("params")
@@ -55,7 +74,10 @@ def _index_names(groups: list[Any], params: list[str], path: Path) -> dict[int, 
                 )
             found[index] = (params[index], hyper)
     if len(found) != len(params):
-        raise _bad(path, f"its param groups hold {len(found)} parameters, the model files {len(params)}")
+        raise UnmappedOptimizer(
+            f"'{path}' optimizes {len(found)} parameters, the model files hold {len(params)}; verl builds its "
+            "optimizer from all of model.parameters(), and only then is index i the model's i-th parameter"
+        )
     return found
 
 

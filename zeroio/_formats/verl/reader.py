@@ -25,7 +25,7 @@ from ..metadata import CheckpointMetadata, TensorInfo, TensorKind
 from ..options import ReadOptions
 from .dtensors import Assembled, assemble, is_dtensor
 from .files import VerlFiles, find_verl_files, verl_folder
-from .optim import read_optimizer
+from .optim import OptimizerShards, UnmappedOptimizer, read_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -66,11 +66,13 @@ class VerlCheckpoint(Checkpoint):
         pieces: dict[str, Assembled],
         optim: tuple[dict[str, dict[str, Assembled]], dict[str, dict[str, Any]], dict[str, TensorRef]],
         files: list[RankFile],
+        unmapped: str | None = None,
     ) -> None:
         super().__init__(metadata, infos, tied)
         self._pieces = pieces
         self._moments, self._hyper, self._steps = optim
         self._files = files
+        self._unmapped = unmapped  # why the optimizer files' indices cannot be given names
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         _read(self._pieces[name], start, out)
@@ -105,6 +107,13 @@ class VerlCheckpoint(Checkpoint):
         if self._metadata.layout == "fsdp1":
             raise UnsupportedCheckpointError(
                 f"No optimizer state for '{name}' in '{self._metadata.path}': {FSDP1_OPTIMIZER}",
+                path=self._metadata.path,
+                name=name,
+            )
+        if self._unmapped is not None:
+            raise UnsupportedCheckpointError(
+                f"No optimizer state for '{name}': {self._unmapped}. zeroio reads the weights only; resume with the "
+                "training code that built the optimizer.",
                 path=self._metadata.path,
                 name=name,
             )
@@ -226,7 +235,13 @@ def open_verl(path: Path, options: ReadOptions) -> VerlCheckpoint:
         # 3. The optimizer (FSDP2, if saved): indices mapped to names in parameters() order, shapes checked.
         shapes = {name: pieces[name].entry.shape for name in params}
         read = files.optim and files.fsdp_version == 2
-        optim = read_optimizer(files.optim, params, shapes, trusted_globals, opened) if read else ({}, {}, {})
+        optim: OptimizerShards = ({}, {}, {})
+        unmapped = None
+        try:
+            if read:
+                optim = read_optimizer(files.optim, params, shapes, trusted_globals, opened)
+        except UnmappedOptimizer as exc:
+            unmapped = str(exc)
     except BaseException:
         for file in opened:
             file.close()
@@ -264,4 +279,4 @@ def open_verl(path: Path, options: ReadOptions) -> VerlCheckpoint:
         },
     )
     logger.debug("opened %s: verl FSDP2, %d ranks, %d tensors", folder, files.world_size, len(infos))
-    return VerlCheckpoint(metadata, infos, tied, pieces, optim, opened)
+    return VerlCheckpoint(metadata, infos, tied, pieces, optim, opened, unmapped)
