@@ -284,24 +284,32 @@ def run_one(args: argparse.Namespace, dtype: str, dst: Path) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
+    """The purposes (traced runs), then ``rchar`` against the bytes needed (the distinct bytes read, traced) or the
+    output (untraced runs)."""
     out_bytes = result["output_bytes"]
-    distinct = result.get("distinct") or 1
-    lines = [f"{'purpose':52s} {'calls':>8s} {'MB':>9s} {'read again MB':>14s} {'x needed':>9s}"]
-    for key, row in sorted(result.get("purposes", {}).items(), key=lambda kv: -kv[1]["bytes"]):
-        label = PURPOSES.get(key, key if key != "outside" else "outside the checkpoint (imports, /proc)")
-        lines.append(f"{label:52s} {row['calls']:8d} {row['bytes'] / 1e6:9.1f} {row['again'] / 1e6:14.1f} "
-                     f"{row['bytes'] / distinct:9.3f}")  # fmt: skip
-    if "traced" in result:
+    lines = []
+    if "distinct" in result:
+        distinct = result["distinct"] or 1
+        lines.append(f"{'purpose':52s} {'calls':>8s} {'MB':>9s} {'read again MB':>14s} {'x needed':>9s}")
+        for key, row in sorted(result["purposes"].items(), key=lambda kv: -kv[1]["bytes"]):
+            label = PURPOSES.get(key, "outside the checkpoint (imports, /proc)")
+            lines.append(
+                f"{label:52s} {row['calls']:8d} {row['bytes'] / 1e6:9.1f} {row['again'] / 1e6:14.1f} "
+                f"{row['bytes'] / distinct:9.3f}"
+            )
         untraced = result["rchar"] - result["traced"]
         lines.append(f"{'not traced (buffered file objects: zip/pickle/imports)':52s} {'':8s} {untraced / 1e6:9.1f}")
-    if "distinct" in result:
         lines.append(
             f"needed: {distinct / 1e6:.1f} MB of the checkpoint (distinct bytes read); kernel-copied "
             f"without a user-space read first: {result['copied_without_user_read'] / 1e6:.1f} MB"
         )
-    lines.append(f"rchar {result['rchar'] / 1e6:.1f} MB = {result['rchar'] / distinct:.3f} x needed; output "
-                 f"{out_bytes / 1e6:.1f} MB; from the device {result['read_bytes'] / 1e6:.1f} MB; "
-                 f"convert {result['convert_s']:.2f} s, cpu {result['cpu_s']:.2f} s")  # fmt: skip
+        ratio = f"{result['rchar'] / distinct:.3f} x needed"
+    else:
+        ratio = f"{result['rchar'] / out_bytes:.3f} x output"
+    lines.append(
+        f"rchar {result['rchar'] / 1e6:.1f} MB = {ratio}; output {out_bytes / 1e6:.1f} MB; from the device "
+        f"{result['read_bytes'] / 1e6:.1f} MB; convert {result['convert_s']:.2f} s, cpu {result['cpu_s']:.2f} s"
+    )
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ TESTS = ROOT / "tests"
 # a new one fails test_every_module_has_a_layer until it is placed here.
 LAYERS: list[tuple[str, ...]] = [
     # 0. vocabulary: no zeroio imports but each other
-    ("errors", "_types", "_constants", "_messages", "_dtypes"),
+    ("errors", "_types", "_constants", "_messages", "_dtypes", "_env"),
     # 1. storage (_io/): byte sources to read from (local, remote, CRC-checked), primitives for files to write,
     #    progress reporting (shared by the writers and the loader); the one cross-rank outcome exchange (_ranks:
     #    shared by the distributed writers, the sharded loader and the verbs called on every rank)

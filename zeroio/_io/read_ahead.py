@@ -26,6 +26,7 @@ import bisect
 import threading
 from typing import TYPE_CHECKING
 
+from .._env import env_bytes
 from .integrity import CheckedFile, Record
 from .sources import LocalFile
 
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 __all__ = ["BUDGET", "MAX_WINDOW", "MIN_WINDOW", "WINDOWS_PER_FILE", "ReadAhead"]
 
 BUDGET = 64 * 2**20
-"""Bytes all windows hold together (as long as each holds at least :data:`MIN_WINDOW`)."""
+"""Bytes all windows hold together (as long as each holds at least :data:`MIN_WINDOW`); ``ZEROIO_READ_AHEAD_BYTES``
+overrides it (tests make windows smaller than some of a fixture's tensors)."""
 MIN_WINDOW = 4 * 1024
 """Smallest window: 8,192 files of 2 flat groups hold 64 MiB; reads stay 256 times fewer than 16-byte pieces."""
 MAX_WINDOW = 4 * 2**20
@@ -96,12 +98,12 @@ class ReadAhead:
     takes what a window holds of it. Safe for concurrent use by several threads (one lock per file)."""
 
     def __init__(
-        self, files: int = 1, budget: int = BUDGET, spans: dict[int, list[tuple[int, int]]] | None = None
+        self, files: int = 1, budget: int | None = None, spans: dict[int, list[tuple[int, int]]] | None = None
     ) -> None:
-        """``spans``: by ``id(source)``, the sorted, disjoint byte spans this process reads (a distributed
-        conversion's share): a window stays inside one, so no process reads bytes that only another one writes
-        (a file not named: windows as they come)."""
-        self._budget = budget
+        """``budget``: :data:`BUDGET` unless given. ``spans``: by ``id(source)``, the sorted, disjoint byte spans
+        this process reads (a distributed conversion's share): a window stays inside one, so no process reads bytes
+        that only another one writes (a file not named: windows as they come)."""
+        self._budget = env_bytes("ZEROIO_READ_AHEAD_BYTES", BUDGET) if budget is None else budget
         self._spans = spans
         self._files: dict[int, _File] = {}
         self._lock = threading.Lock()

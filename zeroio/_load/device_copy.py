@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._env import env_byte_count
 from .._formats import Checkpoint
 from .._io.direct_read import ALIGN, aligned_parts, direct_reads_enabled
 from .._io.sources import LocalFile, tensor_bytes
 from .pinned_ring import PinnedRing
 from .prefetch import StartupPrefetch
-from .shard_reads import env_byte_count, staging_bytes
+from .shard_reads import staging_bytes
 
 __all__ = [
     "HOST_READ_THREADS",

@@ -14,9 +14,9 @@ import os
 import threading
 from collections.abc import Sequence
 
+from .._env import env_byte_count
 from .._formats import Checkpoint
 from .._messages import get_logger
-from .shard_reads import env_byte_count
 
 __all__ = ["PREFETCH_BYTES", "StartupPrefetch", "prefetch_bytes"]
 

@@ -6,12 +6,12 @@ broadcasts."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from .._env import env_byte_count
 from .._io.byte_map import ByteMap, read_strided
 from .._io.sources import tensor_bytes
 from .rank_agreement import broadcast_checked
@@ -25,7 +25,6 @@ __all__ = [
     "MAX_ROWS",
     "Fill",
     "broadcast_segments",
-    "env_byte_count",
     "fill_whole",
     "read_segments",
     "staging_bytes",
@@ -94,21 +93,6 @@ def staging_bytes(default: int = CHUNK_BYTES) -> int:
     staging buffer of a load (here, and ``DeviceFiller``'s pinned ring)."""
     override = os.environ.get("ZEROIO_STAGING_BYTES")
     return max(8, env_byte_count("ZEROIO_STAGING_BYTES", override)) if override else default
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def env_byte_count(variable: str, text: str) -> int:
-    """``"16777216"``, ``"16MiB"``, ``"16 MB"`` as bytes; anything else (``abc``, ``1e6``) a ValueError naming
-    ``variable`` (it used to be a bare ``int()`` error)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if match and match[2].upper() in _UNITS:
-        return int(match[1]) * _UNITS[match[2].upper()]
-    raise ValueError(
-        f"{variable}={text!r} is not a byte count: set it to a whole number of bytes, optionally with a unit "
-        "(KB, MB, GB, KiB, MiB, GiB), e.g. 16MiB, or unset it."
-    )
 
 
 def read_segments(
