@@ -163,12 +163,9 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 
     def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
         """:meth:`read_into`, small reads served by ``read_ahead``'s windows (:meth:`reading_in_order`, a conversion)
-        in readers that read small pieces of local zip records (ZeRO, universal); the others read as asked.
-
-        A reader that reads through other readers (:class:`~zeroio._formats.view.CheckpointView`, a tensor-parallel
-        composite) overrides this, not :meth:`read_into`, and hands ``read_ahead`` on to them: the windows are
-        the outermost reader's, over its inner readers' files (its :meth:`_checked_files`), so a renamed, merged
-        or composite checkpoint is read in a few windows per rank file, as the plain one is."""
+        in readers of small pieces of local zip records (ZeRO, universal, DCP); the others read as asked. A reader
+        reading through others (``CheckpointView``, a tp composite) overrides this and hands ``read_ahead`` on: the
+        windows are the outermost reader's, over its inner readers' files (its :meth:`_checked_files`)."""
         self.read_into(name, start, out)
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:
@@ -250,13 +247,15 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         """A pass reading many tensors whole, in key order (verify, an unsharded load, :meth:`state_dict`): meanwhile
         :meth:`get_tensor` and :meth:`iter_chunks` serve small reads from a read-ahead window per file, as a
         conversion does (``zeroio._io.read_ahead``: 64 MiB in all, dropped at the end; a ZeRO-3 parameter's piece
-        on each of 1,024 ranks is then a copy, not a read). ``on=False``: none (a sharded load reads its slice)."""
-        files = self._checked_files() if on and self._read_ahead is None else ()
-        self._read_ahead = ReadAhead(files=len(files)) if files else self._read_ahead
+        on each of 1,024 ranks is then a copy, not a read). ``on=False``: none (a sharded load reads its slice).
+        Opened whatever files are open yet (a DCP reader opens its data files at their first read)."""
+        mine = on and self._read_ahead is None
+        if mine:
+            self._read_ahead = ReadAhead(files=len(self._checked_files()))
         try:
             yield
         finally:
-            if files:
+            if mine:
                 self._read_ahead = None
 
     # ----------------------------------------------------------------- lifetime

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..._dtypes import FLOAT32, DType
 from ..._io.confine import FileIdentity, confined_path, file_identity, hub_cache_blobs, require_regular_file
 from ..._io.integrity import CheckedFile
-from ..._io.sources import ByteRange, open_source
+from ..._io.sources import ByteRange, open_source, writable_bytes
 from ..._messages import get_logger
 from ..._pickles import EmbeddedTensor, global_name, load_dcp_metadata, load_embedded
 from ..._pickles.dcp_metadata_unpickler import MAX_METADATA_BYTES
@@ -41,6 +41,8 @@ from .metadata import DcpMetadata, TensorEntry, chunk_mismatch, parse_dcp_metada
 
 if TYPE_CHECKING:
     import torch
+
+    from ..._io.read_ahead import ReadAhead
 
 __all__ = ["DcpCheckpoint", "is_dcp", "open_dcp", "read_dcp_part"]
 
@@ -149,10 +151,15 @@ class _Part:
         """Chunk ``i``'s data file and where the chunk's data starts in it."""
         return self.file(entry.chunks[i].file), self.locate(entry, i).data_offset
 
-    def read_into(self, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
+    def read_into(self, entry: TensorEntry, start: int, out: torch.Tensor, ahead: ReadAhead | None = None) -> None:
+        """``out`` from its chunks; ``ahead``'s window of a chunk's record serves its rows (a chunk split along dim 1)."""
+
         def read(i: int, first: int, dest: torch.Tensor) -> None:
             file, at = self.place(entry, i)
-            file.read_into(at + first * entry.dtype.itemsize, dest)
+            at += first * entry.dtype.itemsize
+            if ahead is not None and dest.is_contiguous():
+                return ahead.read_into(file, at, writable_bytes(dest))
+            file.read_into(at, dest)
 
         read_entry_into(entry, start, out, read)
 
@@ -182,8 +189,11 @@ class DcpCheckpoint(Checkpoint):
             part.opened = self._late_file
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        self.read_ahead_into(name, start, out, None)
+
+    def read_ahead_into(self, name: str, start: int, out: torch.Tensor, read_ahead: ReadAhead | None) -> None:
         part, entry = self._entries[name]
-        part.read_into(entry, start, out)
+        part.read_into(entry, start, out, read_ahead)
 
     def byte_ranges(self, name: str) -> list[ByteRange] | None:
         part, entry = self._entries[name]
