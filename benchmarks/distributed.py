@@ -126,6 +126,8 @@ def worker(report: Path, argv: list[str]) -> int:
         "shards": plan.args[2] if plan is not None else None,  # type: ignore[index]
         "shard_bytes": plan.args[4] if plan is not None else None,  # type: ignore[index]
         **{k: io_after[k] - io_before[k] for k in ("rchar", "wchar", "read_bytes", "write_bytes")},
+        # the zeroio debug log with its times: the process's timeline (benchmarks/timeline.py prints it)
+        "events": [(r.created, r.threadName, r.getMessage()[:200]) for r in capture.records],
     }
     Path(f"{report}.{rank}.json").write_text(json.dumps(result))
     if os.environ.get("ZEROIO_BENCH_FAST_EXIT"):  # what skipping the interpreter's teardown would save

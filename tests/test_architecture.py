@@ -23,8 +23,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "_types", "_constants", "_messages", "_dtypes", "_env"),
     # 1. storage (_io/): byte sources to read from (local, remote, CRC-checked), primitives for files to write,
     #    progress reporting (shared by the writers and the loader); the one cross-rank outcome exchange (_ranks:
-    #    shared by the distributed writers, the sharded loader and the verbs called on every rank)
-    ("_io", "_ranks"),
+    #    shared by the distributed writers, the sharded loader and the verbs called on every rank), and the same
+    #    exchange among the processes of one host over a Unix socket, without torch (_host_ranks)
+    ("_io", "_ranks", "_host_ranks"),
     # 2. the restricted unpickler world: reading with inert stand-ins, plain trees, DeepSpeed-record writing
     ("_pickles",),
     # 3. the readers (_formats/): contracts at the face (Checkpoint, metadata, options, partition arithmetic, read

@@ -149,7 +149,9 @@ def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOpt
         group = partial(_process_group, out.dst, timeout)
         with _sigterm_as_interrupt() as sigterm:
             if reader_ranks(world_size) == (0,):  # one reader (one host): it converts alone, at once, torch-free
-                return convert_one_reader(src, out, read, write, rank, world_size, group, sigterm.start_cleaning)
+                return convert_one_reader(
+                    src, out, read, write, rank, world_size, group, timeout.total_seconds(), sigterm.start_cleaning
+                )
             joined = GroupOnThread(group)  # torch's import and the rendezvous run while this process plans
             try:
                 comm = JoiningRanks(joined, rank, world_size)

@@ -1,25 +1,28 @@
 """A distributed conversion whose storage gives one reader (all processes on one host): process 0 converts alone,
 as plain ``convert`` does, from its first instant; the others only learn how it ended.
 
-The process group is joined on a background thread (importing torch and gloo's rendezvous take seconds that the
-reads need not wait for), and used once, at the end: process 0 tells every process whether the output is in
-place. The others plan the output from metadata meanwhile, so every process returns the same
+The processes exchange once, at the end: process 0 tells every process whether the output is in place. On Linux
+that exchange runs over a Unix socket (:class:`~zeroio._host_ranks.HostRanks`), so no process imports torch or joins
+a gloo group, which cost each process 2-4 s of CPU and delayed process 0's answer; elsewhere the gloo group is joined
+on a background thread. The others plan the output from metadata meanwhile, so every process returns the same
 :class:`~zeroio._write.engine.WriteOutcome`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from .._formats import ReadOptions
+from .._host_ranks import HostRanks, host_sockets
 from .._messages import get_logger
-from .._ranks import Failure, OneRank, RanksLost, settle
+from .._ranks import Failure, OneRank, Ranks, RanksLost, settle
 from ..errors import OutputError, ZeroIOError
 from .atomic import AtomicDir
 from .comm import Job
-from .group_thread import GroupFactory, GroupOnThread
+from .group_thread import GroupFactory, GroupOnThread, JoiningRanks
 from .options import WriteOptions
 from .phases import WriteOutcome, write_checkpoint
 from .plan import plan_write
@@ -27,6 +30,8 @@ from .plan import plan_write
 __all__ = ["GroupFactory", "convert_one_reader"]
 
 logger = get_logger(__name__)
+
+_CALLS = itertools.count()  # this process's one-host conversions: every process makes the same calls, in order
 
 
 def _line(error: BaseException) -> str:
@@ -49,21 +54,55 @@ def convert_one_reader(
     rank: int,
     world_size: int,
     group: GroupFactory,
+    timeout: float,
     before_cleanup: Callable[[], None],
 ) -> WriteOutcome:
     """Process ``rank`` of ``world_size``'s part: process 0 writes ``out`` whole; all return the same outcome.
+    ``group`` joins the gloo group where the host has no Unix sockets; ``timeout`` (seconds) bounds every wait.
 
     Raises:
         OutputError: process 0 failed (on every process), or, on another process, contact with it was lost.
         ZeroIOError: this process's own failure (process 0: the output is not in place).
     """
-    joined = GroupOnThread(group)
+    call = next(_CALLS)
+    if not host_sockets():
+        joined = GroupOnThread(group)
+        try:
+            comm = JoiningRanks(joined, rank, world_size)
+            if rank == 0:
+                return _write_alone(src, out, read, write, comm, before_cleanup)
+            return _wait_for_writer(src, out, read, write, comm)
+        finally:
+            joined.close()
+    if rank == 0:
+        try:
+            ranks = HostRanks(0, world_size, out.dst, call, timeout)  # listens before the first read
+        except OSError as exc:
+            raise OutputError(
+                f"Cannot write '{out.dst}': the processes of this job cannot meet on this host: zeroio's socket for "
+                f"this conversion is taken ({exc}). Is the same conversion running twice with the same MASTER_PORT?",
+                path=out.dst,
+            ) from exc
+        try:
+            return _write_alone(src, out, read, write, ranks, before_cleanup)
+        finally:
+            ranks.close()
     try:
-        if rank == 0:
-            return _write_alone(src, out, read, write, joined, before_cleanup)
-        return _wait_for_writer(src, out, read, write, joined)
+        ranks = HostRanks(rank, world_size, out.dst, call, timeout)  # connected: process 0's death is seen at once
+    except RanksLost as lost:
+        raise _lost(out.dst, lost) from None
+    try:
+        return _wait_for_writer(src, out, read, write, ranks)
     finally:
-        joined.close()
+        ranks.close()
+
+
+def _lost(dst: Path, lost: RanksLost) -> OutputError:
+    return OutputError(
+        f"Cannot confirm '{dst}': lost contact with process 0, which writes it ({lost}). '{dst}' exists only if "
+        "process 0 completed; check it, and process 0's log.",
+        path=dst,
+    )
 
 
 def _write_alone(
@@ -71,7 +110,7 @@ def _write_alone(
     out: AtomicDir,
     read: ReadOptions,
     write: WriteOptions,
-    joined: GroupOnThread,
+    comm: Ranks,
     cleanup: Callable[[], None],
 ) -> WriteOutcome:
     outcome: WriteOutcome | None = None
@@ -81,8 +120,8 @@ def _write_alone(
     except BaseException as exc:  # noqa: BLE001 - told to the others, then re-raised
         error = exc
     copied = None if outcome is None else [p.name for p in outcome.copied]
+    logger.debug("%s; telling the other processes", "failed" if error is not None else "output in place")
     try:
-        comm = joined.comm()
         told = partial(_process_0_failed, out.dst, comm.world_size)  # the others send no error: never raised
         settle(comm, error, copied, told=told, line=None if error is None else _line(error))
     except (RanksLost, ZeroIOError, RuntimeError) as lost:
@@ -90,29 +129,26 @@ def _write_alone(
             raise
         if error is None:  # the output is complete and in place; only the others' word is missing
             logger.warning("wrote %s, then could not tell the other processes: %s", out.dst, lost)
+    else:
+        logger.debug("the other processes know")
     if error is not None:
         raise error
     assert outcome is not None
     return outcome
 
 
-def _wait_for_writer(
-    src: Path, out: AtomicDir, read: ReadOptions, write: WriteOptions, joined: GroupOnThread
-) -> WriteOutcome:
+def _wait_for_writer(src: Path, out: AtomicDir, read: ReadOptions, write: WriteOptions, comm: Ranks) -> WriteOutcome:
     from .._formats import open_checkpoint
 
     with open_checkpoint(src, read) as ckpt:  # metadata only: the same plan as process 0's
         plan = plan_write(ckpt, write)
         source = ckpt.metadata
-    comm = joined.comm()
+    logger.debug("planned %d files; waiting for process 0's word", len(plan.shards.shards))
     try:
         copied = settle(comm, None, told=partial(_process_0_failed, out.dst, comm.world_size))[0]
     except RanksLost as lost:
-        raise OutputError(
-            f"Cannot confirm '{out.dst}': lost contact with process 0, which writes it ({lost}). '{out.dst}' exists "
-            "only if process 0 completed; check it, and process 0's log.",
-            path=out.dst,
-        ) from lost.__cause__
+        raise _lost(out.dst, lost) from lost.__cause__
+    logger.debug("told by process 0: the output is in place")
     return WriteOutcome(
         plan=plan,
         source=source,
