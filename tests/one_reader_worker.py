@@ -5,7 +5,8 @@ SPEC.json``
 
 Unlike tests/dist_worker.py, no process group is initialised first and torch is never imported here: this is
 ``zeroio convert --distributed`` under torchrun, as a script calls it, so zeroio's one-reader path runs. SPEC is
-``{"src", "dst", "kwargs", "kill": bool, "ready": path}``; with ``kill``, process 1 creates ``ready`` once it waits
+``{"src", "dst", "kwargs", "kill": bool, "ready": path, "chdir": {rank: folder}}``; ``chdir`` runs that rank
+from another working folder (a relative ``src`` names another checkpoint there, or none); with ``kill``, process 1 creates ``ready`` once it waits
 for process 0's word (its debug log says so), and process 0 SIGKILLs itself at its first written bytes once
 ``ready`` exists. The outcome is printed as one line ``ZEROIO-RESULT {json}`` on stdout, with whether this process
 imported torch and whether it still has a child process.
@@ -68,6 +69,7 @@ def main() -> int:
         log.setLevel(logging.DEBUG)
         log.addHandler(_SayReady(Path(spec["ready"])))
     started = time.monotonic()
+    os.chdir(spec.get("chdir", {}).get(str(rank), os.getcwd()))
     try:
         result = zeroio.convert(spec["src"], spec["dst"], distributed=True, progress=progress, **spec["kwargs"])
         outcome = {"ok": True, "files": [str(p) for p in result.files], "num_tensors": result.num_tensors}

@@ -86,6 +86,43 @@ def test_killing_process_0_fails_the_other_at_once(tmp_path):
         assert not list(left.glob("*.index.json")), list(left.iterdir())
 
 
+def test_another_process_failing_fails_every_process_and_nothing_appears(tmp_path):
+    """Process 1 cannot open the checkpoint (a relative path naming nothing in its working folder): process 0, which
+    converted, learns it right before its rename, removes its output and raises, as process 1 does; and when process
+    1 opens another checkpoint behind the same path, both refuse the differing plans. No destination appears."""
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").mkdir()
+    (tmp_path / "node0" / "ckpt").symlink_to(SRC)
+    out = tmp_path / "out"
+    out.mkdir()
+    missing = {"src": "ckpt", "dst": str(out / "missing"), "kwargs": {}, "chdir": {"0": str(tmp_path / "node0"),
+               "1": str(tmp_path / "node1")}}  # fmt: skip
+    outputs = finish(_start(tmp_path, missing))
+    assert [code for code, _, _ in outputs] == [0, 0], outputs
+    (reader,), (other,) = (records for _, records, _ in outputs)
+    assert (other["ok"], other["error_rank"]) == (False, None), other
+    assert (reader["type"], reader["error_rank"]) == ("OutputError", 1), reader
+    assert reader["message"] == (
+        f"Process 1 of 2 failed while planning, so '{out / 'missing'}' was not written. Its error: {other['message']}"
+    )
+
+    (tmp_path / "node1" / "ckpt").symlink_to(FIXTURES / "z3_ws2_bf16")  # same names and shapes, frozen in bf16
+    differ = {**missing, "dst": str(out / "differ")}
+    outputs = finish(_start(tmp_path, differ))
+    records = [records[0] for _, records, _ in outputs]
+    assert [(r["type"], r["error_rank"]) for r in records] == [("OutputError", 1)] * 2, records
+    assert (
+        records[0]["message"]
+        == records[1]["message"]
+        == (
+            f"Cannot write '{out / 'differ'}': processes 0 and 1 planned different outputs from 'ckpt', so they read "
+            "different checkpoints. Put the checkpoint on a filesystem shared by every process, at the same path, and "
+            "do not change it during the conversion."
+        )
+    )
+    assert list(out.iterdir()) == []  # no destination, no temporary folder
+
+
 def test_with_host_sockets_off_the_processes_meet_in_a_gloo_group(tmp_path):
     """ZEROIO_HOST_SOCKETS=0 (processes that share a host but not a network namespace): the same conversion, the
     outcome told through a gloo group that both join, importing torch."""

@@ -39,15 +39,24 @@ class Job:
         out: the destination; rank 0 creates its temporary folder and commits it.
         lost_advice: what to do when contact with another process is lost (never happens with one process).
         before_cleanup: called before the partial output is removed (e.g. to ignore SIGTERM during removal).
+        before_commit: called by rank 0 with the plan's fingerprint once the output is complete, right before it is
+            renamed into place; raising fails the commit (one reader per job: the other processes' agreement).
     """
 
     def __init__(
-        self, comm: Ranks, out: AtomicDir, *, lost_advice: str = "", before_cleanup: Callable[[], None] = _nothing
+        self,
+        comm: Ranks,
+        out: AtomicDir,
+        *,
+        lost_advice: str = "",
+        before_cleanup: Callable[[], None] = _nothing,
+        before_commit: Callable[[str], None] | None = None,
     ) -> None:
         self.comm = comm
         self.out = out
         self.lost_advice = lost_advice
         self.before_cleanup = before_cleanup
+        self.before_commit = before_commit
         self.tmp: Path | None = None
         """The shared temporary folder, once rank 0 created it; None again once rank 0 committed or removed it."""
 

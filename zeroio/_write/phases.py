@@ -28,7 +28,7 @@ from .shard_files import write_shards
 from .shared_checks import check_assigned, checks_of, partial_reports
 from .side_files import copy_side_files, write_derived_config
 
-__all__ = ["ExtraFiles", "WriteOutcome", "write_checkpoint"]
+__all__ = ["ExtraFiles", "WriteOutcome", "check_same_plans", "write_checkpoint"]
 
 logger = get_logger(__name__)
 
@@ -97,16 +97,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
             fingerprint = plan.fingerprint()
         except BaseException as exc:  # noqa: BLE001 - reported to every process, then re-raised
             error = exc
-        fingerprints = job.settle(PLAN, error, fingerprint)
-        if len(set(fingerprints)) != 1:
-            other = next(r for r, f in enumerate(fingerprints) if f != fingerprints[0])
-            raise OutputError(
-                f"Cannot write '{out.dst}': processes 0 and {other} planned different outputs from '{src}', so they "
-                "read different checkpoints. Put the checkpoint on a filesystem shared by every process, at the "
-                "same path, and do not change it during the conversion.",
-                path=out.dst,
-                rank=other,
-            )
+        check_same_plans(job.settle(PLAN, error, fingerprint), out.dst, src)
         logger.debug(
             "process %d of %d writes %d of %d shards (%d bytes)",
             rank, world_size, len(share.shards.shards), len(plan.shards.shards), share.shards.total_size,
@@ -166,6 +157,19 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
         index_path=out.dst / plan.index_name if plan.index is not None else None,
         copied=tuple(out.dst / name for name in copied),
     )
+
+
+def check_same_plans(fingerprints: list[Any], dst: Path, src: Path) -> None:
+    """Every process's plan fingerprint (rank order) is the same, else OutputError naming the first that differs."""
+    if len(set(fingerprints)) != 1:
+        other = next(r for r, f in enumerate(fingerprints) if f != fingerprints[0])
+        raise OutputError(
+            f"Cannot write '{dst}': processes 0 and {other} planned different outputs from '{src}', so they read "
+            "different checkpoints. Put the checkpoint on a filesystem shared by every process, at the same path, "
+            "and do not change it during the conversion.",
+            path=dst,
+            rank=other,
+        )
 
 
 def _check_shared(job: Job, ckpt: Checkpoint, reports: list[Any]) -> None:
@@ -235,6 +239,8 @@ def _commit(
                     write_new_file(tmp / plan.index_name, plan.index)
             copied = list(copy_side_files(src, tmp, dtype=dtype, dequantized=dequantized, read=read))  # config, ...
             copied += write_derived_config(config, tmp, dtype=dtype)  # names="hf": the config the mapping implies
+            if job.before_commit is not None:
+                job.before_commit(plan.fingerprint())
         except BaseException as exc:  # noqa: BLE001
             error = exc
         if error is None:
