@@ -79,7 +79,12 @@ def read_threads() -> int:
     """Reader threads of this rank's :class:`DeviceFiller` (see :data:`HOST_READ_THREADS`)."""
     override = os.environ.get("ZEROIO_READ_THREADS")
     if override:
-        return max(1, int(override))
+        if not override.strip().isdigit() or int(override) < 1:
+            raise ValueError(
+                f"ZEROIO_READ_THREADS={override!r} is not a positive whole number: set the reader threads of a "
+                "load to CUDA (e.g. 8), or unset it."
+            )
+        return int(override)
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:

@@ -1,0 +1,51 @@
+"""docs/environment.md lists every ``ZEROIO_*`` setting the package reads, and a value zeroio cannot read is
+refused naming its variable (not a bare ``int()`` error, not silently ignored)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from zeroio._env import env_byte_count
+from zeroio._load import device_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _settings_in_code() -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / "zeroio").rglob("*.py"):
+        names.update(re.findall(r"\bZEROIO_[A-Z][A-Z_]*[A-Z]\b", path.read_text(encoding="utf-8")))
+    return names
+
+
+def test_every_setting_the_package_reads_is_documented():
+    documented = set(re.findall(r"`(ZEROIO_[A-Z_]+)`", (ROOT / "docs" / "environment.md").read_text("utf-8")))
+    missing = _settings_in_code() - documented
+    assert not missing, f"add to docs/environment.md: {sorted(missing)}"
+    assert "ZEROIO_PROGRESS" in documented and "ZEROIO_READ_AHEAD_BYTES" in documented
+
+
+@pytest.mark.parametrize("text", ["abc", "1e6", "-5", "16 XB"])
+def test_a_byte_count_that_is_no_count_names_its_variable(text):
+    with pytest.raises(ValueError, match=r"ZEROIO_STAGING_BYTES=.* is not a byte count"):
+        env_byte_count("ZEROIO_STAGING_BYTES", text)
+
+
+@pytest.mark.parametrize(("text", "nbytes"), [("512KiB", 512 * 1024), ("16MiB", 16 << 20), ("4096", 4096)])
+def test_byte_counts_take_the_units_the_docs_give(text, nbytes):
+    assert env_byte_count("ZEROIO_READ_BLOCK", text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["eight", "0", "-2", "1.5"])
+def test_read_threads_that_are_no_count_are_refused_by_name(text, monkeypatch):
+    monkeypatch.setenv("ZEROIO_READ_THREADS", text)
+    with pytest.raises(ValueError, match=r"ZEROIO_READ_THREADS=.* is not a positive whole number"):
+        device_copy.read_threads()
+
+
+def test_read_threads_override(monkeypatch):
+    monkeypatch.setenv("ZEROIO_READ_THREADS", "3")
+    assert device_copy.read_threads() == 3
