@@ -73,6 +73,7 @@ TEST_ENTRY_POINTS = {"zeroio.cli"}
 # ... plus pure internals that unit tests exercise directly because no public call shows them whole.
 PURE_INTERNALS: dict[str, str] = {
     "zeroio._formats.partition": "ZeRO partition arithmetic (plain integers)",
+    "zeroio._env": "parsing of ZEROIO_* values (byte counts, positive counts): each refusal names its variable",
     "zeroio._write.sharding": "shard splitting and HF size/index rules, and which process writes which shard",
     "zeroio._write.readers": "which processes of a distributed conversion read (one per host by default)",
     "zeroio._write.safetensors_writer": "the safetensors writer's planning (header, slots) and chunk writing",

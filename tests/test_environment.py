@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroio._env import env_byte_count
-from zeroio._load import device_copy
+from zeroio._env import env_byte_count, env_positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,12 +39,8 @@ def test_byte_counts_take_the_units_the_docs_give(text, nbytes):
 
 
 @pytest.mark.parametrize("text", ["eight", "0", "-2", "1.5"])
-def test_read_threads_that_are_no_count_are_refused_by_name(text, monkeypatch):
-    monkeypatch.setenv("ZEROIO_READ_THREADS", text)
+def test_a_count_that_is_no_count_names_its_variable(text):
+    """ZEROIO_READ_THREADS was read with a bare int(): 'eight' failed without its name, '0' became 1."""
     with pytest.raises(ValueError, match=r"ZEROIO_READ_THREADS=.* is not a positive whole number"):
-        device_copy.read_threads()
-
-
-def test_read_threads_override(monkeypatch):
-    monkeypatch.setenv("ZEROIO_READ_THREADS", "3")
-    assert device_copy.read_threads() == 3
+        env_positive_int("ZEROIO_READ_THREADS", text)
+    assert env_positive_int("ZEROIO_READ_THREADS", "3") == 3

@@ -27,3 +27,10 @@ def env_bytes(variable: str, default: int) -> int:
     """``variable``'s byte count (:func:`env_byte_count`), or ``default`` where it is unset or empty."""
     text = os.environ.get(variable)
     return env_byte_count(variable, text) if text else default
+
+
+def env_positive_int(variable: str, text: str) -> int:
+    """``"8"`` as 8; anything else (``eight``, ``0``, ``1.5``) a ValueError naming ``variable``."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{variable}={text!r} is not a positive whole number: set it (e.g. 8), or unset it.")
+    return int(text)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._env import env_byte_count
+from .._env import env_byte_count, env_positive_int
 from .._formats import Checkpoint
 from .._io.direct_read import ALIGN, aligned_parts, direct_reads_enabled
 from .._io.sources import LocalFile, tensor_bytes
@@ -79,12 +79,7 @@ def read_threads() -> int:
     """Reader threads of this rank's :class:`DeviceFiller` (see :data:`HOST_READ_THREADS`)."""
     override = os.environ.get("ZEROIO_READ_THREADS")
     if override:
-        if not override.strip().isdigit() or int(override) < 1:
-            raise ValueError(
-                f"ZEROIO_READ_THREADS={override!r} is not a positive whole number: set the reader threads of a "
-                "load to CUDA (e.g. 8), or unset it."
-            )
-        return int(override)
+        return env_positive_int("ZEROIO_READ_THREADS", override)
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
