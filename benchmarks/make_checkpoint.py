@@ -52,6 +52,9 @@ class GPTConfig:
     n_layer: int
     d_model: int
     tied: bool
+    lora: int = 0
+    """LoRA rank (0: none): PEFT's LoRA on every block's four linears (``c_attn``, ``c_proj``, ``c_fc``,
+    ``mlp_proj``), the base frozen, as a fine-tuning run saves it (benchmarks/scale.py ``--lora``)."""
 
     def num_params(self) -> int:
         """Exact parameter count (tied head counted once)."""
@@ -168,13 +171,21 @@ def worker(cfg: GPTConfig, out: Path, stage: int = 3) -> None:
         model = build_model(cfg)
     if init is None:
         model = model.to(torch.bfloat16)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if cfg.lora:  # as fixtures/generate_peft.py does: the base built under zero.Init, then wrapped
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["c_attn", "c_proj", "c_fc", "mlp_proj"]
+        model = get_peft_model(model, LoraConfig(r=cfg.lora, lora_alpha=2 * cfg.lora, target_modules=targets))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     ids = torch.randint(0, cfg.vocab, (1, 8), generator=torch.Generator().manual_seed(rank))
     logits = engine(ids)
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, cfg.vocab), ids.roll(1, dims=1).reshape(-1))
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(str(out), tag="global_step1")
+    if cfg.lora and rank == 0:
+        model.peft_config["default"].save_pretrained(str(out))  # adapter_config.json: the merge's scale
     torch.distributed.barrier()
 
 

@@ -9,6 +9,9 @@ Layouts, built cheaply and genuine:
   head) made on 2 CPU ranks by ``benchmarks/make_checkpoint.py`` (torchrun, DeepSpeed's engine and
   ``save_checkpoint``), then ``zeroio.reshard`` to each rank count: DeepSpeed's own record layout at that world
   size, as ``engine.load_checkpoint`` reads it (tests/test_reshard.py resumes DeepSpeed from such files).
+- ``--lora R``: the same GPT fine-tuned with PEFT's LoRA of rank ``R`` on each block's four linears (the base frozen:
+  ZeRO-3 keeps a fragment of every frozen parameter in each rank's model-states file), its ``adapter_config.json``
+  copied beside each resharded layout; ``--merge-lora`` opens it with ``merge_lora=True`` (``convert --merge-lora``).
 - ``moe``: a real DeepSpeed ZeRO-2 checkpoint of ``deepspeed.moe.layer.MoE`` layers (``--moe LAYERSxEXPERTS``:
   each expert a 2-layer MLP, 4 tensors; one ``layer_L_expert_E_mp_rank_00_model_states.pt`` file per expert),
   trained one step on 2 CPU ranks with expert parallelism 2 and saved by ``engine.save_checkpoint``.
@@ -44,7 +47,9 @@ Methods (each in its own process, after one warm-up read of the files, so the pa
 (``posix_fadvise(DONTNEED)`` per file after a sync; ``cached_before``: the share ``fincore`` still finds cached)
 instead of reading them first.
 
-Each child also reports the seconds of the call itself (``call_s``: after its imports).
+Each child also reports the seconds of the call itself (``call_s``: after its imports). ``convert`` records the sha256
+of the folder it wrote (``out_sha256``); ``--digest`` runs ``state_dict`` and ``load`` to hash the tensors they return
+(``sha256``; not timings): outputs compared between the zeroio trees (``--tree``).
 """
 
 from __future__ import annotations
@@ -63,34 +68,50 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-_TIMED = "import json, time\n{imports}\nt0 = time.perf_counter()\n{body}\nprint(json.dumps({{'call_s': time.perf_counter() - t0, 'n': n}}))\n"
+_TIMED = (
+    "import json, time\n{imports}\nt0 = time.perf_counter()\n{body}\nout = {{'call_s': time.perf_counter() - t0, 'n': n}}\n"
+    "{digest}print(json.dumps(out))\n"
+)
+_DIGEST = (
+    "if DIGEST:\n    import hashlib, torch\n    h = hashlib.sha256()\n    for k in sorted(T):\n"
+    "        t = T[k].detach().contiguous().reshape(-1)\n        h.update(f'{{k}} {{t.dtype}} {{tuple(T[k].shape)}}'.encode())\n"
+    "        h.update(t.view(torch.uint8).numpy().tobytes())\n    out['sha256'] = h.hexdigest()\n"
+)
+"""``--digest``: the tensors a pass returned (``T``), hashed after the call (names, dtypes, shapes and bytes)."""
 CHILD = {
-    "open": _TIMED.format(imports="import zeroio", body="c = zeroio.open(SRC)\nn = len(c.infos)\nc.close()"),
+    "open": _TIMED.format(
+        imports="import zeroio", body="c = zeroio.open(SRC, **OPTS)\nn = len(c.infos)\nc.close()", digest=""
+    ),
     "plan": _TIMED.format(
         imports="import zeroio",
         body=(
-            "c = zeroio.open(SRC)\nn = 0\nfor name in c.infos:\n    n += len(c.byte_ranges(c.source_name(name)) or ())"
-            "\nc.close()"
+            "c = zeroio.open(SRC, **OPTS)\nn = 0\nfor name in c.infos:\n"
+            "    n += len(c.byte_ranges(c.source_name(name)) or ())\nc.close()"
         ),
+        digest="",
     ),
     "state_dict": _TIMED.format(
-        imports="import zeroio", body="c = zeroio.open(SRC)\nsd = c.state_dict()\nn = len(sd)\nc.close()"
+        imports="import zeroio",
+        body="c = zeroio.open(SRC, **OPTS)\nT = c.state_dict()\nn = len(T)\nc.close()",
+        digest=_DIGEST,
     ),
     "load": _TIMED.format(
         imports="import torch\nimport zeroio",
         body=(
-            "c = zeroio.open(SRC)\nm = torch.nn.Module()\nfor name, info in c.infos.items():\n"
+            "c = zeroio.open(SRC, **OPTS)\nm = torch.nn.Module()\nfor name, info in c.infos.items():\n"
             "    *path, leaf = name.split('.')\n    mod = m\n    for part in path:\n"
             "        if part not in mod._modules:\n            mod.add_module(part, torch.nn.Module())\n"
             "        mod = mod._modules[part]\n"
             "    t = torch.empty(info.shape, dtype=info.dtype, device='meta')\n"
             "    mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))\n"
-            "n = len(zeroio.load(c, m).loaded_keys)\nc.close()"
+            "n = len(zeroio.load(c, m).loaded_keys)\nc.close()\nT = m.state_dict()"
         ),
+        digest=_DIGEST,
     ),
     "ds_lazy": _TIMED.format(
         imports="from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g",
         body="sd = g(SRC, lazy_mode=True)\nn = sum(1 for v in sd.values() if v.shape is not None)",
+        digest="",
     ),
 }
 
@@ -166,25 +187,43 @@ def _cached_fraction(path: Path) -> float | None:
     return res / size if size else None
 
 
-def build_gpt(work: Path, layers: int) -> Path:
-    """The 2-rank DeepSpeed ZeRO-3 source checkpoint of ``layers`` blocks of width 64."""
-    src = work / f"src-{layers}"
+def build_gpt(work: Path, layers: int, lora: int = 0) -> Path:
+    """The 2-rank DeepSpeed ZeRO-3 source checkpoint of ``layers`` blocks of width 64 (``lora``: PEFT's LoRA of
+    that rank on each block's linears, the base frozen; ``adapter_config.json`` beside ``latest``)."""
+    src = work / (f"src-{layers}-lora{lora}" if lora else f"src-{layers}")
     if not (src / "manifest.json").is_file():
         sys.path.insert(0, str(HERE))
         import make_checkpoint as make
 
-        cfg = make.GPTConfig(vocab=512, n_ctx=64, n_layer=layers, d_model=64, tied=True)
+        cfg = make.GPTConfig(vocab=512, n_ctx=64, n_layer=layers, d_model=64, tied=True, lora=lora)
         make.make_checkpoint(src, params=str(cfg.num_params()), cfg=cfg, vocab=512, n_ctx=64, world_size=2,
                              overwrite=True, launcher="torchrun")  # fmt: skip
     return src
 
 
 def reshard(src: Path, dst: Path, ranks: int, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """``zeroio.reshard(src, dst, world_size=ranks)`` in a fresh process (timed), unless ``dst`` exists."""
+    """``zeroio.reshard(src, dst, world_size=ranks)`` in a fresh process (timed), unless ``dst`` exists; a LoRA
+    run's ``adapter_config.json`` is copied beside (reshard writes the rank files and ``latest`` only)."""
     if (dst / "latest").is_file():
         return {"reused": True}
     body = f"import zeroio\nzeroio.reshard({str(src)!r}, {str(dst)!r}, world_size={ranks})\nn = {ranks}"
-    return _measure([sys.executable, "-c", _TIMED.format(imports="", body=body)], env, timeout)
+    made = _measure([sys.executable, "-c", _TIMED.format(imports="", body=body, digest="")], env, timeout)
+    if (src / "adapter_config.json").is_file():
+        shutil.copy2(src / "adapter_config.json", dst / "adapter_config.json")
+    return made
+
+
+def _folder_sha256(path: Path) -> str:
+    """sha256 over a folder's files (relative names and bytes, in name order): outputs compared across trees."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode())
+        with file.open("rb") as fh:
+            while block := fh.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- the MoE checkpoint (DeepSpeed, 2 ranks)
@@ -273,11 +312,16 @@ def run_methods(
     facts: dict[str, Any],
     source: Path | None = None,
     cold: bool = False,
+    options: dict[str, Any] | None = None,
+    digest: bool = False,
 ) -> list[dict[str, Any]]:
+    """Each method once on ``ckpt``; ``options``: ``zeroio.open``'s keywords (``merge_lora``) for the methods that
+    open it, ``--merge-lora`` for convert; ``digest``: state_dict and load hash the tensors they return."""
     files, nbytes = _tree_bytes(ckpt)
+    options = options or {}
     results = []
     for method in methods:
-        if method in ("verify", "reshard") and source is None:
+        if method in ("verify", "reshard") and (source is None or options):
             continue
         made = work / "reshard-out"
         shutil.rmtree(made, ignore_errors=True)
@@ -288,22 +332,26 @@ def run_methods(
             _warm(read)
         if method == "reshard":  # the layout itself, written again from DeepSpeed's 2-rank save
             call = f"zeroio.reshard({str(source)!r}, {str(made)!r}, world_size={ckpt_ranks(ckpt)})"
-            cmd = [sys.executable, "-c", _TIMED.format(imports="import zeroio", body=f"{call}\nn = 0")]
+            cmd = [sys.executable, "-c", _TIMED.format(imports="import zeroio", body=f"{call}\nn = 0", digest="")]
         elif method == "verify":  # every tensor of the resharded layout against DeepSpeed's own 2-rank save
             cmd = [sys.executable, "-m", "zeroio", "verify", str(source), str(ckpt)]
         elif method in CHILD:
-            cmd = [sys.executable, "-c", f"SRC = {str(ckpt)!r}\n" + CHILD[method]]
+            head = f"SRC = {str(ckpt)!r}\nOPTS = {options!r}\nDIGEST = {digest!r}\n"
+            cmd = [sys.executable, "-c", head + CHILD[method]]
         elif method == "inspect":
             cmd = [sys.executable, "-m", "zeroio", "inspect", str(ckpt)]
         else:
             out = work / "out"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [sys.executable, "-m", "zeroio", "convert", str(ckpt), str(out), "--quiet"]
+            cmd += ["--merge-lora"] if options.get("merge_lora") else []
         run = {**facts, "files": files, "bytes": nbytes, "method": method, "load_avg": os.getloadavg()[0],
                "cache": "cold" if cold else "warm"}  # fmt: skip
         if cold:
             run["cached_before"] = _cached_fraction(read)
         run.update(_measure(cmd, env, timeout))
+        if method == "convert" and run.get("exit") == 0:
+            run["out_sha256"] = _folder_sha256(work / "out")  # the same bytes from every zeroio compared
         results.append(run)
         print(json.dumps({k: v for k, v in run.items() if k != "err"}), flush=True)
         if run.get("exit"):
@@ -346,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", action="store_true", help="drop the files' pages before each method, not read them")
     parser.add_argument("--tree", type=Path, default=REPO, help="the tree whose zeroio the timed processes import")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--lora", type=int, default=0, help="GPT sources with PEFT's LoRA of this rank (base frozen)")
+    parser.add_argument("--merge-lora", action="store_true", help="open with merge_lora=True; convert --merge-lora")
+    parser.add_argument("--digest", action="store_true", help="state_dict and load hash their tensors (not timings)")
     parser.add_argument("--moe-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.moe_worker:
@@ -366,18 +417,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(out, indent=1) + "\n")
 
+    options = {"merge_lora": True} if args.merge_lora else {}
     for layers in args.layers:
-        src = build_gpt(args.work, layers)
+        src = build_gpt(args.work, layers, args.lora)
         for ranks in args.ranks:
-            ckpt = args.work / f"r{layers}-{ranks}"
+            ckpt = args.work / (f"r{layers}-lora{args.lora}-{ranks}" if args.lora else f"r{layers}-{ranks}")
             made = reshard(src, ckpt, ranks, env, args.timeout)
-            facts = {"layout": "gpt", "layers": layers, "tensors": 12 * layers + 4, "ranks": ranks}
+            facts = {"layout": "gpt", "layers": layers, "tensors": 12 * layers + 4, "ranks": ranks, "lora": args.lora,
+                     **options, "digest": args.digest}  # fmt: skip
             out["runs"].append(
                 {**facts, "method": "reshard", **made, **dict(zip(("files", "bytes"), _tree_bytes(ckpt)))}
             )
             print(json.dumps(out["runs"][-1]), flush=True)
             for _ in range(args.repeat):
-                out["runs"] += run_methods(ckpt, args.methods, args.work, env, args.timeout, facts, src, args.cold)
+                out["runs"] += run_methods(
+                    ckpt, args.methods, args.work, env, args.timeout, facts, src, args.cold, options, args.digest
+                )
                 save()
     for spec in args.moe:
         layers, experts = map(int, spec.split("x"))
