@@ -9,7 +9,7 @@ shard exists); several hooks are a list. ``"chdir": {"<rank>": folder}`` runs th
 working folder (a relative ``src`` then names a different checkpoint there, as on a node without the shared
 filesystem). The failure
 injection lives here, in the test launcher, not in zeroio. Each job's outcome is printed as one line
-``ZEROIO-RESULT {json}`` on stdout.
+``ZEROIO-RESULT {json}`` on stdout, with ``"wrote"``: the bytes of shards this process wrote (its progress).
 """
 
 from __future__ import annotations
@@ -48,6 +48,19 @@ def _hook(hooks: dict | list | None, rank: int):
     return callback
 
 
+class _Written:
+    """A progress callback that keeps the bytes this process wrote, then calls the hook's callback, if any."""
+
+    def __init__(self, hook) -> None:
+        self.hook = hook
+        self.done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        self.done = max(self.done, done)
+        if self.hook:
+            self.hook(done, total)
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     # The job's own process group, as a training script would have it; zeroio adds its gloo group with its timeout.
@@ -57,10 +70,9 @@ def main() -> int:
         started = time.monotonic()
         cwd = os.getcwd()
         os.chdir(job.get("chdir", {}).get(str(rank), cwd))
+        written = _Written(_hook(job.get("hook"), rank))
         try:
-            result = zeroio.convert(
-                job["src"], job["dst"], distributed=True, progress=_hook(job.get("hook"), rank), **job["kwargs"]
-            )
+            result = zeroio.convert(job["src"], job["dst"], distributed=True, progress=written, **job["kwargs"])
             outcome = {
                 "ok": True,
                 "files": [str(p) for p in result.files],
@@ -75,6 +87,7 @@ def main() -> int:
             os.chdir(cwd)
         outcome["process"] = rank
         outcome["seconds"] = time.monotonic() - started
+        outcome["wrote"] = written.done
         print("ZEROIO-RESULT " + json.dumps(outcome), flush=True)
     dist.destroy_process_group()
     return 0

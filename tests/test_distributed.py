@@ -41,19 +41,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+def worker_env(rank: int, world_size: int, port: int, **extra: str | None) -> dict[str, str]:
     """The environment torchrun gives a worker, for a job on loopback. Every process writes shards (by default one
-    per host does): these jobs exercise the writers' agreement and failures."""
+    per host does for a local source): these jobs exercise the writers' agreement and failures. An ``extra``
+    variable given as None is left unset."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-        ZEROIO_READERS_PER_HOST=str(world_size), **extra,
+        ZEROIO_READERS_PER_HOST=str(world_size),
     )  # fmt: skip
+    for name, value in extra.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
-def start(tmp_path: Path, world_size: int, jobs: list[dict], **extra_env: str) -> list[subprocess.Popen[str]]:
+def start(tmp_path: Path, world_size: int, jobs: list[dict], **extra_env: str | None) -> list[subprocess.Popen[str]]:
     """Start ``world_size`` processes of tests/dist_worker.py, which run ``jobs`` in order."""
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"jobs": jobs}))
@@ -90,7 +96,7 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = LAUNCH_TIMEOUT) 
     return outputs
 
 
-def run_job(tmp_path: Path, world_size: int, jobs: list[dict], **extra_env: str) -> list[list[dict]]:
+def run_job(tmp_path: Path, world_size: int, jobs: list[dict], **extra_env: str | None) -> list[list[dict]]:
     """Run a job to completion; every process must exit 0. Returns each process's records."""
     outputs = finish(start(tmp_path, world_size, jobs, **extra_env))
     for rank, (code, _, err) in enumerate(outputs):
@@ -268,29 +274,81 @@ def test_torchrun_cli_writes_the_single_process_bytes(tmp_path, readers):
     assert_same_folder(tmp_path / "single", tmp_path / "dist")
 
 
+LOCAL_SOURCE = str(FIXTURES / "z3_ws2_fp32")
+
+
 @pytest.mark.parametrize(
-    "env, world_size, readers",
+    "env, world_size, source, readers",
     [
-        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, 4, (0,), id="one-host"),
-        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 8, (0, 4), id="two-hosts"),
-        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "ZEROIO_READERS_PER_HOST": "2"}, 8, (0, 1, 4, 5),
-                     id="two-readers-per-host"),
-        pytest.param({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ZEROIO_READERS_PER_HOST": "9"}, 2, (0, 1),
-                     id="more-readers-than-processes"),
-        pytest.param({"WORLD_SIZE": "3"}, 3, (0, 1, 2), id="hosts-unknown"),
-        pytest.param({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, 6, (0, 1, 2, 3, 4, 5), id="uneven-hosts"),
-        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 1, (0,), id="another-group"),
+        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, 4, LOCAL_SOURCE, (0,), id="one-host"),
+        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 8, LOCAL_SOURCE, (0, 4), id="two-hosts"),
+        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "ZEROIO_READERS_PER_HOST": "2"}, 8, LOCAL_SOURCE,
+                     (0, 1, 4, 5), id="two-readers-per-host"),
+        pytest.param({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ZEROIO_READERS_PER_HOST": "9"}, 2, LOCAL_SOURCE,
+                     (0, 1), id="more-readers-than-processes"),
+        pytest.param({"WORLD_SIZE": "3"}, 3, LOCAL_SOURCE, (0, 1, 2), id="hosts-unknown"),
+        pytest.param({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, 6, LOCAL_SOURCE, (0, 1, 2, 3, 4, 5),
+                     id="uneven-hosts"),
+        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 1, LOCAL_SOURCE, (0,), id="another-group"),
+        # A URL: an object store limits each connection, so every process of a host reads (its own connections)
+        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, 4, "s3://bucket/ckpt", (0, 1, 2, 3),
+                     id="one-host-object-store"),
+        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 8, "hf://user/run@main/ckpt", tuple(range(8)),
+                     id="two-hosts-hub"),
+        pytest.param({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 2, "https://host/model.safetensors", (0, 1),
+                     id="http"),
+        pytest.param({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "ZEROIO_READERS_PER_HOST": "1"}, 8,
+                     "s3://bucket/ckpt", (0, 4), id="object-store-one-reader-asked"),
+        pytest.param({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, 4, "file://" + LOCAL_SOURCE, (0,),
+                     id="file-url-is-local"),
     ],
 )  # fmt: skip
-def test_readers_follow_the_hosts_not_the_processes(monkeypatch, env, world_size, readers):
+def test_readers_follow_the_storage_and_hosts_not_the_processes(monkeypatch, env, world_size, source, readers):
+    """One reader per host for local files, every process of the host for a URL; ZEROIO_READERS_PER_HOST wins."""
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ZEROIO_READERS_PER_HOST"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert reader_ranks(world_size) == readers
-    owners = assign_to_readers([5, 4, 3, 2, 1], world_size)
+    assert reader_ranks(world_size, source) == readers
+    owners = assign_to_readers([5, 4, 3, 2, 1], world_size, source)
     assert set(owners) <= set(readers)
     assert owners == tuple(readers[i] for i in assign_shards([5, 4, 3, 2, 1], len(readers)))
+
+
+@pytest.fixture(scope="module")
+def s3_source():
+    """moto's S3 server on localhost (tests/s3_server.py) holding z3_ws3_fp32: ``(url, server)``."""
+    pytest.importorskip("s3fs")
+    import logging
+
+    from s3_server import S3Server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = S3Server()
+    try:
+        yield server.upload_tree(FIXTURES / "z3_ws3_fp32", "dist", "z3"), server
+    finally:
+        server.stop()
+
+
+def test_a_remote_source_is_read_by_every_process_of_the_host(tmp_path, s3_source):
+    """ZEROIO_READERS_PER_HOST unset, 2 processes on one host: from s3:// both read and write shards, from the local
+    folder only process 0; the single-process bytes either way."""
+    url, server = s3_source
+    out = tmp_path / "out"
+    cases = [
+        ("remote", {"src": url, "dst": str(out / "remote"), "kwargs": {"max_shard_size": 300}, "hook": None}),
+        ("local", job("z3_ws3_fp32", out / "local", max_shard_size=300)),
+    ]
+    records = run_job(tmp_path, 2, [spec for _, spec in cases], ZEROIO_READERS_PER_HOST=None, **server.env())
+    single = convert(FIXTURES / "z3_ws3_fp32", tmp_path / "single", max_shard_size=300, progress=False)
+    for i, (name, _) in enumerate(cases):
+        assert_same_folder(tmp_path / "single", out / name)
+        for rank in range(2):
+            assert_result_matches(records[rank][i], single, out / name)
+    wrote = {name: [records[rank][i]["wrote"] for rank in range(2)] for i, (name, _) in enumerate(cases)}
+    assert sum(wrote["remote"]) == sum(wrote["local"]) == wrote["local"][0] > 0
+    assert wrote["remote"][1] > 0 and wrote["local"][1] == 0, wrote
 
 
 def test_torchrun_one_host_process_0_failure_fails_the_others(tmp_path):

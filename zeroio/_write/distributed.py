@@ -148,7 +148,7 @@ def convert_distributed(src: Path, dst: Path, read: ReadOptions, write: WriteOpt
         world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         group = partial(_process_group, out.dst, timeout)
         with _sigterm_as_interrupt() as sigterm:
-            if reader_ranks(world_size) == (0,):  # one reader (one host): it converts alone, at once, torch-free
+            if reader_ranks(world_size, src) == (0,):  # one reader (one host): converts alone, at once, torch-free
                 return convert_one_reader(
                     src, out, read, write, rank, world_size, group, timeout.total_seconds(), sigterm.start_cleaning
                 )

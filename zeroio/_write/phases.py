@@ -90,7 +90,7 @@ def _run(job: Job, src: Path, read: ReadOptions, write: WriteOptions, extra_file
             ckpt = stack.enter_context(open_checkpoint(src, read))
             logger.debug("converting %s to %s (%s)", ckpt.metadata.path, out.dst, write.fmt)
             plan = plan_write(ckpt, write)
-            owners = assign_to_readers(plan.file_bytes, world_size)
+            owners = assign_to_readers(plan.file_bytes, world_size, src)
             share = plan.subset([i for i, owner in enumerate(owners) if owner == rank])
             if extra_files is not None:
                 write_extra = extra_files(ckpt, plan)
