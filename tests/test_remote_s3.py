@@ -172,6 +172,32 @@ def test_convert_fetches_only_the_weights(s3, big, tmp_path):
     assert _sha256_tree(tmp_path / "out") == _sha256_tree(tmp_path / "ref")
 
 
+def test_distributed_convert_fetches_each_weight_once(s3, big, tmp_path):
+    """`torchrun --nproc-per-node 2 -m zeroio convert s3://... --distributed`: both processes read (the default for a
+    URL), each its own shards' bytes: the server sends <= 1.05 x (weights written + each process's pickles), plus
+    the 4 MiB that each process fetches with the header of the rank file's one record (read-ahead up to the next
+    fence). Each process's read-ahead stops at the end of its own bytes: before, a bias read fetched 4 MiB of the
+    next weight, which the other process writes. The output is the single-process bytes."""
+    local, url = big
+    pickles = sum(_record_extents(path)[0] for path in sorted((local / "step1").iterdir()))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parent.parent), OMP_NUM_THREADS="1")
+    env.pop("ZEROIO_READERS_PER_HOST", None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "zeroio", "convert", url, str(tmp_path / "out"), "--max-shard-size", "5MB", "--distributed",
+    ]  # fmt: skip
+    s3.accounting.reset()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fetched = s3.accounting.body_bytes
+    result = zeroio.convert(local, tmp_path / "ref", max_shard_size="5MB", progress=False)
+    assert len(result.files) == 3  # a weight and its bias per shard: one process writes two, the other one
+    header_read_ahead = 4 << 20  # zeroio._io.remote_file.COALESCE_BYTES, once more: both read the record's header
+    assert fetched <= 1.05 * (result.total_size + 2 * pickles) + header_read_ahead, (fetched, result.total_size)
+    assert _sha256_tree(tmp_path / "out") == _sha256_tree(tmp_path / "ref")
+
+
 def test_inspect_reads_only_pickles(s3, big, capsys):
     """``zeroio inspect URL`` fetches pickles and zip directories, never a byte of a tensor record."""
     local, url = big

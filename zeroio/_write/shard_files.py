@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 
 from .._formats import Checkpoint
 from .._io.fileio import ByteBuffers, ChunkBuffers, WriteBack, create_new, naming, preallocate, pwrite_all
+from .._io.integrity import CheckedFile
 from .._io.progress import ByteProgress, Progress
 from .._io.read_ahead import ReadAhead
+from .._io.sources import Fenced
 from .byte_writes import copy_in_kernel, copy_through_memory, stored_runs
 from .plan import WritePlan
 from .safetensors_writer import write_chunks
@@ -112,7 +114,10 @@ def _write_safetensors(
         buffers = ChunkBuffers()
         byte_buffers = ByteBuffers()
         order = [name for name in ckpt.infos if name in slot_of]
-        read_ahead = ReadAhead(files=_source_files(ckpt), spans=_spans(ckpt, order) if part else None)
+        spans = _spans(ckpt, order) if part else None
+        read_ahead = ReadAhead(files=_source_files(ckpt), spans=spans)
+        if spans:
+            _fence_own_bytes(ckpt, order, spans)
         target = plan.target
 
         def task(name: str) -> Callable[[], None]:
@@ -182,6 +187,24 @@ def _spans(ckpt: Checkpoint, names: list[str]) -> dict[int, list[tuple[int, int]
             return {}  # pieces interleaved with the others' (1,024 ranks): windows as they come
         out[key] = merged
     return out
+
+
+def _fence_own_bytes(ckpt: Checkpoint, names: list[str], spans: dict[int, list[tuple[int, int]]]) -> None:
+    """Remote sources (which read ahead on their own) stop reading ahead at the end of each of ``spans``: a process
+    writing part of the shards fetches its own tensors' bytes, not the next process's (with two processes reading
+    from s3://, 4 MiB windows past their own bytes fetched 1.52x the weights in all)."""
+    sources: dict[int, object] = {}
+    for name in names:  # a ZeRO-3 tensor has a piece in every rank file: the first names find every source
+        sources.update((id(source), source) for source, _, _ in stored_runs(ckpt, name) or ())
+        if len(sources) >= len(spans):
+            break
+    for key, runs in spans.items():
+        source = sources.get(key)
+        if isinstance(source, CheckedFile):  # the CRC-checking view of a rank file: fence the object it reads
+            source = source.source
+        if isinstance(source, Fenced):
+            for _, end in runs:
+                source.fence(end)
 
 
 _MAX_SPANS = 64
