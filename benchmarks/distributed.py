@@ -23,6 +23,18 @@ Every output is compared, file by file (SHA-256), with the single-process output
 the reports, under ``--work``).
 
 ``--cache cold`` drops the page cache before every run (root only; ``sync; echo 3 > /proc/sys/vm/drop_caches``).
+
+``--readers 1 2`` runs each torchrun variant once per ``ZEROIO_READERS_PER_HOST`` value up to its process count
+(default: the environment's, or zeroio's default for the source).
+
+``--source s3`` uploads the checkpoint to a loopback S3 server (benchmarks/s3_source.py: moto's server mode, with
+ranged GETs answered by seeking into moto's stored objects) and converts ``s3://bench/<name>`` instead.
+``--s3-cap-mbps 50`` paces every response to 50 MB/s (an object store's per-connection limit),
+``--s3-first-byte-ms 20`` delays each one (its time to first byte). Each run then records the GETs the server
+answered, their bytes, and the most in flight at once:
+
+    python benchmarks/distributed.py --checkpoint /tmp/dist-s3/gpt-28M --source s3 --s3-cap-mbps 50 \
+        --s3-first-byte-ms 20 --processes 2 --readers 1 2 --repeats 3 --max-shard-size 25MB --json out.json
 """
 
 from __future__ import annotations
@@ -168,9 +180,13 @@ def digests(folder: Path) -> dict[str, str]:
     return out
 
 
-def run_once(args: argparse.Namespace, processes: int, distributed: bool, dst: Path, reports: Path) -> dict[str, Any]:
-    """One conversion (1 plain process, or ``processes`` under torchrun); wall time and every process's report."""
-    convert = ["convert", str(args.checkpoint), str(dst), "--max-shard-size", args.max_shard_size, "--quiet"]
+def run_once(
+    args: argparse.Namespace, processes: int, distributed: bool, dst: Path, reports: Path, readers: int | None = None
+) -> dict[str, Any]:
+    """One conversion (1 plain process, or ``processes`` under torchrun, ``readers`` of them reading per host:
+    ``ZEROIO_READERS_PER_HOST``, None for the environment's); wall time and every process's report."""
+    convert = ["convert", args.source_url or str(args.checkpoint), str(dst), "--max-shard-size", args.max_shard_size,
+               "--quiet"]  # fmt: skip
     if args.workers:
         convert += ["--workers", str(args.workers)]
     if args.dtype:
@@ -188,15 +204,22 @@ def run_once(args: argparse.Namespace, processes: int, distributed: bool, dst: P
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree, ZEROIO_BENCH_TREE=tree)
     if args.fast_exit:
         env["ZEROIO_BENCH_FAST_EXIT"] = "1"
+    if readers is not None:
+        env["ZEROIO_READERS_PER_HOST"] = str(readers)
+    if args.server is not None:
+        env.update(args.server.env())
+        args.server.served.reset()
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     if args.cache == "cold":
         drop_caches()
     elif args.cache == "cold-files":
         evict_files(args.checkpoint)
+    load_avg = os.getloadavg()
     t0 = time.time()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.time() - t0
+    served = args.server.served.snapshot() if args.server is not None else None
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     ranks = [json.loads(Path(f"{prefix}.{r}.json").read_text()) for r in range(processes)]
@@ -207,23 +230,29 @@ def run_once(args: argparse.Namespace, processes: int, distributed: bool, dst: P
         "workers_s": max(r["main_end_at"] for r in ranks) - min(r["created_at"] for r in ranks),
         "exit_s": t0 + wall - max(r["main_end_at"] for r in ranks),
     }
-    return {"processes": processes, "distributed": distributed, "wall_s": wall, "phases": phases, "ranks": ranks}
+    return {"processes": processes, "distributed": distributed, "readers": readers, "wall_s": wall, "phases": phases,
+            "ranks": ranks, "load_avg": load_avg, "served": served}  # fmt: skip
 
 
 def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, Any]]:
     rows = []
-    keys = sorted({(r["processes"], r["distributed"]) for r in runs})
+    keys = sorted({(r["processes"], r["distributed"], r.get("readers") or 0) for r in runs})
     base = None
-    for processes, distributed in keys:
-        mine = [r for r in runs if (r["processes"], r["distributed"]) == (processes, distributed)]
+    for processes, distributed, readers in keys:
+        mine = [r for r in runs if (r["processes"], r["distributed"], r.get("readers") or 0) == (processes, distributed,
+                                                                                               readers)]  # fmt: skip
         walls = [r["wall_s"] for r in mine]
         converts = [max(rank["convert_s"] for rank in r["ranks"]) for r in mine]
         starts = [max(rank["start_s"] for rank in r["ranks"]) for r in mine]
         plans = [max(rank["plan_s"] or 0.0 for rank in r["ranks"]) for r in mine]
+        # After planning: reading and writing the shards, checking, committing (the slowest process that planned)
+        writes = [max(k["convert_s"] - k["plan_s"] for k in r["ranks"] if k["plan_s"] is not None) for r in mine]
+        method = f"torchrun x{processes} --distributed" if distributed else "1 process (plain convert)"
         row = {
-            "method": f"torchrun x{processes} --distributed" if distributed else "1 process (plain convert)",
+            "method": method + (f", {readers} reader(s) per host" if distributed and readers else ""),
             "processes": processes,
             "distributed": distributed,
+            "readers": readers or None,
             "wall_s_median": statistics.median(walls),
             **{
                 f"{k}_median": statistics.median(r["phases"][k] for r in mine)
@@ -235,12 +264,18 @@ def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, A
             "convert_s_median": statistics.median(converts),
             "start_s_median": statistics.median(starts),
             "plan_s_median": statistics.median(plans) if distributed else None,
+            "after_plan_s_median": statistics.median(writes),
             "output_GBps_convert": output_bytes / statistics.median(converts) / 1e9,
             # What reached the block device (0 when the source was in the page cache): tells cold from warm runs.
             "device_read_GB_median": statistics.median(sum(k["read_bytes"] for k in r["ranks"]) / 1e9 for r in mine),
             "per_rank_rchar_GB": [round(rank["rchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
             "per_rank_wchar_GB": [round(rank["wchar"] / 1e9, 3) for rank in mine[-1]["ranks"]],
             "per_rank_shards": [rank["shards"] for rank in mine[-1]["ranks"]],
+            "load_avg_1min": [r["load_avg"][0] for r in mine if "load_avg" in r],
+            "served_max_concurrent_gets": [r["served"]["max_concurrent_gets"] for r in mine if r.get("served")],
+            "served_gets_median": (
+                statistics.median(r["served"]["gets"] for r in mine) if mine[0].get("served") else None
+            ),
             # CPU seconds (user + system) per process, median over repeats: the honest cost on a shared machine
             "per_rank_cpu_s": [
                 round(statistics.median(r["ranks"][i].get("cpu_s", 0.0) for r in mine), 2) for i in range(processes)
@@ -263,22 +298,26 @@ def summarize(runs: list[dict[str, Any]], output_bytes: int) -> list[dict[str, A
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         (
-            "| method | wall s (median [min-max]) | convert s | start-up s | plan s | output GB/s (convert) "
+            "| method | wall s (median [min-max]) | convert s | start-up s | plan s | after plan s | output GB/s (convert) "
             "| speed-up wall / convert | read GB per process | written GB per process | shards per process "
-            "| disk-read GB (median) |"
+            "| disk-read GB (median) | S3 GETs (most at once) | load avg |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         plan = f"{r['plan_s_median']:.2f}" if r["plan_s_median"] is not None else ""
         lines.append(
             f"| {r['method']} | {r['wall_s_median']:.2f} [{r['wall_s_min']:.2f}-{r['wall_s_max']:.2f}] "
-            f"| {r['convert_s_median']:.2f} | {r['start_s_median']:.2f} | {plan} | {r['output_GBps_convert']:.2f} "
+            f"| {r['convert_s_median']:.2f} | {r['start_s_median']:.2f} | {plan} | {r['after_plan_s_median']:.2f} "
+            f"| {r['output_GBps_convert']:.2f} "
             f"| {r.get('speedup_wall', 1):.2f} / {r.get('speedup_convert', 1):.2f} "
             f"| {', '.join(f'{x:.2f}' for x in r['per_rank_rchar_GB'])} "
             f"| {', '.join(f'{x:.2f}' for x in r['per_rank_wchar_GB'])} "
             f"| {', '.join(str(x) for x in r['per_rank_shards']) if r['distributed'] else ''} "
-            f"| {r['device_read_GB_median']:.2f} |"
+            f"| {r['device_read_GB_median']:.2f} "
+            f"| {'' if r['served_gets_median'] is None else r['served_gets_median']}"
+            f"{' (' + ', '.join(map(str, r['served_max_concurrent_gets'])) + ')' if r['served_max_concurrent_gets'] else ''} "
+            f"| {', '.join(f'{x:.1f}' for x in r['load_avg_1min'])} |"
         )
     return "\n".join(lines)
 
@@ -301,6 +340,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write every run and the summary here")
     parser.add_argument("--tree", type=Path, help="the zeroio tree to run (default: this one), e.g. an older commit")
     parser.add_argument("--fast-exit", action="store_true", help="workers end with os._exit once their report is out")
+    parser.add_argument("--readers", type=int, nargs="+", help="ZEROIO_READERS_PER_HOST values: one variant each")
+    parser.add_argument("--source", choices=["local", "s3"], default="local", help="s3: from a loopback S3 server")
+    parser.add_argument("--s3-cap-mbps", type=float, default=0.0, help="per-connection limit, MB/s (0: none)")
+    parser.add_argument("--s3-first-byte-ms", type=float, default=0.0, help="delay before each ranged response")
     parser.add_argument(
         "--verify", choices=["all", "first", "none"], default="all",
         help="compare outputs with the single-process output: every run, the first of each variant, or none",
@@ -308,6 +351,15 @@ def main() -> int:
     args = parser.parse_args()
     if args.cache == "cold" and not os.access(DROP_CACHES, os.W_OK):
         raise SystemExit("--cache cold needs root (writes /proc/sys/vm/drop_caches)")
+    args.server, args.source_url, upload_s = None, None, None
+    if args.source == "s3":
+        sys.path.insert(0, str(HERE.parent))
+        from s3_source import S3Source
+
+        args.server = S3Source(cap_bytes_per_s=args.s3_cap_mbps * 1e6, first_byte_s=args.s3_first_byte_ms / 1e3)
+        t_upload = time.time()
+        args.source_url = args.server.upload_tree(args.checkpoint, "bench", args.checkpoint.name)
+        upload_s = time.time() - t_upload
 
     args.work.mkdir(parents=True, exist_ok=True)
     reports = args.work / "reports"
@@ -320,6 +372,10 @@ def main() -> int:
     output_bytes = sum(p.stat().st_size for p in reference_dst.iterdir())
     shutil.rmtree(reference_dst)
 
+    s3_facts = None
+    if args.server is not None:
+        s3_facts = {"cap_MBps_per_connection": args.s3_cap_mbps, "first_byte_ms": args.s3_first_byte_ms,
+                    "upload_s": upload_s}  # fmt: skip
     info = {
         "checkpoint": str(args.checkpoint),
         "max_shard_size": args.max_shard_size,
@@ -331,16 +387,20 @@ def main() -> int:
         "tree": str(args.tree or REPO),
         "fast_exit": args.fast_exit,
         "load_avg_start": os.getloadavg(),
+        "source": args.source_url or str(args.checkpoint),
+        "s3": s3_facts,
         "reference_run": first,
     }
-    variants = [(1, False)] + [(p, True) for p in args.processes]
+    readers = args.readers or [None]
+    # every readers value up to the processes (ZEROIO_READERS_PER_HOST above them means all of them)
+    variants = [(1, False, None)] + [(p, True, n) for p in args.processes for n in readers if n is None or n <= p]
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         shift = repeat % len(variants)
-        for processes, distributed in variants[shift:] + variants[:shift]:
-            dst = args.work / f"out-p{processes}-{'d' if distributed else 'plain'}"
+        for processes, distributed, n in variants[shift:] + variants[:shift]:
+            dst = args.work / f"out-p{processes}-{'d' if distributed else 'plain'}-r{n}"
             shutil.rmtree(dst, ignore_errors=True)
-            run = run_once(args, processes, distributed, dst, reports)
+            run = run_once(args, processes, distributed, dst, reports, n)
             run["repeat"] = repeat
             if args.verify == "all" or (args.verify == "first" and repeat == 0):
                 run["identical"] = digests(dst) == reference
@@ -354,10 +414,13 @@ def main() -> int:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps({"info": info, "summary": summarize(runs, output_bytes), "runs": runs}))
             print(
-                f"repeat {repeat} processes={processes} distributed={distributed}: {run['wall_s']:.2f} s wall, "
+                f"repeat {repeat} processes={processes} distributed={distributed} readers={n}: "
+                f"{run['wall_s']:.2f} s wall, served={run['served']}, "
                 f"identical={run['identical']}",
                 file=sys.stderr,
             )
+    if args.server is not None:
+        args.server.stop()
     rows = summarize(runs, output_bytes)
     table = markdown(rows)
     print(table)

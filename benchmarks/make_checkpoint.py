@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tied", dest="untied", action="store_false", help="tie lm_head to wte (default)")
     parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--n-layer", type=int, help="layers (with --d-model: this exact shape instead of --params)")
+    parser.add_argument("--d-model", type=int, help="width (with --n-layer), e.g. few wide layers: MB-sized tensors")
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3, help="ZeRO stage (default 3)")
@@ -310,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         worker(GPTConfig(**json.loads(args.config)), args.out, args.stage)
         return 0
     cfg = config_for(args.params, vocab=args.vocab, n_ctx=args.n_ctx, tied=not args.untied)
+    if (args.n_layer is None) != (args.d_model is None):
+        parser.error("--n-layer and --d-model go together")
+    if args.n_layer is not None:
+        cfg = GPTConfig(args.vocab, args.n_ctx, args.n_layer, args.d_model, not args.untied)
     if args.dry_run:
         print(json.dumps({**asdict(cfg), "params": cfg.num_params()}))
         return 0
@@ -325,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         overwrite=args.overwrite,
         launcher=args.launcher,
         stage=args.stage,
+        cfg=cfg,
     )
     print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
     return 0
