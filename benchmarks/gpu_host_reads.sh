@@ -20,6 +20,10 @@
 #   threads, one Python thread driving Linux AIO), zeroio.load against fastsafetensors on them (cold files, warm),
 #   distributed convert (plain and torchrun x4, ZEROIO_READERS_PER_HOST 1 and 4) from /dev/shm and from the disk
 #   (cold files), and read_engines.py on the cold fp32 files.
+# PHASE onehost (issue 34 goal 3, one reader per host): the ZeRO-3 checkpoint, then plain convert against torchrun x4
+#   --distributed from /dev/shm (3 rounds) and from the disk (cold files, 2 rounds), for TREE and, when BEFORE names
+#   another tree (e.g. `git archive` of the commit before a change), for it too, alternating; each process's timeline
+#   in the JSON (benchmarks/timeline.py prints it), the medians in onehost-summary.md.
 set -u
 OUT=${1:?usage: gpu_host_reads.sh OUT PHASE}
 PHASE=${2:-reads}
@@ -203,6 +207,35 @@ elif [ "$PHASE" = engines ]; then
     python3 $B/read_engines.py --files $W/hf-fp32/model-0000*.safetensors --rounds 2 --methods $ENGINES \
         --deadline $((DEADLINE - 15)) --json "$R/engines-fp32.json" >>"$R/engines.log" 2>&1
     note "read engines, fp32"
+elif [ "$PHASE" = onehost ]; then
+    python3 -m compileall -q -j 16 "$TORCH_DIR" /tmp/site "$TREE/zeroio" "$B" ${BEFORE:+"$BEFORE/zeroio"} \
+        >/dev/null 2>&1 &
+    COMPILE=$!
+    [ -f $W/ck/manifest.json ] || python3 $B/make_checkpoint.py --params 1.3B --world-size 8 --launcher torchrun \
+        --out $W/ck >$W/build.log 2>&1 || { tail -30 $W/build.log >>"$R/env.txt"; note "build failed"; exit 1; }
+    wait $COMPILE
+    cp $W/ck/manifest.json "$R/ck-manifest.json"
+    rm -rf /dev/shm/ck && cp -r $W/ck /dev/shm/ck && note "checkpoint built, copied to /dev/shm"
+    D="python3 $B/distributed.py --max-shard-size 500MB --processes 4 --repeats 1 --verify first"
+    TREES="after=$TREE${BEFORE:+ before=$BEFORE}"
+    for i in 1 2 3; do  # the trees alternate, each run a plain convert and torchrun x4 (one reader per host)
+        for t in $TREES; do
+            [ "$(left)" -gt 150 ] && $D --tree "${t#*=}" --checkpoint /dev/shm/ck --work /dev/shm/dist --cache warm \
+                --json "$R/onehost-shm-${t%%=*}-$i.json" >>"$R/dist.log" 2>&1
+        done
+        note "one host, /dev/shm, round $i"
+    done
+    rm -rf /dev/shm/ck /dev/shm/dist
+    for i in 1 2; do
+        for t in $TREES; do
+            [ "$(left)" -gt 60 ] && $D --tree "${t#*=}" --checkpoint $W/ck --work $W/dist --cache cold-files \
+                --json "$R/onehost-disk-${t%%=*}-$i.json" >>"$R/dist.log" 2>&1
+        done
+        note "one host, disk, cold files, round $i"
+    done
+    python3 $B/timeline.py "$R"/onehost-*.json --summary >"$R/onehost-summary.md" 2>&1
+    cat "$R/onehost-summary.md"
+    note "one host summary"
 fi
 grep -v WARNING "$R"/*.log 2>/dev/null | grep -iE 'error|Traceback' | tail -8
 tail -3 "$R/cuda_tests.txt" 2>/dev/null

@@ -56,14 +56,17 @@ def spans(run: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _key(run: dict[str, Any]) -> tuple[str, str, int, bool]:
+    return run.get("source", ""), run.get("tree", ""), run["processes"], run["distributed"]
+
+
 def summary(runs: list[dict[str, Any]]) -> str:
-    lines = ["| tree | variant | runs | wall | convert per process | reader converting / waiting | others joined |"]
-    lines.append("|---|---|---:|---:|---|---|---:|")
-    keys = sorted({(r.get("tree", ""), r["processes"], r["distributed"]) for r in runs})
-    for tree, processes, distributed in keys:
-        mine = [
-            r for r in runs if (r.get("tree", ""), r["processes"], r["distributed"]) == (tree, processes, distributed)
-        ]
+    lines = [
+        "| source | tree | variant | runs | wall | convert per process | reader converting / waiting | others joined |",
+        "|---|---|---|---:|---:|---|---|---:|",
+    ]
+    for source, tree, processes, distributed in sorted({_key(r) for r in runs}):
+        mine = [r for r in runs if _key(r) == (source, tree, processes, distributed)]
         wall = statistics.median(r["wall_s"] for r in mine)
         per = [statistics.median(r["ranks"][i]["convert_s"] for r in mine) for i in range(processes)]
         marks = [spans(r) for r in mine]
@@ -74,7 +77,7 @@ def summary(runs: list[dict[str, Any]]) -> str:
 
         label = f"torchrun x{processes}" if distributed else "plain"
         lines.append(
-            f"| {tree} | {label} | {len(mine)} | {wall:.2f} | {', '.join(f'{c:.2f}' for c in per)} "
+            f"| {source} | {tree} | {label} | {len(mine)} | {wall:.2f} | {', '.join(f'{c:.2f}' for c in per)} "
             f"| {med('reader_converting_s')} / {med('reader_waiting_s')} | {med('others_joined_s')} |"
         )
     return "\n".join(lines)
@@ -89,8 +92,9 @@ def main() -> int:
     runs = []
     for path in args.json:
         data = json.loads(path.read_text())
-        tree = data["info"].get("tree", "")
-        runs += [{**run, "tree": run.get("tree", tree)} for run in data["runs"]]
+        info = data["info"]
+        source = f"{info.get('checkpoint', '')} ({info.get('cache', '')})"
+        runs += [{**run, "tree": run.get("tree", info.get("tree", "")), "source": source} for run in data["runs"]]
     if args.summary:
         print(summary(runs))
         return 0
