@@ -24,6 +24,16 @@
 #   --distributed from /dev/shm (3 rounds) and from the disk (cold files, 2 rounds), for TREE and, when BEFORE names
 #   another tree (e.g. `git archive` of the commit before a change), for it too, alternating; each process's timeline
 #   in the JSON (benchmarks/timeline.py prints it), the medians in onehost-summary.md.
+# PHASE leaseD: the bf16 and fp32 files on the disk, the 1.3B 8-rank ZeRO-3 checkpoint and the 355M 4-rank one
+#   (for gpu_host_s3.sh) built in /dev/shm so that nothing else writes to the disk before the reads, with the CUDA
+#   tests; then zeroio.load against fastsafetensors and the parallel read limit, bf16 and fp32, cold files, ROUNDS
+#   (default 3) rounds; then the 1.3B checkpoint copied to the disk and benchmarks/read_bytes.py on it (traced
+#   and hashed, warm; then cold files, untraced, CRC read + copy_file_range against pread + pwrite
+#   (ZEROIO_NO_COPY_FILE_RANGE=1) alternating, COLD_REPEATS (default 3) each; bf16 once), then PHASE dist's steps
+#   while DEADLINE allows.
+# PHASE dist: distributed convert of the 1.3B checkpoint (/dev/shm/ck, else built), plain against torchrun x4 with
+#   ZEROIO_READERS_PER_HOST 1 and 4, from /dev/shm (warm, two repeats) and from the disk (cold files, one repeat);
+#   a step that a leaseD or dist phase of this machine already ran to its end (/tmp/dist-done) is skipped.
 set -u
 OUT=${1:?usage: gpu_host_reads.sh OUT PHASE}
 PHASE=${2:-reads}
@@ -236,6 +246,90 @@ elif [ "$PHASE" = onehost ]; then
     python3 $B/timeline.py "$R"/onehost-*.json --summary >"$R/onehost-summary.md" 2>&1
     cat "$R/onehost-summary.md"
     note "one host summary"
+elif [ "$PHASE" = leaseD ]; then
+    python3 -m compileall -q -j 16 "$TORCH_DIR" "$TF_DIR" /tmp/site "$TREE/zeroio" "$B" "$TREE/tests" \
+        >/dev/null 2>&1 &
+    COMPILE=$!
+    (for d in bf16 fp32; do
+        [ -f $W/hf-$d/config.json ] || python3 $B/make_safetensors.py --params 1.3B --shards 2 --hf --dtype $d \
+            --out $W/hf-$d || exit 1
+    done) >$W/make.log 2>&1 &
+    GEN=$!
+    ([ -f /dev/shm/ck/manifest.json ] || python3 $B/make_checkpoint.py --params 1.3B --world-size 8 \
+        --launcher torchrun --out /dev/shm/ck) >$W/build.log 2>&1 &
+    BUILD=$!
+    ([ -f /dev/shm/zs3ck/manifest.json ] || python3 $B/make_checkpoint.py --params 355M --world-size 4 \
+        --launcher torchrun --out /dev/shm/zs3ck) >$W/build-s3.log 2>&1 &
+    BUILD_S3=$!
+    (cd "$TREE" && timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_load.py -k "cuda or imports" \
+        tests/test_cuda_sharded.py tests/test_read_parts.py >"$R/cuda_tests.txt" 2>&1
+     echo "cuda tests exit $?" >>"$R/cuda_tests.txt")
+    note "cuda tests"
+    wait $COMPILE
+    wait $GEN || { tail -30 $W/make.log >>"$R/env.txt"; note "make failed"; exit 1; }
+    CK=1
+    wait $BUILD || { CK=0; tail -30 $W/build.log >>"$R/env.txt"; note "build failed"; }
+    wait $BUILD_S3 || { tail -30 $W/build-s3.log >>"$R/env.txt"; note "355M build failed"; }
+    du -sb $W/hf-bf16 $W/hf-fp32 /dev/shm/ck /dev/shm/zs3ck >>"$R/env.txt" 2>&1
+    sync
+    sleep 10
+    note "checkpoints built, synced"
+    for d in bf16 fp32; do
+        $SBS --folder $W/hf-$d --config $W/hf-$d/manifest.json --dtype $d --rounds ${ROUNDS:-3} --cache cold-files \
+            --deadline $((DEADLINE - 170)) --methods zeroio fastsafetensors read-limit@b16x32768 \
+            --json "$R/sbs-$d-coldfiles.json" >>"$R/sbs.log" 2>&1
+        note "side by side $d, cold files"
+    done
+    if [ $CK = 1 ] && [ "$(left)" -gt 120 ]; then
+        cp /dev/shm/ck/manifest.json "$R/ck-manifest.json"
+        rm -rf $W/ck && cp -r /dev/shm/ck $W/ck && sync && note "1.3B checkpoint copied to the disk"
+        RB="python3 $B/read_bytes.py --checkpoint $W/ck --work $W/rb"
+        $RB --dtype stored bf16 --hash --json "$R/rb-traced.json" >"$R/rb.log" 2>&1
+        note "read_bytes traced, warm"
+        for i in $(seq ${COLD_REPEATS:-3}); do
+            [ "$(left)" -gt 60 ] || break
+            $RB --no-trace --cache cold-files --dtype stored --json "$R/rb-cold-cfr-$i.json" >>"$R/rb.log" 2>&1
+            ZEROIO_NO_COPY_FILE_RANGE=1 $RB --no-trace --cache cold-files --dtype stored \
+                --json "$R/rb-cold-pwrite-$i.json" >>"$R/rb.log" 2>&1
+            note "read_bytes cold files, fp32, copy_file_range and pwrite, round $i"
+        done
+        [ "$(left)" -gt 45 ] && $RB --no-trace --cache cold-files --dtype bf16 --json "$R/rb-cold-bf16.json" \
+            >>"$R/rb.log" 2>&1 && note "read_bytes cold files, bf16"
+        rm -rf $W/rb
+    fi
+fi
+if [ "$PHASE" = leaseD ] || [ "$PHASE" = dist ]; then
+    if [ ! -f /dev/shm/ck/manifest.json ] && [ "$PHASE" = dist ] && [ "$(left)" -gt 300 ]; then
+        python3 $B/make_checkpoint.py --params 1.3B --world-size 8 --launcher torchrun --out /dev/shm/ck \
+            >$W/build.log 2>&1 || tail -30 $W/build.log >>"$R/env.txt"
+    fi
+    D="python3 $B/distributed.py --max-shard-size 500MB --processes 4 --verify first"
+    done_before() { [ -f "/tmp/dist-done/$1" ]; }  # steps that ran to their end on this machine
+    mkdir -p /tmp/dist-done
+    if [ -f /dev/shm/ck/manifest.json ]; then
+        for n in 1 4; do
+            done_before shm$n && continue
+            [ "$(left)" -gt 60 ] || break
+            ZEROIO_READERS_PER_HOST=$n timeout $(($(left) - 10)) $D --checkpoint /dev/shm/ck --work /dev/shm/dist \
+                --cache warm --repeats 2 --json "$R/dist-shm-readers$n.json" >>"$R/dist.log" 2>&1 \
+                && touch /tmp/dist-done/shm$n
+            note "distributed, /dev/shm, $n readers per host"
+        done
+        rm -rf /dev/shm/dist
+        [ -f $W/ck/manifest.json ] || { [ "$(left)" -gt 120 ] && cp -r /dev/shm/ck $W/ck && sync; }
+    fi
+    if [ -f $W/ck/manifest.json ]; then
+        for n in 1 4; do
+            done_before disk$n && continue
+            [ "$(left)" -gt 65 ] || break
+            ZEROIO_READERS_PER_HOST=$n timeout $(($(left) - 10)) $D --checkpoint $W/ck --work $W/dist \
+                --cache cold-files --repeats 1 --json "$R/dist-disk-readers$n.json" >>"$R/dist.log" 2>&1 \
+                && touch /tmp/dist-done/disk$n
+            note "distributed, disk, cold files, $n readers per host"
+        done
+        rm -rf $W/dist
+    fi
+    ls "$R"/dist-*.json >/dev/null 2>&1 && python3 $B/timeline.py "$R"/dist-*.json --summary >"$R/dist-timeline.md" 2>&1
 fi
 grep -v WARNING "$R"/*.log 2>/dev/null | grep -iE 'error|Traceback' | tail -8
 tail -3 "$R/cuda_tests.txt" 2>/dev/null
@@ -252,6 +346,10 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
         continue
     for k, v in d.get("summary", {}).items():
         print(f.name, k, round(v["median_s"], 3), [round(x, 3) for x in v["runs_s"]])
+    for dtype, runs in d.get("runs", {}).items() if isinstance(d.get("runs"), dict) else []:  # read_bytes.py
+        for r in runs:
+            print(f.name, dtype, "convert", r["convert_s"], "cpu", r["cpu_s"], "rchar GB", round(r["rchar"] / 1e9, 2),
+                  "device GB", round(r["read_bytes"] / 1e9, 2))
     if "best" in d:
         print(f.name, "best", d["best"], "h2d", d.get("h2d"))
         for r in d["runs"]:

@@ -41,7 +41,7 @@ python3 -c 'import moto.server, s3fs' 2>/dev/null || NEED="moto[s3] flask flask-
 if [ -n "$NEED" ]; then
     python3 -m pip install -q --no-index --no-cache-dir --find-links "$WHEELS" --target /tmp/site-s3 $NEED \
         >"$R/pip.txt" 2>&1 || { note "wheels missing ($WHEELS: $NEED)"; exit 1; }
-    export PYTHONPATH=/tmp/site-s3
+    export PYTHONPATH=/tmp/site-s3${PYTHONPATH:+:$PYTHONPATH}  # keeps a deepspeed installed before
 fi
 {
     date -u; nproc; free -g; uname -r
