@@ -166,6 +166,32 @@ def exponential_dag(depth: int = 40) -> bytes:
     return archive(tree.stop(), {"0": bytes(4)})
 
 
+def tuple_dag(ops: Ops, depth: int = 40, first: int = 1000) -> Ops:
+    """Memo ``first + depth`` := a tuple holding the level below twice, ``depth`` levels deep (2**depth tuples to
+    hash, about 20 bytes a level); the stack is left as it was."""
+    ops.raw(b")").put(first).pop()
+    for level in range(first + 1, first + depth + 1):
+        ops.get(level - 1).get(level - 1).tuple(2).put(level).pop()
+    return ops
+
+
+def hashed_tuple_dag(how: str = "key", depth: int = 40) -> bytes:
+    """A tensor, plus a :func:`tuple_dag` hashed by the unpickler: as a dict key (``key``), an item of
+    ``builtins.set([...])`` (``set``), or of a ``frozenset`` opcode (``frozenset``, protocol 4). Hashing it walks
+    2**depth tuples inside C code: ``zeroio.open`` never returned."""
+    tree = state_dict(lambda o: o.tensor((1,), (1,), numel=1))
+    tuple_dag(tree, depth).text("x")
+    top = 1000 + depth
+    if how == "key":
+        tree.dict().get(top).int(1).setitem()
+    elif how == "set":
+        tree.glob("builtins.set").list().get(top).append().tuple(1).reduce()
+    else:
+        tree.mark().get(top).raw(b"\x91")  # FROZENSET
+    data = tree.setitem().stop()
+    return archive(data.replace(b"\x80\x02", b"\x80\x04", 1) if how == "frozenset" else data, {"0": bytes(4)})
+
+
 def many_dims(ndim: int = 20_000) -> bytes:
     """A 1-element tensor with ``ndim`` dimensions of size 1."""
     pkl = state_dict(lambda o: o.tensor((1,) * ndim, (1,) * ndim, numel=1)).stop()
@@ -215,6 +241,8 @@ ATTACKS: dict[str, Callable[[], bytes]] = {
     "zip_bomb": lambda: zip_bomb(1 << 20),
     "broadcast_tensor": broadcast_tensor,
     "exponential_dag": exponential_dag,
+    "hashed_tuple_dag": hashed_tuple_dag,
+    "hashed_tuple_dag_set": lambda: hashed_tuple_dag("set"),
     "many_dims": many_dims,
     "many_dims_size": many_dims_size,
     "deep_nesting": lambda: deep_nesting(20_000),

@@ -24,6 +24,7 @@ from hostile_files import (
     bytearray_bomb,
     deep_nesting,
     exponential_dag,
+    hashed_tuple_dag,
     many_dims,
     many_dims_size,
     rebuild_non_storage,
@@ -172,6 +173,9 @@ _BOUNDED = {
     "stride-0 tensor of 2**28 elements over 4 bytes": (lambda: broadcast_tensor(2**28), CheckpointFormatError),
     "stride-0 tensor of 2**40 elements over 4 bytes": (lambda: broadcast_tensor(2**40), CheckpointFormatError),
     "list DAG of 2**40 paths": (exponential_dag, None),
+    "tuple DAG of 2**40 tuples as a dict key": (hashed_tuple_dag, CheckpointFormatError),
+    "tuple DAG of 2**40 tuples in builtins.set": (lambda: hashed_tuple_dag("set"), CheckpointFormatError),
+    "tuple DAG of 2**40 tuples in a frozenset": (lambda: hashed_tuple_dag("frozenset"), CheckpointFormatError),
     "20,000-dimension tensor": (many_dims, CheckpointFormatError),
     "20,000-dimension torch.Size": (many_dims_size, CheckpointFormatError),
 }

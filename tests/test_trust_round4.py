@@ -8,12 +8,21 @@ import copy
 import dataclasses
 import pickle
 import shutil
+import subprocess
+import sys
+import time
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixture_data import FIXTURES
+from hostile_files import Ops, tuple_dag
+from hostile_folders import copy_fixture, edit_model_states
+from legacy_files import floats, legacy_tensor, stream
 
 import zeroio
+from zeroio.cli import main
 from zeroio.errors import CheckpointFormatError
 
 ZERO2 = "z2_ws2_fp32"
@@ -141,3 +150,150 @@ def test_a_megatron_entry_shadowing_a_stacked_layer_is_refused(tmp_path: Path) -
         zeroio.open(src)
     assert info.value.path == metadata_file
     assert len(str(info.value).splitlines()) == 1
+
+
+# ----------------------------------------------------------------- values a pickle chose, shown or copied
+
+
+def _dag(depth: int = 40) -> list[Any]:
+    """A list holding the level below twice, ``depth`` levels deep: 2**depth paths, a few hundred bytes pickled."""
+    found: list[Any] = []
+    for _ in range(depth):
+        found = [found, found]
+    return found
+
+
+def _inspect(root: Path) -> subprocess.CompletedProcess[str]:
+    """``zeroio inspect`` in a subprocess: the old code ran for hours, so the timeout is the regression check."""
+    return subprocess.run(
+        [sys.executable, "-m", "zeroio", "inspect", str(root)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _shape_dag(tree: dict[str, Any]) -> None:
+    group = tree["param_shapes"][0]
+    group[next(iter(group))] = _dag()
+
+
+def _ds_version_dag(tree: dict[str, Any]) -> None:
+    tree["ds_version"] = _dag()
+
+
+@pytest.mark.parametrize(
+    ("fixture", "edit", "pattern", "match"),
+    [
+        ("z2_ws2_fp32", _shape_dag, "*model_states.pt", "the shape recorded for 'emb.weight' is [[[[...], [...]]"),
+        ("z3_ws2_fp32", _ds_version_dag, "zero_pp_rank_0_*model_states.pt", "records ds_version"),
+    ],
+    ids=["shape-in-message", "provenance-compared"],
+)
+def test_a_shared_list_value_is_refused_in_seconds(tmp_path: Path, fixture, edit, pattern, match) -> None:  # type: ignore[no-untyped-def]
+    """A recorded shape, or a counter every rank's model states must agree on, that is a list holding the level
+    below twice, 40 levels deep: its ``repr`` (an error message, the provenance comparison) never ended (depth 24:
+    23 s and a megabyte-long message). Now shown bounded, refused in seconds on one line."""
+    root = copy_fixture(FIXTURES / fixture, tmp_path / "ckpt")
+    edit_model_states(root / "global_step2", edit, pattern=pattern)
+    started = time.monotonic()
+    result = _inspect(root)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 1, result.stderr
+    first = result.stderr.splitlines()[0]
+    assert match in first and len(first) < 600, first
+
+
+def test_a_step_counter_past_int64_is_not_a_step(tmp_path: Path) -> None:
+    """``global_steps`` pickled as 10**5000: ``inspect`` exited 2 with Python's 'Exceeds the limit (4300 digits)'
+    as 'Invalid arguments'; now the step is unknown (None) and the checkpoint reads."""
+    root = copy_fixture(FIXTURES / ZERO2, tmp_path / "ckpt")
+
+    def edit(tree: dict[str, Any]) -> None:
+        tree["global_steps"] = 10**5000
+
+    edit_model_states(root / "global_step2", edit)
+    with zeroio.open(root) as ckpt:
+        assert ckpt.metadata.global_step is None
+    assert main(["inspect", str(root)]) == 0
+    assert main(["inspect", "--json", str(root)]) == 0
+
+
+def test_megatron_param_groups_sharing_values_open_in_bounded_time(tmp_path: Path) -> None:
+    """common.pt's optimizer param groups: 1,000 references to one dict of 10 references to one 9,000-int list
+    (a 31 KB file). Each group's values were copied with a budget of their own: 35 s and 946 MB at open. Now one
+    budget covers every group (and another common.pt's other values)."""
+    import torch
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(
+        FIXTURES / "megatron" / "gpt_tp2_tied", root, ignore=shutil.ignore_patterns("expected", "manifest.json")
+    )
+    common = root / "iter_0000003" / "common.pt"
+    tree = torch.load(common, weights_only=False)  # the committed fixture's own file
+    shared = list(range(9000))
+    group = {f"k{i}": shared for i in range(10)}
+    tree["optimizer"] = {0: {"optimizer": {"param_groups": [group] * 1000, "state": {}}}}
+    for i in range(100):
+        tree[f"extra{i}"] = shared
+    torch.save(tree, common)
+    started = time.monotonic()
+    tracemalloc.start()
+    try:
+        with zeroio.open(root) as ckpt:
+            common_values = ckpt.metadata.extra["common"]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - started < 5 and peak < 64 << 20, (time.monotonic() - started, peak)
+    assert common_values["iteration"] == 3  # what comes first is still shown
+
+
+# ----------------------------------------------------------------- tuples hashed over and over
+
+
+def _hashed_dag_key(depth: int = 40) -> Ops:
+    """A dict whose key is a :func:`tuple_dag` (2**depth tuples to hash); memo slots from 1000 on."""
+    return tuple_dag(Ops(), depth).dict().get(1000 + depth).int(1).setitem()
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh interpreter (this checkout first): the old code never returned, so the timeout is the
+    regression check."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.mark.parametrize("where", ["header", "tree"])
+def test_a_legacy_stream_hashing_a_tuple_dag_is_refused(tmp_path: Path, where: str) -> None:
+    """A legacy (non-zip) rank file whose sys-info header or object tree keys a dict by a tuple holding the level
+    below twice, 40 levels deep: both pickles are walked before they are unpickled."""
+    tree = legacy_tensor(Ops().dict().text("w"), (1,), (1,), numel=1, key="0").setitem()
+    if where == "tree":
+        tree.text("x").raw(_hashed_dag_key().out[2:]).setitem()
+    header = None
+    if where == "header":
+        header = (
+            b"".join(pickle.dumps(v, protocol=2) for v in (0x1950A86A20F9469CFC6C, 1001)) + _hashed_dag_key().stop()
+        )
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    path.write_bytes(stream(tree.stop(), ["0"], [(1, floats(1.0))], header=header))
+    started = time.monotonic()
+    done = _run("import sys; from zeroio._pickles import load_pickle; load_pickle(sys.argv[1], legacy=True)", str(path))
+    assert time.monotonic() - started < 30
+    assert "CheckpointFormatError" in done.stderr and "tuple hashes" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_dcp_metadata_hashing_a_tuple_dag_is_refused(tmp_path: Path) -> None:
+    """DCP's .metadata, read by its own unpickler: a planner_data dict keyed by a 40-level tuple DAG (spliced into
+    the fixture's own metadata, pickled by pickle itself) is refused at open, naming the file."""
+    root = copy_fixture(FIXTURES / "dcp" / "dcp_fsdp2_ws2_fp32", tmp_path / "ckpt")
+    with open(root / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)  # the fixture's own metadata, written by torch
+    placeholder = "zeroio-placeholder-key"
+    metadata.planner_data = {placeholder: 1}
+    data = pickle.dumps(metadata, protocol=2)
+    text = placeholder.encode()
+    spliced = tuple_dag(Ops(), 40, first=100_000).get(100_040).out[2:]
+    (root / ".metadata").write_bytes(data.replace(b"X" + len(text).to_bytes(4, "little") + text, bytes(spliced), 1))
+    result = _inspect(root)
+    assert result.returncode == 1, result.stderr
+    assert f"'{root / '.metadata'}': its pickle asks for more than" in result.stderr.splitlines()[0]

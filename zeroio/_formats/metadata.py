@@ -183,7 +183,7 @@ class CheckpointMetadata:
     ds_version: str | None = None
     """DeepSpeed version that wrote the checkpoint."""
     global_step: int | None = None
-    """Optimizer steps taken when the checkpoint was saved."""
+    """Optimizer steps taken when the checkpoint was saved (None when not recorded, or not an int64 >= 0)."""
     has_fp32_master: bool = True
     """False when only 16-bit weights were found (no fp32 master copy)."""
     layout: str | None = None
@@ -225,6 +225,8 @@ class CheckpointMetadata:
         del values["self"]
         values["train_spec"] = _spec(values.pop("train_dtype")) or train_spec
         values["parallel"] = {} if parallel is None else parallel
+        if not (isinstance(global_step, int) and 0 <= global_step < 2**63) or isinstance(global_step, bool):
+            values["global_step"] = None  # a pickled 10**5000 made every str() of it raise a bare ValueError
         values["extra"] = {} if extra is None else extra
         for key, value in values.items():
             object.__setattr__(self, key, value)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _constants as C
-from .._pickles import TensorRef
+from .._pickles import TensorRef, short_repr
 from ..errors import CheckpointFormatError
 from .metadata import require, require_dict
 
@@ -40,7 +40,7 @@ def shape_of(value: Any, name: str, path: Path) -> tuple[int, ...]:
         shape = tuple(int(s) for s in value)
     except (TypeError, ValueError):
         raise CheckpointFormatError(
-            f"'{path}': the shape recorded for '{name}' is {value!r:.60}, not a sequence of ints. The file is "
+            f"'{path}': the shape recorded for '{name}' is {short_repr(value)}, not a sequence of ints. The file is "
             "corrupted.",
             path=path,
             name=name,

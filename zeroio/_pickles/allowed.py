@@ -22,32 +22,10 @@ from .._dtypes import BY_NAME, BY_STORAGE, QUANTIZED, DType
 from ..errors import CheckpointFormatError, UnsafePickleError
 from .archive import Storage
 from .dtensor import DTENSOR_CLASSES, DTENSOR_TYPES, get_layout, rebuild_wrapper_subclass
-from .limits import MAX_DIMS
+from .limits import MAX_DIMS, short_repr
 from .standins import ZERO_STAGE_ENUM, Device, Inert, Size, ZeroStageEnum, inert_class, inert_dict_class, refuse_build
 
 __all__ = ["ALLOWED", "PendingTensor", "Sealed", "StorageType", "short_repr"]
-
-
-def short_repr(value: Any) -> str:
-    """A repr of bounded length and cost, for messages about values a hostile pickle chose.
-
-    ``str()`` of a 7 KB pickle's list of lists (each holding the one below twice) builds gigabytes; here at most 3
-    levels of 4 items are shown, an int of more than 200 bits by its size, any other object by its type's name (an
-    inert record's ``repr`` would walk its state).
-    """
-    import reprlib
-
-    class _Bounded(reprlib.Repr):
-        def repr_int(self, x: int, level: int) -> str:
-            return repr(x) if x.bit_length() <= 200 else f"<int of {x.bit_length()} bits>"
-
-        def repr_instance(self, x: Any, level: int) -> str:
-            return f"<{type(x).__name__}>"
-
-    shown = _Bounded()
-    shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict, shown.maxset = 3, 4, 4, 4, 4
-    shown.maxstring = shown.maxother = shown.maxlong = 80
-    return shown.repr(value)
 
 
 class _Frozen:

@@ -17,6 +17,7 @@ from typing import Any
 from .._dtypes import BY_NAME
 from ..errors import CheckpointFormatError, UnsafePickleError, ZeroIOError
 from .allowed import ALLOWED, Sealed, short_repr
+from .hash_work import check_hash_work
 from .standins import inert_class
 
 __all__ = ["DCP_CLASSES", "MAX_METADATA_BYTES", "load_dcp_metadata"]
@@ -111,6 +112,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_dcp_metadata(path: Path, data: bytes, trusted: frozenset[str] = frozenset()) -> Any:
     """The object tree of a ``.metadata`` pickle (``data``, read from ``path``), every class an inert record."""
+    check_hash_work(data, path)  # before any object is built: tuples hashed over and over never return
     try:
         return _MetadataUnpickler(data, path, trusted).load()
     except ZeroIOError as exc:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._dtypes import DType
 from ..errors import CheckpointFormatError
-from .limits import MAX_DIMS
+from .limits import MAX_DIMS, short_repr
 from .standins import Inert, inert_class
 
 __all__ = ["DTENSOR", "DTENSOR_CLASSES", "STRIDED", "get_layout", "rebuild_wrapper_subclass"]
@@ -44,7 +44,7 @@ def get_layout(name: Any) -> str:
     """``torch.serialization._get_layout('torch.strided')``: the layout's name (wrapper subclasses are strided)."""
     if name != STRIDED:
         raise CheckpointFormatError(
-            f"a tensor is pickled with layout {str(name)[:40]!r}; zeroio reads strided tensors only (torch.save "
+            f"a tensor is pickled with layout {short_repr(name)}; zeroio reads strided tensors only (torch.save "
             "writes 'torch.strided' for a DTensor)."
         )
     return STRIDED
@@ -53,10 +53,10 @@ def get_layout(name: Any) -> str:
 def _dims(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
         raise CheckpointFormatError(
-            f"a DTensor's {what} is {str(value)[:60]!r}, not a shape of at most {MAX_DIMS} dims."
+            f"a DTensor's {what} is {short_repr(value)}, not a shape of at most {MAX_DIMS} dims."
         )
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise CheckpointFormatError(f"a DTensor's {what} {str(value)[:60]!r} holds a value that is not a size.")
+        raise CheckpointFormatError(f"a DTensor's {what} {short_repr(value)} holds a value that is not a size.")
     return tuple(value)
 
 

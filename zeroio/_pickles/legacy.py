@@ -26,6 +26,7 @@ from typing import Any
 
 from .._io.sources import ByteSource
 from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError, ZeroIOError
+from .hash_work import check_stream
 from .limits import MAX_PICKLE_BYTES
 
 __all__ = [
@@ -134,6 +135,7 @@ class _NoGlobals(pickle.Unpickler):
 
 
 def _plain_pickle(window: PickleWindow, path: Path, what: str) -> Any:
+    check_stream(window, path)  # before any object is built: tuples hashed over and over never return
     try:
         return _NoGlobals(window, path).load()
     except ZeroIOError:

@@ -8,7 +8,9 @@ before the work it guards, and exceeding one raises a :mod:`zeroio.errors` excep
 
 from __future__ import annotations
 
-__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_NUMEL", "MAX_PICKLE_BYTES", "too_large"]
+from typing import Any
+
+__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_NUMEL", "MAX_PICKLE_BYTES", "short_repr", "too_large"]
 
 MAX_PICKLE_BYTES = 1 << 30
 """Largest ``data.pkl`` record read (1 GiB). It holds only the object tree (tensor bytes live in their own records):
@@ -40,3 +42,27 @@ MAX_DEPTH = 100
 """Deepest nesting of containers walked in a pickled tree. A Lightning checkpoint's hyper-parameters nest under
 ten levels; the bound keeps every recursive walk far below Python's recursion limit (a deeper tree would raise a
 bare RecursionError)."""
+
+
+def short_repr(value: Any) -> str:
+    """A repr of bounded length and cost, for messages about values a hostile pickle chose.
+
+    ``str()`` of a 7 KB pickle's list of lists (each holding the one below twice) builds gigabytes; here at most 3
+    levels of 4 items are shown, an int of more than 200 bits by its size, None, bools and floats as themselves, any
+    other object by its type's name (an inert record's ``repr`` would walk its state).
+    """
+    import reprlib
+
+    class _Bounded(reprlib.Repr):
+        def repr_int(self, x: int, level: int) -> str:
+            return repr(x) if x.bit_length() <= 200 else f"<int of {x.bit_length()} bits>"
+
+        def repr_instance(self, x: Any, level: int) -> str:
+            if x is None or isinstance(x, (bool, float, complex)):
+                return repr(x)  # bounded: a float's repr is at most a few dozen characters
+            return f"<{type(x).__name__}>"
+
+    shown = _Bounded()
+    shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict, shown.maxset = 3, 4, 4, 4, 4
+    shown.maxstring = shown.maxother = shown.maxlong = 80
+    return shown.repr(value)

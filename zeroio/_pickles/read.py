@@ -21,6 +21,7 @@ from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckp
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import Archive, RankFile, Storage, TensorRef, read_archive
 from .embedded import EmbeddedTensor, PRead, read_embedded_archive
+from .hash_work import check_hash_work, check_stream
 from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH, too_large
 from .standins import Device, Inert, Size, inert_class
@@ -32,6 +33,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """Resolves only allowlisted globals; tensors become ``PendingTensor`` records."""
 
     def __init__(self, data: bytes | PickleWindow, path: Path, trusted: frozenset[str], legacy: bool = False) -> None:
+        if isinstance(data, bytes):  # before any object is built: tuples hashed over and over never return
+            check_hash_work(data, path)
+        else:
+            check_stream(data, path)
         super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data, encoding="utf-8")
         self._path = path
         self._trusted = trusted

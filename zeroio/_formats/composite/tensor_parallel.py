@@ -22,6 +22,7 @@ from ..._dtypes import DType
 from ..._io.integrity import CheckedFile
 from ..._io.sources import ByteRange
 from ..._messages import get_logger, listing
+from ..._pickles import short_repr
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 from ..checkpoint import Checkpoint
 from ..metadata import CheckpointMetadata, TensorInfo
@@ -239,7 +240,7 @@ def _check_ranks(tag_dir: Path, ranks: Sequence[ZeroCheckpoint]) -> tuple[Path, 
     for what, value in (("mp_world_size", recorded), ("checkpoint_parallel_dimensions.tp_degree", degree)):
         if value is not None and value != tp:
             raise CheckpointFormatError(
-                f"'{path0}' records {what}={value!r} but '{tag_dir}' holds {tp} model-parallel ranks: the folder "
+                f"'{path0}' records {what}={short_repr(value)} but '{tag_dir}' holds {tp} model-parallel ranks: the folder "
                 "mixes files of different runs or is incomplete. Copy the whole tag folder again.",
                 path=path0,
                 expected=value,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..._dtypes import FLOAT32
 from ..._io.sources import ByteRange, ByteSource
 from ..._messages import get_logger
-from ..._pickles import MAX_DIMS
+from ..._pickles import MAX_DIMS, short_repr
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ..checkpoint import Checkpoint
 from ..files.safetensors_reader import parse_safetensors
@@ -163,7 +163,7 @@ def _offsets(file: Any) -> dict[str, tuple[int, ...]]:
             or len(offsets) > MAX_DIMS
             or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
         ):
-            raise _bad(file.path, f"'{name}' of shape {entry.shape} has saved offsets {str(offsets)[:60]}")
+            raise _bad(file.path, f"'{name}' of shape {entry.shape} has saved offsets {short_repr(offsets)}")
         found[name] = tuple(offsets)
     return found
 

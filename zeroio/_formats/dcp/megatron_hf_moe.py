@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..._pickles import short_repr
 from ...errors import UnsupportedCheckpointError
 
 __all__ = [
@@ -68,7 +69,7 @@ def positive(args: dict[str, Any], key: str, where: Any, default: int | None = N
     if value is None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise hf_refusal(where, f"has {key}={value!r:.60}, not a positive integer")
+        raise hf_refusal(where, f"has {key}={short_repr(value)}, not a positive integer")
     return value
 
 

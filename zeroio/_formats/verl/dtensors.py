@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._dtypes import DType
-from ..._pickles import Inert, TensorRef, global_name, inert_parts, is_inert
+from ..._pickles import Inert, TensorRef, global_name, inert_parts, is_inert, short_repr
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..dcp.metadata import Chunk, TensorEntry
 
@@ -67,7 +67,7 @@ def _placement(value: Any, ndim: int, path: Path, name: str) -> int | None:
     if kind == "Shard" and is_inert(value):
         dim = inert_parts(value).state.get("dim")
         if not isinstance(dim, int) or isinstance(dim, bool) or not -ndim <= dim < max(ndim, 1):
-            raise _bad(path, name, f"is sharded along dim {str(dim)[:20]!r} of a {ndim}-d tensor")
+            raise _bad(path, name, f"is sharded along dim {short_repr(dim)!r} of a {ndim}-d tensor")
         return dim % ndim
     raise UnsupportedCheckpointError(
         f"'{path}': the DTensor '{name}' has placement {kind}; zeroio reads Shard(dim) and Replicate() on a 1-D "
@@ -92,9 +92,11 @@ def parse_dtensor(value: Any, path: Path, name: str, world: int, rank: int) -> L
         raise _bad(path, name, "has no tensor_meta (global shape, stride, dtype)")
     shape, _, dtype = meta_args
     if not isinstance(dtype, DType) or not isinstance(shape, tuple):
-        raise _bad(path, name, f"has tensor_meta {str(meta_args)[:80]}")
+        raise _bad(path, name, f"has tensor_meta {short_repr(meta_args)}")
     if parts.args[:2] != (dtype, shape):
-        raise _bad(path, name, f"is pickled as {parts.args[:2]!r:.80} but its spec says {(dtype, shape)!r:.80}")
+        raise _bad(
+            path, name, f"is pickled as {short_repr(parts.args[:2])} but its spec says {short_repr((dtype, shape))}"
+        )
     placements = spec_state.get("placements")
     if not isinstance(placements, tuple) or len(placements) != 1:
         count = len(placements) if isinstance(placements, tuple) else "no"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..._pickles import RankFile, TensorRef, load_pickle
+from ..._pickles import RankFile, TensorRef, load_pickle, short_repr
 from ...errors import CheckpointFormatError
 from .dtensors import Assembled, assemble, is_dtensor
 
@@ -69,7 +69,7 @@ def _index_names(groups: list[Any], params: list[str], path: Path) -> dict[int, 
             if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(params) or index in found:
                 raise _bad(
                     path,
-                    f"param group index {str(index)[:20]!r} does not name one of the model's {len(params)} "
+                    f"param group index {short_repr(index)!r} does not name one of the model's {len(params)} "
                     "parameters once",
                 )
             found[index] = (params[index], hyper)
@@ -93,7 +93,7 @@ def read_optimizer(
     steps: dict[str, TensorRef] = {}
     for index, state in trees[0][0].items():
         if index not in names or not isinstance(state, dict):
-            raise _bad(paths[0], f"state key {str(index)[:20]!r} is not a parameter index of its param groups")
+            raise _bad(paths[0], f"state key {short_repr(index)!r} is not a parameter index of its param groups")
         name, group = names[index]
         hyper[name] = group
         per_rank = [tree[0].get(index) for tree in trees]

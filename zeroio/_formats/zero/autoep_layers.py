@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._pickles import short_repr
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 
 __all__ = ["AUTOEP_LAYERS", "AutoEPLayer", "Run", "autoep_layers", "rank_layers"]
@@ -74,7 +75,7 @@ class AutoEPLayer:
 def _int(value: Any, what: str, path: Path, *, low: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise CheckpointFormatError(
-            f"'{path}': {AUTOEP_LAYERS} {what} should be an integer >= {low}, found {value!r}. The file is corrupted.",
+            f"'{path}': {AUTOEP_LAYERS} {what} should be an integer >= {low}, found {short_repr(value)}. The file is corrupted.",
             path=path,
             name=what,
         )
@@ -184,7 +185,7 @@ def rank_layers(tree: dict[Any, Any], path: Path) -> dict[str, tuple[AutoEPLayer
         prefix = entry["expert_key_prefix"]
         if entry.get("checkpoint_format") != _PARTITIONED:
             raise UnsupportedCheckpointError(
-                f"'{path}': AutoEP layer '{prefix}' is saved as {entry.get('checkpoint_format')!r}; zeroio reads "
+                f"'{path}': AutoEP layer '{prefix}' is saved as {short_repr(entry.get('checkpoint_format'))}; zeroio reads "
                 f"the ZeRO-3 {_PARTITIONED!r} format only. Use DeepSpeed's ds_to_universal.py for this one.",
                 path=path,
                 name=prefix,

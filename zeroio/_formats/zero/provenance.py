@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import _constants as C
-from ..._pickles import TensorRef, read_archive
+from ..._pickles import TensorRef, read_archive, short_repr
 from ...errors import CheckpointFormatError
 
 __all__ = [
@@ -92,15 +92,32 @@ def _odd_one(values: Sequence[Hashable]) -> int | None:
     return next((i for i, v in enumerate(values) if v != reference), None)
 
 
+def _counter(value: Any) -> Hashable:
+    """What a provenance value is compared by: a plain value itself (typed), anything else by its bounded repr
+    (``repr`` of a pickled list holding the level below twice, 40 levels deep, never ends)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value).__name__, value)
+    return ("other", short_repr(value))
+
+
+def _shown(counter: Hashable) -> str:
+    if not isinstance(counter, tuple):
+        return "None"  # not a dict: no model states tree
+    kind, value = counter
+    return str(value) if kind == "other" else short_repr(value)
+
+
 def check_model_states_agree(model_files: Sequence[Path], trees: Sequence[Any]) -> None:
     """ZeRO-3: every rank's model states record one save's counters; only rank 0's records ``shared_params``."""
     for key in _PROVENANCE_KEYS:
-        values = [repr(tree.get(key)) if isinstance(tree, dict) else None for tree in trees]
+        values = [_counter(tree.get(key)) if isinstance(tree, dict) else None for tree in trees]
         odd = _odd_one(values)
         if odd is not None:
             reference = next(v for i, v in enumerate(values) if i != odd)
             raise _mixed(
-                model_files[odd], odd, f"records {key} {values[odd]}, the other ranks' model states {reference}"
+                model_files[odd],
+                odd,
+                f"records {key} {_shown(values[odd])}, the other ranks' model states {_shown(reference)}",
             )
     for rank in range(1, len(trees)):
         tree = trees[rank]
