@@ -7,6 +7,7 @@ are, not the bytes). DeepSpeed's own classes (``ZeroStageEnum``, ``LossScaler``,
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import os
 import pickle
@@ -29,6 +30,18 @@ from .standins import Device, Inert, Size, inert_class
 __all__ = ["check_records", "load_embedded", "load_pickle", "parse_archive", "parse_archive_storages"]
 
 
+def python2_name(module: str, name: str) -> tuple[str, str]:
+    """``module.name`` as Python 3 spells it: what ``pickle.Unpickler.find_class`` does for protocol < 3 pickles.
+
+    torch.save writes protocol 2, where Python's pickler spells builtins by their Python 2 names: a ``set`` in a
+    checkpoint (DeepSpeed <= 0.18's ``sparse_tensor_module_names``) is ``__builtin__.set``. Overriding
+    ``find_class`` skips that mapping, so it is applied here before the allowlist is asked.
+    """
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Resolves only allowlisted globals; tensors become ``PendingTensor`` records."""
 
@@ -47,6 +60,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         """Each storage's fields as created: a BUILD on a storage record must not change them unseen."""
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = python2_name(module, name)
         qualified = f"{module}.{name}"
         if qualified in ALLOWED:
             return ALLOWED[qualified]
