@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fixture_data import FIXTURES
 from hostile_files import Ops, tuple_dag
 from hostile_folders import copy_fixture, edit_model_states
@@ -297,3 +300,134 @@ def test_a_dcp_metadata_hashing_a_tuple_dag_is_refused(tmp_path: Path) -> None:
     result = _inspect(root)
     assert result.returncode == 1, result.stderr
     assert f"'{root / '.metadata'}': its pickle asks for more than" in result.stderr.splitlines()[0]
+
+
+def test_an_empty_megatron_stacked_entry_of_a_million_layers_stays_one_entry(tmp_path: Path) -> None:
+    """A layer-stacked Megatron entry recorded as an empty (10**6, 0) tensor with one chunk: it was un-stacked into
+    10**6 layers (13 s at open, a million tensors listed; 10**9 ran out of memory) from a 27 KB .metadata. Now
+    un-stacked only where every layer has a chunk: the entry stays one empty tensor."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    root = copy_fixture(FIXTURES / "megatron" / "gpt_tp2_tied", tmp_path / "ckpt")
+    metadata_file = next(root.glob("iter_*/.metadata"))
+    with open(metadata_file, "rb") as fh:
+        metadata = pickle.load(fh)  # the fixture's own DCP metadata, written by torch
+    properties = next(iter(metadata.state_dict_metadata.values())).properties
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 0]))
+    metadata.state_dict_metadata["decoder.layers.empty.weight"] = TensorStorageMetadata(
+        properties=properties, size=torch.Size([10**6, 0]), chunks=[chunk]
+    )
+    with open(metadata_file, "wb") as fh:
+        pickle.dump(metadata, fh)
+    started = time.monotonic()
+    with zeroio.open(root) as ckpt:
+        names = list(ckpt.infos)
+        assert ckpt.get_tensor("decoder.layers.empty.weight").shape == (10**6, 0)
+    assert time.monotonic() - started < 5
+    assert len(names) < 100 and "decoder.layers.empty.weight" in names
+
+
+# ----------------------------------------------------------------- counts that no folder holds
+
+
+_OPEN_BOUNDED = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # the old code asked for terabytes: fail, not swap
+import zeroio
+start = time.monotonic()
+try:
+    zeroio.open(sys.argv[1]).close()
+    outcome = ["read", ""]
+except Exception as exc:
+    outcome = [type(exc).__name__, str(exc)]
+print(json.dumps([*outcome, time.monotonic() - start]))
+"""
+
+
+def _open_bounded(root: Path) -> tuple[str, str, float]:
+    """``zeroio.open(root)`` in a child limited to 3 GB of address space: (error type, message, seconds)."""
+    done = _run(_OPEN_BOUNDED, str(root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    kind, message, seconds = json.loads(done.stdout.strip().splitlines()[-1])
+    return kind, message, seconds
+
+
+def _verl_world(root: Path, world: int) -> None:
+    config = json.loads((root / "fsdp_config.json").read_text())
+    config["world_size"] = world
+    (root / "fsdp_config.json").write_text(json.dumps(config))
+    for path in root.glob("*_world_size_2_rank_*.pt"):
+        path.rename(path.with_name(path.name.replace("world_size_2_", f"world_size_{world}_")))
+
+
+def _moe_experts(root: Path, count: int) -> None:
+    def edit(tree: dict[str, Any]) -> None:
+        tree["num_experts"] = [count] * len(tree["num_experts"])
+
+    edit_model_states(root / "global_step2", edit, pattern="mp_rank_00_model_states.pt")
+
+
+def _moe_layer_name(root: Path, layer: int) -> None:
+    """Expert 1's file renamed to MoE layer ``layer``, its parameters to a module of their own (a layer apart)."""
+
+    def edit(tree: dict[str, Any]) -> None:
+        tree["num_experts"] = []  # not recorded: counted from the file names
+
+    edit_model_states(root / "global_step2", edit, pattern="mp_rank_00_model_states.pt")
+
+    def elsewhere(tree: dict[str, Any]) -> None:
+        for name in list(tree):
+            tree["far." + name.partition(".deepspeed_moe.")[2].join(["deepspeed_moe.", ""])] = tree.pop(name)
+
+    edit_model_states(root / "global_step2", elsewhere, pattern="layer_0_expert_1_*")
+    for path in (root / "global_step2").glob("layer_0_expert_1_*"):
+        path.rename(path.with_name(path.name.replace("layer_0_", f"layer_{layer}_")))
+
+
+def _autoep(key: str, value: int) -> Any:
+    """An edit of every rank's AutoEP records: ``key`` (and its twin in ``expert_placement``) set to ``value``."""
+
+    def change(root: Path) -> None:
+        def edit(tree: dict[str, Any]) -> None:
+            for entry in tree["ds_autoep_layers"]:
+                entry[key] = value
+                if key in entry["expert_placement"]:
+                    entry["expert_placement"][key] = value
+
+        edit_model_states(root / "global_step3", edit, pattern="*model_states.pt")
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("fixture", "change", "error", "match"),
+    [
+        (
+            "verl/verl_fsdp2_ws2_fp32",
+            lambda root: _verl_world(root, 10**12),
+            "WorldSizeMismatchError",
+            r"rank\(s\) \[2, 3",
+        ),
+        ("moe_z2_ws2_fp32", lambda root: _moe_experts(root, 10**12), "CheckpointNotFoundError", r"expert\(s\) \[2, 3"),
+        ("moe_z2_ws2_fp32", lambda root: _moe_layer_name(root, 10**12), "CheckpointNotFoundError", "layer 1 "),
+        ("layouts/autoep_z3_ws2_ep2_bf16", _autoep("num_experts", 10**12), "CheckpointFormatError", "num_experts"),
+        ("layouts/autoep_z3_ws2_ep2_bf16", _autoep("ep_size", 10**12), "CheckpointFormatError", "ep_size"),
+        (
+            "layouts/autoep_z3_ws2_ep2_bf16",
+            _autoep("expert_data_parallel_world_size", 10**12),
+            "CheckpointFormatError",
+            "expert_data_parallel_world_size",
+        ),
+    ],
+    ids=["verl-world-size", "moe-num-experts", "moe-layer-in-a-file-name", "autoep-experts", "autoep-ep", "autoep-edp"],
+)
+def test_a_recorded_count_no_folder_holds_is_refused_at_once(tmp_path: Path, fixture, change, error, match) -> None:  # type: ignore[no-untyped-def]
+    """A count a pickle or a file name chose (world size 10**12 in verl's config and file names, 10**12 experts
+    recorded by DeepSpeed's MoE or AutoEP, an EP size of 10**12, a MoE layer numbered 10**12): each built a
+    list or set of that many entries before anything compared it with the files there (the child ran out of
+    its 3 GB or past 60 s). Now the first missing ranks or experts are named, or the count is refused by name."""
+    root = copy_fixture(FIXTURES / fixture, tmp_path / "ckpt")
+    change(root)
+    kind, message, seconds = _open_bounded(root)
+    assert (kind, seconds < 10) == (error, True), (kind, message, seconds)
+    assert re.search(match, message), message

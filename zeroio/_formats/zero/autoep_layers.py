@@ -21,6 +21,9 @@ __all__ = ["AUTOEP_LAYERS", "AutoEPLayer", "Run", "autoep_layers", "rank_layers"
 
 AUTOEP_LAYERS = "ds_autoep_layers"
 _PARTITIONED = "zero3_partitioned"  # checkpoint_format of a ZeRO-3 partition-native AutoEP layer entry
+MAX_EXPERTS = 1 << 16
+"""Most experts an AutoEP layer may record (MoE models use up to a few hundred): every placement check builds a set
+of them, and a recorded 10**12 asked for terabytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +75,13 @@ class AutoEPLayer:
         return runs
 
 
-def _int(value: Any, what: str, path: Path, *, low: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+def _int(value: Any, what: str, path: Path, *, low: int = 0, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]`` (no upper bound without ``high``), else CheckpointFormatError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        within = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise CheckpointFormatError(
-            f"'{path}': {AUTOEP_LAYERS} {what} should be an integer >= {low}, found {short_repr(value)}. The file is corrupted.",
+            f"'{path}': {AUTOEP_LAYERS} {what} should be an integer {within}, found {short_repr(value)}. The file is "
+            "corrupted.",
             path=path,
             name=what,
         )
@@ -87,7 +93,7 @@ def _placement(entry: dict[Any, Any], num_experts: int, ep_size: int, path: Path
     prefix = entry.get("expert_key_prefix")
     raw = entry.get("expert_placement")
     if raw is None:
-        local = _int(entry.get("num_local_experts"), "num_local_experts", path, low=1)
+        local = _int(entry.get("num_local_experts"), "num_local_experts", path, low=1, high=num_experts)
         if local * ep_size != num_experts:
             raise CheckpointFormatError(
                 f"'{path}': AutoEP layer '{prefix}' has no expert_placement and num_local_experts {local} x ep_size "
@@ -168,8 +174,9 @@ def _check_affine_maps(raw: Any, prefix: str, placement: tuple[tuple[int, ...], 
             ) from None
 
 
-def rank_layers(tree: dict[Any, Any], path: Path) -> dict[str, tuple[AutoEPLayer, int, int]]:
-    """One rank's ``ds_autoep_layers``: ``{prefix: (layer, ep_rank, expert-data-parallel rank)}``, checked."""
+def rank_layers(tree: dict[Any, Any], path: Path, ranks: int | None = None) -> dict[str, tuple[AutoEPLayer, int, int]]:
+    """One rank's ``ds_autoep_layers``: ``{prefix: (layer, ep_rank, expert-data-parallel rank)}``, checked; its
+    EP and expert-data-parallel sizes at most ``ranks`` (the rank files there are)."""
     raw = tree.get(AUTOEP_LAYERS)
     if not isinstance(raw, list) or not raw:
         raise CheckpointFormatError(
@@ -190,11 +197,13 @@ def rank_layers(tree: dict[Any, Any], path: Path) -> dict[str, tuple[AutoEPLayer
                 path=path,
                 name=prefix,
             )
-        num_experts = _int(entry.get("num_experts"), "num_experts", path, low=1)
-        ep_size = _int(entry.get("ep_size"), "ep_size", path, low=1)
+        num_experts = _int(entry.get("num_experts"), "num_experts", path, low=1, high=MAX_EXPERTS)
+        ep_size = _int(entry.get("ep_size"), "ep_size", path, low=1, high=ranks)
         ep_rank = _int(entry.get("ep_rank"), "ep_rank", path)
         edp_rank = _int(entry.get("expert_data_parallel_rank"), "expert_data_parallel_rank", path)
-        edp_size = _int(entry.get("expert_data_parallel_world_size"), "expert_data_parallel_world_size", path, low=1)
+        edp_size = _int(
+            entry.get("expert_data_parallel_world_size"), "expert_data_parallel_world_size", path, low=1, high=ranks
+        )
         placement = _placement(entry, num_experts, ep_size, path)
         if ep_rank >= ep_size or edp_rank >= edp_size or prefix in found:
             raise CheckpointFormatError(
@@ -220,7 +229,7 @@ def autoep_layers(
     positions: list[dict[str, tuple[int, int]]] = []
     seen: dict[str, dict[tuple[int, int], Path]] = {}
     for path, tree in zip(model_files, model_trees):
-        rank = rank_layers(tree, path)
+        rank = rank_layers(tree, path, len(model_files))
         if layers and set(rank) != set(layers):
             raise CheckpointFormatError(
                 f"'{path}' records AutoEP layers {sorted(rank)}, '{model_files[0].name}' {sorted(layers)}; the "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,9 +81,17 @@ def parse_experts(
     raw = model0.get("num_experts")  # one count per MoE layer (DeepSpeed 0.19.8 engine.num_experts)
     num_experts = tuple(n if isinstance(n, int) else -1 for n in raw) if isinstance(raw, (list, tuple)) else ()
     if any(layer >= len(num_experts) or num_experts[layer] < 1 for layer in seen):
+        if max(seen) >= len(paths):  # a layer number from a file name past what the files can fill (10**12)
+            gap = next(layer for layer in range(max(seen)) if layer not in seen)
+            name = f"layer_{gap}_expert_0_mp_rank_00_model_states.pt"
+            raise CheckpointNotFoundError(
+                f"Missing MoE expert files of layer {gap} in '{model0_path.parent}' (files of layer {max(seen)} are "
+                f"there): '{name}'. Copy the whole tag folder again.",
+                path=model0_path.parent / name,
+            )
         num_experts = tuple(max(seen.get(layer, {-1})) + 1 for layer in range(max(seen) + 1))
     for layer, experts in seen.items():
-        missing = sorted(set(range(num_experts[layer])) - experts)
+        missing = list(itertools.islice((e for e in range(num_experts[layer]) if e not in experts), 5))  # 10**12
         if missing:
             name = f"layer_{layer}_expert_{missing[0]}_mp_rank_00_model_states.pt"
             raise CheckpointNotFoundError(
