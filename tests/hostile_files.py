@@ -177,15 +177,15 @@ def tuple_dag(ops: Ops, depth: int = 40, first: int = 1000) -> Ops:
 
 def hashed_tuple_dag(how: str = "key", depth: int = 40) -> bytes:
     """A tensor, plus a :func:`tuple_dag` hashed by the unpickler: as a dict key (``key``), an item of
-    ``builtins.set([...])`` (``set``), or of a ``frozenset`` opcode (``frozenset``, protocol 4). Hashing it walks
+    ``builtins.set([...])`` (``set``, or ``__builtin__.set``: the same), or of a ``frozenset`` opcode (``frozenset``, protocol 4). Hashing it walks
     2**depth tuples inside C code: ``zeroio.open`` never returned."""
     tree = state_dict(lambda o: o.tensor((1,), (1,), numel=1))
     tuple_dag(tree, depth).text("x")
     top = 1000 + depth
     if how == "key":
         tree.dict().get(top).int(1).setitem()
-    elif how == "set":
-        tree.glob("builtins.set").list().get(top).append().tuple(1).reduce()
+    elif how in ("set", "__builtin__.set"):  # the second as torch.save's protocol 2 spells it
+        tree.glob("builtins.set" if how == "set" else how).list().get(top).append().tuple(1).reduce()
     else:
         tree.mark().get(top).raw(b"\x91")  # FROZENSET
     data = tree.setitem().stop()

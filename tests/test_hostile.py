@@ -175,6 +175,10 @@ _BOUNDED = {
     "list DAG of 2**40 paths": (exponential_dag, None),
     "tuple DAG of 2**40 tuples as a dict key": (hashed_tuple_dag, CheckpointFormatError),
     "tuple DAG of 2**40 tuples in builtins.set": (lambda: hashed_tuple_dag("set"), CheckpointFormatError),
+    "tuple DAG of 2**40 tuples in __builtin__.set": (
+        lambda: hashed_tuple_dag("__builtin__.set"),
+        CheckpointFormatError,
+    ),
     "tuple DAG of 2**40 tuples in a frozenset": (lambda: hashed_tuple_dag("frozenset"), CheckpointFormatError),
     "20,000-dimension tensor": (many_dims, CheckpointFormatError),
     "20,000-dimension torch.Size": (many_dims_size, CheckpointFormatError),

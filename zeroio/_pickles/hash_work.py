@@ -17,6 +17,7 @@ again.
 
 from __future__ import annotations
 
+import _compat_pickle
 import hashlib
 import pickletools
 import struct
@@ -291,7 +292,7 @@ def _other(
         stack.append([1, 0, _dotted(arg)])
     elif kind == _STACK_GLOBAL:  # named only when both parts are known text
         module, qualname = stack[-2][2], stack[-1][2]
-        stack[-2:] = [[1, 0, f"{module}.{qualname}" if module and qualname else None]]
+        stack[-2:] = [[1, 0, _qualified(module, qualname) if module and qualname else None]]
     elif kind == _STOP:
         return at, -1
     elif kind == _GENERIC and not popped and not marked and pushed == 1 and name not in _CONTAINERS:
@@ -302,8 +303,20 @@ def _other(
 
 
 def _dotted(arg: object) -> str | None:
-    """``module.name`` of a GLOBAL or INST argument (``module\\nname``)."""
-    return arg.decode("utf-8", "replace").replace("\n", ".", 1) if isinstance(arg, bytes) else None
+    """``module.name`` of a GLOBAL or INST argument (``module\\nname``), as the unpickler resolves it."""
+    if not isinstance(arg, bytes):
+        return None
+    module, _, name = arg.decode("utf-8", "replace").partition("\n")
+    return _qualified(module, name)
+
+
+def _qualified(module: str, name: str) -> str:
+    """``module.name`` after the Python 2 mapping ``read.python2_name`` applies (``__builtin__.set`` is
+    ``builtins.set``: a hashing call under either name)."""
+    module, name = _compat_pickle.NAME_MAPPING.get(
+        (module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name)
+    )
+    return f"{module}.{name}"
 
 
 def _apply(
