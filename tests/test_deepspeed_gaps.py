@@ -348,15 +348,34 @@ def test_moe_missing_expert_file(tmp_path):
 
 
 def test_moe_without_zero_is_refused(tmp_path):
-    """MoE saved without ZeRO (expp_rank_* optimizer files) is refused, naming the files."""
+    """MoE saved without ZeRO (expp_rank_* optimizer files, no ZeRO ones) is refused, naming the files."""
+    root = _copy(tmp_path, "moe_z2_ws2_fp32")
+    tag = root / "global_step2"
+    for rank in (0, 1):
+        (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").rename(
+            tag / f"expp_rank_{rank}_mp_rank_00_optim_states.pt"
+        )
+    with pytest.raises(errors.UnsupportedCheckpointError) as excinfo:
+        zeroio.open(root)
+    assert str(excinfo.value) == (
+        f"'{tag}' is a Mixture-of-Experts checkpoint saved without ZeRO (expp_rank_0_mp_rank_00_optim_states.pt, "
+        "expp_rank_1_mp_rank_00_optim_states.pt); zeroio reads MoE checkpoints of ZeRO stages 1 and 2 only. Use "
+        "DeepSpeed's ds_to_universal.py for this one."
+    )
+
+
+def test_moe_expert_optimizer_state_next_to_zero_is_refused(tmp_path):
+    """An expp_rank_* optimizer file next to ZeRO's (DeepSpeed <= 0.18 writes them empty there) that holds optimizer
+    state is refused, naming it."""
     root = _copy(tmp_path, "moe_z2_ws2_fp32")
     tag = root / "global_step2"
     shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "expp_rank_0_mp_rank_00_optim_states.pt")
     with pytest.raises(errors.UnsupportedCheckpointError) as excinfo:
         zeroio.open(root)
     assert str(excinfo.value) == (
-        f"'{tag}' is a Mixture-of-Experts checkpoint saved without ZeRO (expp_rank_0_mp_rank_00_optim_states.pt); "
-        "zeroio reads MoE checkpoints of ZeRO stages 1 and 2 only. Use DeepSpeed's ds_to_universal.py for this one."
+        f"'{tag / 'expp_rank_0_mp_rank_00_optim_states.pt'}' holds optimizer state next to the ZeRO optimizer files; "
+        "zeroio reads the MoE checkpoints of ZeRO stages 1 and 2, whose expert-parallel optimizer files are empty. "
+        "Use DeepSpeed's ds_to_universal.py for this one."
     )
 
 

@@ -19,14 +19,18 @@ from safetensors.torch import load_file
 
 import zeroio
 from zeroio._pickles import load_pickle
-from zeroio.errors import UnsafePickleError
+from zeroio.errors import UnsafePickleError, UnsupportedCheckpointError
 
 VERSIONS = FIXTURES / "versions"
-NAMES = sorted(p.parent.name for p in VERSIONS.glob("*/manifest.json"))
 
 
 def _manifest(name: str) -> dict[str, Any]:
     return json.loads((VERSIONS / name / "manifest.json").read_text())
+
+
+ALL = sorted(p.parent.name for p in VERSIONS.glob("*/manifest.json"))
+NAMES = [n for n in ALL if not _manifest(n).get("refused")]
+REFUSED = [n for n in ALL if _manifest(n).get("refused")]
 
 
 def _expected(name: str, kind: str) -> dict[str, Any]:
@@ -50,7 +54,8 @@ def test_open_equals_the_engine(name: str) -> None:
     """zeroio.open serves the release's engine tensors bit for bit, in model.state_dict() order."""
     manifest = _manifest(name)
     with zeroio.open(VERSIONS / name) as ckpt:
-        assert ckpt.metadata.ds_version == manifest["deepspeed"]
+        # MoE model states of DeepSpeed <= 0.18 record no ds_version.
+        assert ckpt.metadata.ds_version == (None if manifest.get("model") == "moe" else manifest["deepspeed"])
         _assert_engine_bits(ckpt, {key: ckpt[key] for key in ckpt}, _expected(name, "engine"))
         for param, states in _expected(name, "optimizer").items():
             got = ckpt.optimizer_state(param)
@@ -69,6 +74,62 @@ def test_convert_equals_the_engine(name: str, tmp_path: Path) -> None:
     assert "emb.weight" in got and set(got) <= set(want)
     with zeroio.open(VERSIONS / name) as ckpt:
         _assert_engine_bits(ckpt, got, {key: want[key] for key in got})
+
+
+LEGACY_MOE = [n for n in NAMES if _manifest(n).get("model") == "moe"]
+
+
+@pytest.mark.parametrize("name", LEGACY_MOE)
+def test_legacy_moe_records_what_it_rebuilt(name: str) -> None:
+    """DeepSpeed <= 0.18 MoE: the tied head found (one tensor in 0.16.9's pickle, a copy in 0.18.9's), the entries
+    no optimizer group holds are of unknown role (frozen parameter or buffer: 'tensor'), the rebuild is recorded."""
+    with zeroio.open(VERSIONS / name) as ckpt:
+        assert ckpt.info("head.weight").tied_to == "emb.weight"
+        assert {n for n in ckpt if ckpt.info(n).kind == "tensor"} == {"scale", "calls", "frozen.weight", "frozen.bias"}
+        assert ckpt.info("moe.deepspeed_moe.experts.deepspeed_experts.1.0.weight").kind == "trainable"
+        assert "param_slice_mappings" in ckpt.metadata.extra["rebuilt"]
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(VERSIONS / name, tmp_path / name, ignore=shutil.ignore_patterns("expected", "manifest.json"))
+    return tmp_path / name / "global_step2"
+
+
+def test_legacy_moe_order_checked_against_the_saved_values(tmp_path: Path) -> None:
+    """A rebuilt master that does not round to the value DeepSpeed saved for it (here: two module entries swapped,
+    as a wrong order would place them) refuses the checkpoint, naming the parameter, instead of returning it."""
+    tag = _copy(LEGACY_MOE[0], tmp_path)
+    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+    module = states["module"]
+    module["norm.weight"], module["norm.bias"] = module["norm.bias"].clone(), module["norm.weight"].clone()
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(UnsupportedCheckpointError, match="'norm.weight'"):
+        zeroio.open(tag)
+
+
+def test_legacy_moe_expert_optimizer_file_with_state_refused(tmp_path: Path) -> None:
+    """The expp_rank_* files DeepSpeed <= 0.18 writes next to ZeRO's must be empty; one holding state is refused."""
+    tag = _copy(LEGACY_MOE[0], tmp_path)
+    torch.save({"optimizer": {"state": {}, "param_groups": []}}, tag / "expp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(UnsupportedCheckpointError, match="expp_rank_1_mp_rank_00_optim_states.pt"):
+        zeroio.open(tag)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_unreadable_release_layouts_refused_by_name(name: str, tmp_path: Path) -> None:
+    """DeepSpeed < 0.14.5 MoE: the expert groups' param_slice_mappings name only the first 1/ep of each group and the
+    model states record no param_shapes, so the partitions cannot be named: one typed line naming the optimizer file
+    and the fix, from open and from convert (which writes nothing)."""
+    with pytest.raises(UnsupportedCheckpointError) as caught:
+        zeroio.open(VERSIONS / name)
+    message = str(caught.value)
+    assert "\n" not in message and "optim_states.pt" in message and "DeepSpeed >= 0.19" in message
+    assert caught.value.path is not None and caught.value.path.name.endswith("_optim_states.pt")
+    with pytest.raises(UnsupportedCheckpointError):
+        zeroio.convert(VERSIONS / name, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_python2_names_of_protocol_2_pickles(tmp_path: Path) -> None:

@@ -173,6 +173,9 @@ class ZeroLayout:
     """True for ZeRO-3's per-rank model files."""
     expert_files: tuple[Path, ...] = ()
     """MoE: ``layer_L_expert_E_mp_rank_00_model_states.pt`` (one per expert, global ids), sorted by (L, E)."""
+    placeholder_optim_files: tuple[Path, ...] = ()
+    """MoE saved by DeepSpeed <= 0.18 under ZeRO-1/2: ``expp_rank_E_mp_rank_00_optim_states.pt``, which should hold
+    ``{"optimizer": None}`` (see ``moe_legacy.py``)."""
 
 
 _RANKED_FILE = re.compile(r".*mp_rank_(?P<mp>\d+)_(model|optim)_states\.pt$")
@@ -231,9 +234,10 @@ def scan_tag_dir(tag_dir: Path, mp_rank: int | None = None) -> ZeroLayout:
     names = sorted(p.name for p in tag_dir.iterdir() if p.exists() and not p.is_dir())
     if mp_rank is not None:
         names = [n for n in names if (m := _RANKED_FILE.match(n)) is None or int(m["mp"]) == mp_rank]
-    # MoE without ZeRO writes per-expert-parallel-rank optimizer files (DeepSpeed 0.19.8 _save_moe_checkpoint).
+    # MoE without ZeRO writes per-expert-parallel-rank optimizer files (DeepSpeed 0.19.8 _save_moe_checkpoint);
+    # DeepSpeed <= 0.18 also writes them, empty, next to ZeRO-1/2's own optimizer files.
     moe_optim = [n for n in names if C.MOE_OPTIM_FILE.match(n)]
-    if moe_optim:
+    if moe_optim and not any(C.ZERO_OPTIM_FILE.match(n) for n in names):
         raise UnsupportedCheckpointError(
             f"'{tag_dir}' is a Mixture-of-Experts checkpoint saved without ZeRO ({_truncate(moe_optim)}); zeroio "
             "reads MoE checkpoints of ZeRO stages 1 and 2 only. Use DeepSpeed's ds_to_universal.py for this one.",
@@ -305,6 +309,7 @@ def scan_tag_dir(tag_dir: Path, mp_rank: int | None = None) -> ZeroLayout:
             (tag_dir / plain_model[0],),
             False,
             tuple(tag_dir / n for n in experts),
+            tuple(tag_dir / n for n in moe_optim),
         )
     if optim:
         raise CheckpointNotFoundError(

@@ -36,6 +36,7 @@ from .file_layout import ZeroLayout, find_tag_dir, scan_tag_dir
 from .flat_partitions import OptimizerPartitions, optimizer_partitions
 from .mics import check_mics_replicas, mics_shard_group, zero_variant_metadata
 from .moe import Experts, insert_experts, parse_experts
+from .moe_legacy import check_legacy_moe, check_placeholder_optim_files, complete_legacy_moe, is_legacy_moe
 from .nvme_offload import attach_swapped_state
 from .provenance import (
     ArchiveRecords,
@@ -140,6 +141,8 @@ class _RankFiles:
         self.files: dict[Path, RankFile] = {}
 
     def parse(self, path: Path) -> Any:
+        if path in self.trees:  # parsed already (a legacy MoE folder's files are read to rebuild its records)
+            return self.trees[path]
         tree, file = load_pickle(path, trusted_globals=self.trusted_globals, legacy=True)
         return self._keep(path, tree, file)
 
@@ -180,7 +183,11 @@ class _RankFiles:
         one file after another, an 8-rank checkpoint's 16 files would wait ~50 of them in a row. Errors are raised
         as the one-by-one order would raise them: the first failing path's, once every fetch has ended.
         """
-        if len(paths) < 2 or not (PARSE_LOCAL_CONCURRENTLY or any(is_url(str(p)) for p in paths)):
+        if (
+            len(paths) < 2
+            or all(p in self.trees for p in paths)
+            or not (PARSE_LOCAL_CONCURRENTLY or any(is_url(str(p)) for p in paths))
+        ):
             return [self.parse(p) for p in paths]
         with ThreadPoolExecutor(min(_REMOTE_PARSERS, len(paths)), thread_name_prefix="zeroio-pickle") as pool:
             futures = [pool.submit(load_pickle, p, trusted_globals=self.trusted_globals, legacy=True) for p in paths]
@@ -209,8 +216,14 @@ def open_zero(
     layout = scan_tag_dir(tag_dir, mp_rank)
     rank_files = _RankFiles(trusted_globals)
 
-    # 2. Rank 0's model states: names, shapes, buffers, ties; fail before touching optimizer files.
-    states = model_states(rank_files.parse(layout.model_files[0]), layout.model_files[0])
+    # 2. Rank 0's model states: names, shapes, buffers, ties; fail before touching optimizer files (but for a
+    #    DeepSpeed <= 0.18 MoE save, whose shapes are rebuilt from its optimizer files).
+    tree = rank_files.parse(layout.model_files[0])
+    check_placeholder_optim_files(layout, rank_files.parse)
+    legacy_moe = is_legacy_moe(tree)
+    if legacy_moe:
+        tree = complete_legacy_moe(layout, tree, rank_files.parse)
+    states = model_states(tree, layout.model_files[0])
     if not layout.optim_files:
         if states.param_shapes is not None:
             raise CheckpointNotFoundError(
@@ -223,6 +236,8 @@ def open_zero(
         # MiCS: read the first shard group; the other groups' rank files must be its replicas.
         layout, mics = mics_shard_group(layout, states.tree.get(C.DS_CONFIG), states.path)
         contents = _open_partitioned(tag_dir, tag_name, layout, states, rank_files)
+        if legacy_moe:
+            contents = check_legacy_moe(contents, layout, states.tree, rank_files.parse)
         if mics is not None:
             check_mics_replicas(layout, mics, rank_files.trees, rank_files.parse)
         contents = dataclasses.replace(contents, metadata=zero_variant_metadata(contents.metadata, mics))
