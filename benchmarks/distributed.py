@@ -201,7 +201,8 @@ def run_once(
     else:
         command = [sys.executable, str(HERE), "--worker", str(prefix), "--", *convert]
     tree = str(args.tree or REPO)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree, ZEROIO_BENCH_TREE=tree)
+    path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH", "")) if p)  # keep the wheels' path
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, ZEROIO_BENCH_TREE=tree)
     if args.fast_exit:
         env["ZEROIO_BENCH_FAST_EXIT"] = "1"
     if readers is not None:
