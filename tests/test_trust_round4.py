@@ -10,17 +10,20 @@ import json
 import pickle
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
 import tracemalloc
+import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from fixture_data import FIXTURES
-from hostile_files import Ops, tuple_dag
+from hostile_files import Ops, archive, tuple_dag
 from hostile_folders import copy_fixture, edit_model_states
 from legacy_files import floats, legacy_tensor, stream
 
@@ -325,6 +328,108 @@ def test_an_empty_megatron_stacked_entry_of_a_million_layers_stays_one_entry(tmp
         assert ckpt.get_tensor("decoder.layers.empty.weight").shape == (10**6, 0)
     assert time.monotonic() - started < 5
     assert len(names) < 100 and "decoder.layers.empty.weight" in names
+
+
+# ----------------------------------------------------------------- keys of one hash (hash-collision floods)
+
+_P = 2**61 - 1
+"""CPython's int hash is ``n mod _P`` (with the sign): ints differing by multiples of it share a hash."""
+_M = 2**64
+_P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+"""The xxHash primes of CPython 3.11's tuple hash."""
+
+
+def _colliding_ints(n: int) -> list[int]:
+    """``n`` distinct ints of one hash (each past 2**61: LONG1 in a pickle)."""
+    ints = [_P * (i + 1) + 7 for i in range(n)]
+    assert len({hash(k) for k in ints}) == 1
+    return ints
+
+
+def _colliding_pairs(n: int) -> list[tuple[int, int]]:
+    """``n`` distinct 2-tuples of ints of one hash: for each first item, the second solved by inverting CPython's
+    tuple hash (acc = P5; per item acc = rotl(acc + hash(item) * P2, 31) * P1; then acc += len ^ (P5 ^ 3527539))."""
+    target = hash((1, 2)) % _M
+    last = pow(_P1, -1, _M) * ((target - (2 ^ (_P5 ^ 3527539))) % _M) % _M
+    before = ((last >> 31) | (last << 33)) % _M  # rotr 31
+    pairs = []
+    for first in range(10, 100_000):
+        acc = (_P5 + first * _P2) % _M
+        acc = ((acc << 31) | (acc >> 33)) % _M * _P1 % _M
+        lane = (before - acc) * pow(_P2, -1, _M) % _M
+        second = lane - _M if lane >= 2**63 else lane
+        if abs(second) < _P and second != -1:  # an int hashes to itself there
+            pairs.append((first, second))
+            if len(pairs) == n:
+                break
+    assert len(set(pairs)) == n and {hash(p) for p in pairs} == {hash((1, 2))}, "the tuple hash inverse is wrong"
+    return pairs
+
+
+def _floods() -> dict[str, Any]:
+    keys = _colliding_ints(100)
+    return {
+        "dict": dict.fromkeys(keys, 0),
+        "set": set(keys),
+        "frozenset": frozenset(keys),
+        "OrderedDict": OrderedDict.fromkeys(keys, 0),
+        "dict of pairs": dict.fromkeys(_colliding_pairs(100), 0),
+        "set of pairs": set(_colliding_pairs(100)),
+        "negative ints": {-k for k in keys},
+    }
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4])
+@pytest.mark.parametrize("kind", list(_floods()))
+def test_keys_of_one_hash_are_refused(tmp_path: Path, kind: str, protocol: int) -> None:
+    """A dict, set, frozenset or OrderedDict of 100 distinct ints (or 2-tuples of ints) of one hash, pickled by
+    pickle itself: 20,000 such keys took 3.7 s to unpickle, quadratic in their count (inside C code). Refused by
+    the walk before unpickling, naming the file; the old walk passed them (and the unpickler hashed them all)."""
+    path = tmp_path / "flood.pt"
+    path.write_bytes(archive(pickle.dumps({"x": _floods()[kind]}, protocol=protocol)))
+    with pytest.raises(CheckpointFormatError) as excinfo:
+        zeroio.open(path)
+    assert str(excinfo.value) == (
+        f"'{path}': its pickle puts more than 32 distinct keys of one hash in a dict or set "
+        f"({len(zipfile.ZipFile(path).read('archive/data.pkl'))} bytes; ints that differ by multiples of 2**61 - 1, or "
+        "tuples built to collide): torch.save never writes one. The file is corrupted or hostile; do not use it."
+    )
+
+
+def test_a_rank_file_of_keys_of_one_hash_is_refused(tmp_path: Path) -> None:
+    """A ZeRO checkpoint whose model states (written by torch.save) hold a set and a dict of colliding ints: the
+    folder is refused at open, naming the rank file; 32 of them (the most allowed) open."""
+    keys = _colliding_ints(33)
+    for allowed in (True, False):
+        root = copy_fixture(FIXTURES / ZERO2, tmp_path / f"ckpt{allowed}")
+        edit = {"flood": set(keys[:32] if allowed else keys), "ids": dict.fromkeys(keys[:32], 1)}
+        states = edit_model_states(root / "global_step2", lambda tree: tree.update(edit))  # noqa: B023
+        if allowed:
+            with zeroio.open(root) as ckpt:
+                assert ckpt.infos
+            continue
+        with pytest.raises(CheckpointFormatError, match="distinct keys of one hash") as excinfo:
+            zeroio.open(root)
+        assert str(excinfo.value).startswith(f"'{states}': ")
+
+
+def test_equal_keys_are_not_a_flood(tmp_path: Path) -> None:
+    """The same keys put in a dict over and over (each costs one compare: 2**61 + 6 and 7 share a hash, 1.0 equals
+    True), and a set of 1,000 ints of distinct hashes, pass the walk; the file opens (as a checkpoint of no
+    tensors: what the walk let through is then the format's business)."""
+    ops = Ops().dict().text("x").dict().mark()
+    for _ in range(100):
+        ops.int(_P + 7).int(0).int(7).int(0).raw(b"G" + struct.pack(">d", 1.0)).int(1).raw(b"\x88").int(2)
+    ops.raw(b"u").setitem().text("y").glob("builtins.set").mark()
+    for i in range(1000):
+        ops.int(i * 1_000_003)
+    path = tmp_path / "equal.pt"
+    path.write_bytes(archive(ops.raw(b"l").tuple(1).reduce().setitem().stop()))
+    assert dict(pickle.loads(zipfile.ZipFile(path).read("archive/data.pkl"))["x"]) == {_P + 7: 0, 7: 0, 1.0: 2}
+    try:
+        zeroio.open(path).close()
+    except CheckpointFormatError as exc:
+        assert "one hash" not in str(exc), exc
 
 
 # ----------------------------------------------------------------- counts that no folder holds

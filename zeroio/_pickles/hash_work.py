@@ -10,8 +10,9 @@ unpickler hash 2**40 tuples inside C code that nothing interrupts: ``zeroio.open
 weighs one more than its items (memo references included), a container one more than what was put in it,
 anything else one. Each hash the unpickler does (dict keys, set items, the arguments of a hashing call, an object
 state's keys) adds the weight hashed; past :func:`limit` (twice the pickle's bytes plus a million: a pickle that
-shares no tuple hashes at most its own size) the file is refused before any object is built. The walk costs about
-0.09 s of CPU per megabyte of pickle; a pickle already checked (a rank file repeating another's) is not walked
+shares no tuple hashes at most its own size) the file is refused before any object is built. The same walk counts
+the distinct keys of one hash put in each dict or set (:mod:`.key_hashes`: hash-collision floods). It costs about
+0.12 s of CPU per megabyte of pickle; a pickle already checked (a rank file repeating another's) is not walked
 again.
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from ..errors import CheckpointFormatError
+from .key_hashes import MAX_SHARED, Flood, call_keys, carried, count_keys, frozen_hash
 
 __all__ = ["check_hash_work", "check_stream", "limit"]
 
@@ -37,14 +39,15 @@ _CARRYING = frozenset({"torch.Size", "builtins.slice", "builtins.tuple"})
 
 # What the walk does for an opcode, beyond reading its argument.
 (_GENERIC, _TUPLE, _GET, _PUT, _MEMOIZE, _MARK, _TEXT, _GLOBAL, _STACK_GLOBAL, _STOP, _GROW, _BUILT, _CALL,
- _DUP) = range(14)  # fmt: skip
+ _DUP, _NUMBER) = range(15)  # fmt: skip
 _KINDS = {
     "TUPLE1": _TUPLE, "TUPLE2": _TUPLE, "TUPLE3": _TUPLE, "GET": _GET, "BINGET": _GET, "LONG_BINGET": _GET,
     "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT, "MEMOIZE": _MEMOIZE, "MARK": _MARK, "UNICODE": _TEXT,
     "SHORT_BINUNICODE": _TEXT, "BINUNICODE": _TEXT, "BINUNICODE8": _TEXT, "GLOBAL": _GLOBAL,
     "STACK_GLOBAL": _STACK_GLOBAL, "STOP": _STOP, "APPEND": _GROW, "APPENDS": _GROW, "SETITEM": _GROW,
     "SETITEMS": _GROW, "ADDITEMS": _GROW, "BUILD": _GROW, "DICT": _BUILT, "FROZENSET": _BUILT, "REDUCE": _CALL,
-    "NEWOBJ": _CALL, "NEWOBJ_EX": _CALL, "OBJ": _CALL, "INST": _CALL, "DUP": _DUP,
+    "NEWOBJ": _CALL, "NEWOBJ_EX": _CALL, "OBJ": _CALL, "INST": _CALL, "DUP": _DUP, "LONG1": _NUMBER,
+    "LONG4": _NUMBER, "INT": _NUMBER, "LONG": _NUMBER, "BINFLOAT": _NUMBER, "FLOAT": _NUMBER,
 }  # fmt: skip
 _Spec = tuple[str, int, int, bool, int, int, int]
 
@@ -86,7 +89,15 @@ def check_hash_work(data: bytes, path: Path) -> None:
     with _CHECKED_LOCK:
         if digest in _CHECKED:
             return
-    work, most = _walk(data), limit(len(data))
+    try:
+        work, most = _walk(data), limit(len(data))
+    except Flood:
+        raise CheckpointFormatError(
+            f"'{path}': its pickle puts more than {MAX_SHARED} distinct keys of one hash in a dict or set "
+            f"({len(data)} bytes; ints that differ by multiples of 2**61 - 1, or tuples built to collide): torch.save "
+            "never writes one. The file is corrupted or hostile; do not use it.",
+            path=path,
+        ) from None
     if work > most:
         raise CheckpointFormatError(
             f"'{path}': its pickle asks for more than {most} tuple hashes ({len(data)} bytes; a tuple holding the "
@@ -127,7 +138,8 @@ def check_stream(stream: Stream, path: Path) -> None:
 
 
 _Cell = list[Any]
-"""``[weight, weight of its keys, text or global name]``: one per object, shared by its memo references."""
+"""``[weight, weight of its keys, value or global name, hash, parts]`` (:mod:`.key_hashes`): one per object, shared
+by its memo references."""
 
 
 _FAST = {b"h"[0]: 1, b"q"[0]: 2, b"K"[0]: 3, b"\x94"[0]: 4, b"j"[0]: 5, b"("[0]: 6, b"r"[0]: 7, b"M"[0]: 8,
@@ -137,14 +149,17 @@ _FAST = {b"h"[0]: 1, b"q"[0]: 2, b"K"[0]: 3, b"\x94"[0]: 4, b"j"[0]: 5, b"("[0]:
 """The commonest opcodes of torch pickles (memo references, small ints, constants, empty containers, small tuples,
 calls, strings, persistent ids), handled before the general path: the walk costs under a microsecond an opcode."""
 _FAST_CODES = [_FAST.get(i, 0) for i in range(256)]
-_CONSTANTS = frozenset(b")\x89\x88N")  # one byte, no argument
+_FAST_CODES[b"K"[0]] = 17  # BININT1
+_INT2, _INT4 = struct.Struct("<H").unpack_from, struct.Struct("<i").unpack_from
 
 
 def _walk(data: bytes) -> int:
     """The tuple hashes unpickling ``data`` does (an upper bound), stopping once past the limit."""
     most, end, at, work = limit(len(data)), len(data), 0, 0
     cap = most + 1  # weights stop growing here: one past the limit is refused all the same
-    leaf: _Cell = [1, 0, None]  # every int, float, bytes, None: never grows (an append to one is malformed)
+    leaf: _Cell = [1, 0, None, None, None]  # bytes, storages...: never grows (an append to one is malformed)
+    none: _Cell = [1, 0, None, hash(None), None]
+    empty: _Cell = [1, 0, None, None, ()]
     stack: list[_Cell] = []
     marks: list[int] = []
     memo: dict[int, _Cell] = {}
@@ -160,9 +175,12 @@ def _walk(data: bytes) -> int:
                 elif code == 2:  # BINPUT
                     memo[data[at + 1]] = stack[-1]
                     at += 2
-                elif code == 3:  # BININT1, or a one-byte constant
-                    stack.append(leaf)
-                    at += 1 if byte in _CONSTANTS else 2
+                elif code == 17:  # BININT1
+                    stack.append([1, 0, data[at + 1], None, None])
+                    at += 2
+                elif code == 3:  # a one-byte constant
+                    stack.append(none if byte == 0x4E else empty if byte == 0x29 else [1, 0, byte == 0x88, None, None])
+                    at += 1
                 elif code == 4:  # MEMOIZE
                     memo[len(memo)] = stack[-1]
                     at += 1
@@ -175,24 +193,26 @@ def _walk(data: bytes) -> int:
                 elif code == 7:  # LONG_BINPUT
                     memo[int.from_bytes(data[at + 1 : at + 5], "little")] = stack[-1]
                     at += 5
-                elif code == 8:  # BININT2, BININT
-                    stack.append(leaf)
-                    at += 3 if byte == 0x4D else 5
+                elif code == 8 or code == 12:  # BININT2, BININT, BINUNICODE, SHORT_BINUNICODE
+                    at = _value(data, at, byte, stack)
                 elif code == 9:  # EMPTY_DICT, EMPTY_LIST: filled later
-                    stack.append([1, 0, None])
+                    stack.append([1, 0, None, None, None if byte == 0x7D else []])
                     at += 1
                 elif code == 10:  # TUPLE1, TUPLE2
                     if byte == 0x85:
-                        stack[-1] = [1 + stack[-1][0], 0, None]
+                        one = stack[-1]
+                        stack[-1] = [1 + one[0], 0, None, None, (one,)]
                     else:
-                        stack[-2:] = [[min(cap, 1 + stack[-2][0] + stack[-1][0]), 0, None]]
+                        one, two = stack[-2], stack[-1]
+                        stack[-2:] = [[min(cap, 1 + one[0] + two[0]), 0, None, None, (one, two)]]
                     at += 1
                 elif code == 14:  # TUPLE
                     start = marks.pop()
                     weight = 1
-                    for item in stack[start:]:
+                    items = tuple(stack[start:])
+                    for item in items:
                         weight += item[0]
-                    stack[start:] = [[min(cap, weight), 0, None]]
+                    stack[start:] = [[min(cap, weight), 0, None, None, items]]
                     at += 1
                 elif code == 15:  # SETITEMS: each key hashed
                     start = marks.pop()
@@ -200,6 +220,7 @@ def _walk(data: bytes) -> int:
                     for i, item in enumerate(stack[start:]):
                         added += item[0]
                         keys += item[0] if not i % 2 else 0
+                    count_keys(target, stack[start::2])
                     del stack[start:]
                     target[0], target[1] = min(cap, target[0] + added), min(cap, target[1] + keys)
                     work += keys
@@ -212,18 +233,12 @@ def _walk(data: bytes) -> int:
                     at += 1
                 elif code == 11:  # REDUCE, NEWOBJ
                     called, args = stack[-2], stack[-1]
-                    hashing = called[2] is None or called[2] in _HASHING  # a callable not named: it may hash
-                    weight = args[0] if hashing or called[2] in _CARRYING else 0
-                    stack[-2:] = [[min(cap, 1 + weight), 0, None]]
+                    name = called[2]
+                    hashing = name is None or name in _HASHING  # a callable not named: it may hash
+                    weight = args[0] if hashing or name in _CARRYING else 0
+                    stack[-2:] = [_called([min(cap, 1 + weight), 0, None, None, None], name, args[4])]
                     work += weight if hashing else 0
                     at += 1
-                elif code == 12:  # BINUNICODE, SHORT_BINUNICODE
-                    width = 4 if byte == 0x58 else 1
-                    length = int.from_bytes(data[at + 1 : at + 1 + width], "little")
-                    start = at + 1 + width
-                    text = data[start : start + length].decode("utf-8", "replace") if length <= 200 else None
-                    stack.append([1, 0, text])
-                    at = start + length
                 else:  # BINPERSID: a storage
                     stack[-1] = leaf
                     at += 1
@@ -239,6 +254,37 @@ def _walk(data: bytes) -> int:
     except (ValueError, KeyError, IndexError, TypeError, struct.error):  # malformed: the unpickler refuses it
         return work
     return work
+
+
+def _value(data: bytes, at: int, byte: int, stack: list[_Cell]) -> int:
+    """Push the int of a BININT2/BININT or the text of a (SHORT_)BINUNICODE at ``at`` (a long text's hash only:
+    it is never a name); return where the next opcode starts."""
+    if byte == 0x4D:
+        stack.append([1, 0, _INT2(data, at + 1)[0], None, None])
+        return at + 3
+    if byte == 0x4A:
+        stack.append([1, 0, _INT4(data, at + 1)[0], None, None])
+        return at + 5
+    width = 4 if byte == 0x58 else 1
+    length = int.from_bytes(data[at + 1 : at + 1 + width], "little")
+    start = at + 1 + width
+    raw = data[start : start + length]
+    text = raw.decode("utf-8", "replace") if length <= 200 else None
+    stack.append([1, 0, text, None if text is not None else hash(raw), None])
+    return start + length
+
+
+def _called(cell: _Cell, name: object, args: object) -> _Cell:
+    """``cell``, the result of calling the global ``name`` with the argument cells ``args``: the keys of a
+    hashing call counted, what a tuple-like call returns given its items."""
+    if type(args) is tuple and type(name) is str:
+        if name in _HASHING:
+            count_keys(cell, call_keys(name, args))
+            if name == "builtins.frozenset":
+                cell[3] = frozen_hash(call_keys(name, args))
+        elif name in _CARRYING:
+            cell[4] = carried(name, args)
+    return cell
 
 
 _CONTAINERS = frozenset({"EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"})
@@ -259,6 +305,8 @@ def _other(
     if size >= 0:
         if kind in (_GET, _PUT):
             arg = data[at] if size == 1 else int.from_bytes(data[at : at + 4], "little")
+        elif kind == _NUMBER:
+            arg = data[at : at + size]
         at += size
     elif size == pickletools.UP_TO_NEWLINE:
         stop = data.index(b"\n", at)
@@ -271,11 +319,11 @@ def _other(
         length = read(data, at)[0]
         if length < 0:
             return at, -1
-        arg = data[at + width : at + width + length] if kind == _TEXT and length <= 200 else None
+        arg = data[at + width : at + width + length] if kind in (_TEXT, _NUMBER) else None
         at += width + length
     if kind == _TUPLE:
-        items = stack[len(stack) - popped :]
-        stack[len(stack) - popped :] = [[min(cap, 1 + sum(i[0] for i in items)), 0, None]]
+        items = tuple(stack[len(stack) - popped :])
+        stack[len(stack) - popped :] = [[min(cap, 1 + sum(i[0] for i in items)), 0, None, None, items]]
     elif kind == _GET:
         stack.append(memo[arg])  # type: ignore[index]
     elif kind == _PUT:
@@ -287,12 +335,17 @@ def _other(
     elif kind == _DUP:
         stack.append(stack[-1])
     elif kind == _TEXT:
-        stack.append([1, 0, arg.decode("utf-8", "replace") if isinstance(arg, bytes) else None])
+        raw = arg if isinstance(arg, bytes) else b""
+        text = raw.decode("utf-8", "replace") if len(raw) <= 200 else None
+        stack.append([1, 0, text, None if text is not None else hash(raw), None])
+    elif kind == _NUMBER:
+        stack.append([1, 0, _number(name, arg), None, None])
     elif kind == _GLOBAL:
-        stack.append([1, 0, _dotted(arg)])
+        stack.append([1, 0, _dotted(arg), None, None])
     elif kind == _STACK_GLOBAL:  # named only when both parts are known text
         module, qualname = stack[-2][2], stack[-1][2]
-        stack[-2:] = [[1, 0, _qualified(module, qualname) if module and qualname else None]]
+        known = type(module) is str and type(qualname) is str and module and qualname
+        stack[-2:] = [[1, 0, _qualified(module, qualname) if known else None, None, None]]
     elif kind == _STOP:
         return at, -1
     elif kind == _GENERIC and not popped and not marked and pushed == 1 and name not in _CONTAINERS:
@@ -300,6 +353,20 @@ def _other(
     elif kind != _GENERIC or popped or marked or pushed:
         return at, _apply(kind, name, stack, marks, marked, popped, pushed, _dotted(arg), cap)
     return at, 0
+
+
+def _number(name: str, arg: object) -> int | float:
+    """The int or float a LONG1/LONG4/INT/LONG/BINFLOAT/FLOAT opcode pushes, as the unpickler reads it."""
+    assert isinstance(arg, bytes)
+    if name in ("LONG1", "LONG4"):
+        return int.from_bytes(arg, "little", signed=True)
+    if name == "BINFLOAT":
+        return cast("float", struct.unpack(">d", arg)[0])
+    if name == "FLOAT":
+        return float(arg)
+    if name == "INT" and arg in (b"00", b"01"):
+        return arg == b"01"
+    return int(arg[:-1] if name == "LONG" and arg.endswith(b"L") else arg, 0)
 
 
 def _dotted(arg: object) -> str | None:
@@ -335,6 +402,10 @@ def _apply(
     if kind == _GROW and below:
         target = below[0]  # the container (or the object given a state) stays, holding more
         keys = below[1:2] if name == "SETITEM" else sliced[0::2] if name == "SETITEMS" else []
+        if keys or name == "ADDITEMS":
+            count_keys(target, keys or sliced)
+        elif name in ("APPEND", "APPENDS") and type(target[4]) is list:
+            target[4].extend(below[1:] + sliced)
         hashed: int = sum(k[0] for k in keys) + (sum(i[0] for i in sliced) if name == "ADDITEMS" else 0)
         hashed += 2 * below[1][1] if name == "BUILD" and len(below) > 1 else 0  # a dict state's keys, again
         target[0] = min(cap, target[0] + sum(i[0] for i in below[1:]) + sum(i[0] for i in sliced))
@@ -345,14 +416,20 @@ def _apply(
     if kind == _BUILT:
         keys = sliced[0::2] if name == "DICT" else sliced
         keys_weight: int = min(cap, sum(k[0] for k in keys))
-        stack.append([1 + added, keys_weight, None])
+        built = [1 + added, keys_weight, None, None, None]
+        count_keys(built, keys)
+        if name == "FROZENSET":
+            built[3] = frozen_hash(keys)
+        stack.append(built)
         return keys_weight
     if kind == _CALL:
         holder = sliced[0] if name == "OBJ" and sliced else below[0] if below else None
         called = text if name == "INST" else holder[2] if holder is not None else None
         hashing = called is None or called in _HASHING  # a callable not named: it may hash
         weight = 1 + added if hashing or called in _CARRYING else 1
-        stack.extend([weight, 0, None] for _ in range(pushed))
+        # INST: MARK args; OBJ: MARK cls args; NEWOBJ_EX: cls, an args tuple, kwargs
+        args = tuple(sliced) if name == "INST" else tuple(sliced[1:]) if name == "OBJ" else below[1][4]
+        stack.extend(_called([weight, 0, None, None, None], called, args) for _ in range(pushed))
         return added if hashing else 0
-    stack.extend([1 + added, 0, None] for _ in range(pushed))
+    stack.extend([1 + added, 0, None, None, list(sliced) if name == "LIST" else None] for _ in range(pushed))
     return 0
