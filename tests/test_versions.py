@@ -76,6 +76,15 @@ def test_convert_equals_the_engine(name: str, tmp_path: Path) -> None:
         _assert_engine_bits(ckpt, got, {key: want[key] for key in got})
 
 
+def test_bf16_optimizer_at_stage_0_reads_as_zero_1() -> None:
+    """DeepSpeed <= 0.16 wraps bf16 training at ZeRO stage 0 in BF16_Optimizer: ZeRO-1's partitions, no zero_stage."""
+    name = "ds0_16_9_z0_ws2_bf16"
+    with zeroio.open(VERSIONS / name) as ckpt:
+        assert ckpt.metadata.extra["ds_config"]["zero_optimization"]["stage"] == 0
+        assert ckpt.metadata.zero_stage == 1 and ckpt.metadata.world_size == 2
+        assert ckpt.info("emb.weight").kind == "trainable" and ckpt.info("frozen.weight").kind == "frozen"
+
+
 LEGACY_MOE = [n for n in NAMES if _manifest(n).get("model") == "moe"]
 
 

@@ -47,9 +47,10 @@ def optimizer_partitions(
     for rank, (opath, tree) in enumerate(zip(layout.optim_files, trees)):
         osd = require_dict(require(tree, C.OPTIMIZER_STATE_DICT, opath), C.OPTIMIZER_STATE_DICT, opath)
         if C.ZERO_STAGE not in osd and C.SINGLE_PARTITION_OF_FP32_GROUPS in osd:
-            # DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 gradient accumulation) records no stage and
-            # partitions exactly like ZeRO-1; zero_to_fp32 0.19.8 rejects these files ("is not a zero checkpoint").
-            osd = {**osd, C.ZERO_STAGE: config_stage(ds_config, default=1)}
+            # DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 gradient accumulation; up to 0.16 also bf16 at ZeRO
+            # stage 0) records no stage and partitions exactly like ZeRO-1, whatever stage the config names (0 or
+            # 1); zero_to_fp32 0.19.8 rejects these files ("is not a zero checkpoint").
+            osd = {**osd, C.ZERO_STAGE: config_stage(ds_config, default=1) or 1}
         stage = int(require(osd, C.ZERO_STAGE, opath, "DeepSpeed ZeRO optimizer state"))
         count = partition_count(osd, opath)
         if count != len(layout.optim_files):
