@@ -60,11 +60,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
         """Each storage's fields as created: a BUILD on a storage record must not change them unseen."""
 
     def find_class(self, module: str, name: str) -> Any:
+        spelled = f"{module}.{name}"  # as the file spells it: trusted under this name too
         module, name = python2_name(module, name)
         qualified = f"{module}.{name}"
         if qualified in ALLOWED:
             return ALLOWED[qualified]
-        if qualified in self._trusted:
+        if qualified in self._trusted or spelled in self._trusted:
             return inert_class(qualified)
         raise UnsafePickleError(
             f"Refusing to unpickle global '{qualified}' from '{self._path}': it is not on zeroio's allowlist. "
