@@ -46,7 +46,7 @@ from .provenance import (
     check_model_states_agree,
     check_optimizer_steps,
 )
-from .stage0_reader import open_stage0
+from .stage0_reader import bf16_masters_unsaved, open_stage0
 from .stage3_plans import zero3_frozen, zero3_trainable
 from .stage12_plans import zero12_frozen, zero12_trainable
 from .training_facts import training_facts
@@ -225,7 +225,7 @@ def open_zero(
         tree = complete_legacy_moe(layout, tree, rank_files.parse)
     states = model_states(tree, layout.model_files[0])
     if not layout.optim_files:
-        if states.param_shapes is not None:
+        if states.param_shapes is not None and not bf16_masters_unsaved(states.tree):
             raise CheckpointNotFoundError(
                 f"'{tag_dir}' is a ZeRO stage 1-3 checkpoint ('{states.path.name}' records param_shapes) but has no "
                 "'*_optim_states.pt' files, where the fp32 master weights live. Copy the whole tag folder again.",

@@ -14,9 +14,9 @@ from ...errors import CheckpointFormatError
 from ..metadata import CheckpointMetadata, TensorInfo, TensorKind
 from ..partition import Piece
 from ..read_plans import FlatPlan, ReadPlan, WholePlan, ZeroContents, buffer_plans, casts_to, same_bits
-from ..validate import ModelStates, ref_list, tensor_ref
+from ..validate import ModelStates, config_stage, ref_list, tensor_ref
 
-__all__ = ["open_stage0"]
+__all__ = ["bf16_masters_unsaved", "open_stage0"]
 
 logger = get_logger(__name__)
 
@@ -194,6 +194,37 @@ def _plain_kinds(optimizer: Any, params: dict[str, TensorRef]) -> dict[str, Tens
     return kinds
 
 
+_UNSAVED_MASTERS = ((0, 17, 6), (0, 18, 4))
+"""DeepSpeed releases whose ``DDP_BFLOAT16`` and ``BFLOAT16`` wrapper names are both ``"bf16"`` (0.17.6 added the
+first, 0.18.5 renamed it ``"ddp_bf16"``; read in their sources, 0.17.6 run)."""
+
+
+def _release(version: Any) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in str(version).split("+")[0].split(".")[:3])
+    except ValueError:
+        return None
+
+
+def bf16_masters_unsaved(tree: dict[Any, Any]) -> bool:
+    """True for a bf16 save of DeepSpeed 0.17.6-0.18.4 at ZeRO stage 0 or 1 whose fp32 masters were never written.
+
+    There the engine's check for DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 gradient accumulation) returns
+    ``"bf16"``, which the next line takes for the DDP wrapper's name: the optimizer becomes FP16_UnfusedOptimizer, and
+    ``_save_checkpoint`` (``zero_optimization() or bfloat16_enabled()``) saves as if ZeRO files held its state:
+    ``param_shapes`` recorded, ``optimizer`` None, and no optimizer file written. Only the bf16 weights remain.
+    """
+    config = tree.get(C.DS_CONFIG)
+    release = _release(tree.get(C.DS_VERSION))
+    if not isinstance(config, dict) or release is None or not _UNSAVED_MASTERS[0] <= release <= _UNSAVED_MASTERS[1]:
+        return False
+    bf16 = config.get("bf16", config.get("bfloat16"))
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    enabled = isinstance(bf16, dict) and bf16.get("enabled") is True
+    return enabled and stage in (0, 1) and tree.get("optimizer") is None and tree.get(C.PARAM_SHAPES) is not None
+
+
 def open_stage0(tag_dir: Path, tag_name: str | None, states: ModelStates) -> ZeroContents:
     """A ZeRO stage 0 checkpoint: ``mp_rank_00_model_states.pt`` alone, optimizer state inside it.
 
@@ -208,12 +239,22 @@ def open_stage0(tag_dir: Path, tag_name: str | None, states: ModelStates) -> Zer
 
     # 2. The fp32 masters: where the optimizer wrapper keeps them.
     optimizer = model0.get("optimizer")
+    unsaved = bf16_masters_unsaved(model0)
+    if unsaved:
+        logger.warning(
+            "%s: DeepSpeed %s did not save the fp32 master weights or optimizer state of this bf16 run (its "
+            "BF16_Optimizer was taken for the DDP bf16 wrapper); the bf16 weights are returned. Save with "
+            "DeepSpeed >= 0.18.5 to keep the masters.",
+            tag_dir,
+            model0.get(C.DS_VERSION),
+        )
     if isinstance(optimizer, dict) and "fp32_groups_flat" in optimizer:
         found = _fused_masters(optimizer, params, model0_path)
     elif isinstance(optimizer, dict) and "fp32_groups" in optimizer:
         found = _unfused_masters(optimizer, params, model0_path)
     else:
         label = "torch optimizer (no 16-bit wrapper)" if isinstance(optimizer, dict) else "no optimizer state"
+        label = "not saved (DeepSpeed 0.17.6-0.18.4 bf16 wrapper)" if unsaved else label
         found = _Stage0Masters(label, {}, _plain_kinds(optimizer, params))
     if found.unresolved:
         logger.warning(
@@ -245,7 +286,7 @@ def open_stage0(tag_dir: Path, tag_name: str | None, states: ModelStates) -> Zer
         format="zero",
         path=tag_dir,
         tag=tag_name,
-        zero_stage=0,
+        zero_stage=config_stage(model0.get(C.DS_CONFIG), default=0) if unsaved else 0,
         world_size=dp if isinstance(dp, int) else None,
         train_dtype=floating[0] if floating else FLOAT32,
         ds_version=str(model0.get(C.DS_VERSION)) if model0.get(C.DS_VERSION) is not None else None,
