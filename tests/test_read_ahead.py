@@ -229,3 +229,64 @@ def test_a_bad_read_ahead_budget_is_refused_by_name_and_writes_nothing(
     assert list(tmp_path.iterdir()) == []
     with zeroio.open(GPT2) as ckpt, pytest.raises(ValueError, match="ZEROIO_READ_AHEAD_BYTES='1e6'"):
         ckpt.state_dict()
+
+
+def test_no_byte_of_a_long_piece_is_read_twice_when_its_read_comes_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The converter's windows (4 KiB: ``ZEROIO_READ_AHEAD_BYTES=8KiB`` over 2 files) with the tensors read as several
+    IO threads may come to them: a thread on a tensor of long pieces reads them after the next three tensors (other
+    threads' short ones) were read. A window that read past a short piece into a long one was refilled further on
+    (one window a record) before the long piece's own read came, which read those bytes again (a 1.3B bf16 conversion on 8 ranks: 1.35 GB more than its 5.25 GB).
+    Each byte of a long piece is read once (a short piece whose window was refilled before its read came is read
+    again: a few bytes), and each tensor's bytes are DeepSpeed's."""
+    from zeroio._write.byte_writes import stored_runs
+    from zeroio._write.shard_files import conversion_read_ahead
+
+    expected = reference_gpt2()
+    monkeypatch.setenv("ZEROIO_READ_AHEAD_BYTES", "8KiB")
+    ranges = _watch_ranges(monkeypatch)
+    long: dict[str, list[tuple[int, int]]] = {}
+    with zeroio.open(GPT2) as ckpt:
+        names = list({ckpt.source_name(name): name for name in reversed(ckpt.infos)}.values())[::-1]  # tied: once
+        ahead = conversion_read_ahead(ckpt, names)
+        quarter = ahead.window_bytes() // 4  # 1 KiB: the 1.5-2 KiB pieces are read straight
+        for name in _long_ones_late(ckpt, names, quarter):
+            got = bytearray()
+            for source, offset, nbytes in stored_runs(ckpt, name) or ():
+                out = memoryview(bytearray(nbytes))
+                ahead.read_into(source, offset, out)
+                got += out
+                if nbytes > quarter:
+                    path = source.source.path  # type: ignore[attr-defined]
+                    long.setdefault(path.name, []).append((offset, offset + nbytes))
+            assert bytes(got) == expected[ckpt.source_name(name)].reshape(-1).numpy().tobytes(), name
+    optim = {name: runs for name, runs in ranges.items() if name.endswith("optim_states.pt")}
+    assert len(optim) == 2 and set(long) == set(optim) and all(len(spans) == 7 for spans in long.values())
+    inside = {
+        name: [(max(lo, a), min(hi, b)) for lo, hi in runs for a, b in long[name]] for name, runs in optim.items()
+    }
+    twice = {name: _read_twice([(lo, hi) for lo, hi in spans if lo < hi]) for name, spans in inside.items()}
+    assert twice == dict.fromkeys(optim, 0)
+
+
+def _long_ones_late(ckpt: zeroio.Checkpoint, names: list[str], quarter: int) -> list[str]:
+    """``names`` with each tensor of pieces longer than ``quarter`` moved three places later."""
+    from zeroio._write.byte_writes import stored_runs
+
+    order: list[str] = []
+    late: list[tuple[int, str]] = []
+    for i, name in enumerate(names):
+        if any(n > quarter for _, _, n in stored_runs(ckpt, name) or ()):
+            late.append((i + 3, name))
+        else:
+            order.append(name)
+        order += [n for due, n in late if due <= i]
+        late = [(due, n) for due, n in late if due > i]
+    return order + [n for _, n in late]
+
+
+def reference_gpt2() -> dict[str, torch.Tensor]:
+    """GPT2's fp32 tensors as read with the default windows (checked against DeepSpeed's by the tests above)."""
+    with zeroio.open(GPT2) as ckpt:
+        return {name: tensor.float() for name, tensor in ckpt.state_dict().items()}

@@ -23,7 +23,7 @@ from .safetensors_writer import write_chunks
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["write_shards"]
+__all__ = ["conversion_read_ahead", "write_shards"]
 
 
 def write_shards(
@@ -115,7 +115,7 @@ def _write_safetensors(
         byte_buffers = ByteBuffers()
         order = [name for name in ckpt.infos if name in slot_of]
         spans = _spans(ckpt, order) if part else None
-        read_ahead = ReadAhead(files=_source_files(ckpt), spans=spans)
+        read_ahead = conversion_read_ahead(ckpt, order, spans)
         if spans:
             _fence_own_bytes(ckpt, order, spans)
         target = plan.target
@@ -187,6 +187,29 @@ def _spans(ckpt: Checkpoint, names: list[str]) -> dict[int, list[tuple[int, int]
             return {}  # pieces interleaved with the others' (1,024 ranks): windows as they come
         out[key] = merged
     return out
+
+
+def conversion_read_ahead(
+    ckpt: Checkpoint, names: list[str], spans: dict[int, list[tuple[int, int]]] | None = None
+) -> ReadAhead:
+    """The read-ahead windows of a conversion reading ``names`` (``spans``: a distributed share's bytes): fenced
+    off the long runs, which their own tensors' reads read whole, in whatever order the IO threads come to them."""
+    read_ahead = ReadAhead(files=_source_files(ckpt), spans=spans)
+    read_ahead.fence(_long_runs(ckpt, names, read_ahead.long_run_bytes()))
+    return read_ahead
+
+
+def _long_runs(ckpt: Checkpoint, names: list[str], longer_than: int) -> dict[int, list[tuple[int, int]]]:
+    """By ``id(source)``, the sorted stored runs of ``names`` longer than ``longer_than`` bytes: each is read
+    straight from its file by its own tensor's read, so read-ahead windows must not read into it."""
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for name in names:
+        if ckpt.info(name).numel * ckpt.stored_spec(name).itemsize <= longer_than:
+            continue  # no run of it can be long (a bias, a norm): skip making its runs
+        for source, offset, nbytes in stored_runs(ckpt, name) or ():
+            if nbytes > longer_than:
+                runs.setdefault(id(source), []).append((offset, offset + nbytes))
+    return {key: sorted(spans) for key, spans in runs.items()}
 
 
 def _fence_own_bytes(ckpt: Checkpoint, names: list[str], spans: dict[int, list[tuple[int, int]]]) -> None:
