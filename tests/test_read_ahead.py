@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -232,61 +233,57 @@ def test_a_bad_read_ahead_budget_is_refused_by_name_and_writes_nothing(
 
 
 def test_no_byte_of_a_long_piece_is_read_twice_when_its_read_comes_late(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The converter's windows (4 KiB: ``ZEROIO_READ_AHEAD_BYTES=8KiB`` over 2 files) with the tensors read as several
-    IO threads may come to them: a thread on a tensor of long pieces reads them after the next three tensors (other
-    threads' short ones) were read. A window that read past a short piece into a long one was refilled further on
-    (one window a record) before the long piece's own read came, which read those bytes again (a 1.3B bf16 conversion on 8 ranks: 1.35 GB more than its 5.25 GB).
-    Each byte of a long piece is read once (a short piece whose window was refilled before its read came is read
-    again: a few bytes), and each tensor's bytes are DeepSpeed's."""
-    from zeroio._write.byte_writes import stored_runs
-    from zeroio._write.shard_files import conversion_read_ahead
-
-    expected = reference_gpt2()
-    monkeypatch.setenv("ZEROIO_READ_AHEAD_BYTES", "8KiB")
-    ranges = _watch_ranges(monkeypatch)
-    long: dict[str, list[tuple[int, int]]] = {}
-    with zeroio.open(GPT2) as ckpt:
-        names = list({ckpt.source_name(name): name for name in reversed(ckpt.infos)}.values())[::-1]  # tied: once
-        ahead = conversion_read_ahead(ckpt, names)
-        quarter = ahead.window_bytes() // 4  # 1 KiB: the 1.5-2 KiB pieces are read straight
-        for name in _long_ones_late(ckpt, names, quarter):
-            got = bytearray()
-            for source, offset, nbytes in stored_runs(ckpt, name) or ():
-                out = memoryview(bytearray(nbytes))
-                ahead.read_into(source, offset, out)
-                got += out
-                if nbytes > quarter:
-                    path = source.source.path  # type: ignore[attr-defined]
-                    long.setdefault(path.name, []).append((offset, offset + nbytes))
-            assert bytes(got) == expected[ckpt.source_name(name)].reshape(-1).numpy().tobytes(), name
-    optim = {name: runs for name, runs in ranges.items() if name.endswith("optim_states.pt")}
-    assert len(optim) == 2 and set(long) == set(optim) and all(len(spans) == 7 for spans in long.values())
-    inside = {
-        name: [(max(lo, a), min(hi, b)) for lo, hi in runs for a, b in long[name]] for name, runs in optim.items()
+    """Windows of 4 KiB (``ZEROIO_READ_AHEAD_BYTES=8KiB`` over 2 files), 4 IO threads, each long read (over 1 KiB)
+    held until three more reads were made or 50 ms passed, as a thread busy on its tensor's other ranks comes late.
+    A window that read past a short piece into a long one was refilled further on (one window a record) before the
+    long piece's own read came, which read those bytes again (a 1.3B bf16 conversion on 8 ranks: 1.35 GB more than
+    its 5.25 GB). Each byte of a long piece is read once (a short piece whose window was refilled before its read
+    came may be read again: a few bytes), and the tensors are those read with the default windows."""
+    expected = _read_gpt2("fp32", tmp_path / "default")
+    long = _long_pieces(1024)
+    assert {name: len(spans) for name, spans in long.items()} == {
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 7 for r in range(2)
     }
-    twice = {name: _read_twice([(lo, hi) for lo, hi in spans if lo < hi]) for name, spans in inside.items()}
-    assert twice == dict.fromkeys(optim, 0)
+    monkeypatch.setenv("ZEROIO_READ_AHEAD_BYTES", "8KiB")
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    made = [0]
+    real = os.preadv
+
+    def late(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if sum(len(b) for b in buffers) > 1024:
+            seen, deadline = made[0], time.monotonic() + 0.05
+            while made[0] < seen + 3 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        got = real(fd, buffers, offset)
+        ranges.setdefault(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), []).append((offset, offset + got))
+        made[0] += 1
+        return got
+
+    monkeypatch.setattr(os, "preadv", late)
+    for dtype in (None, "bf16"):
+        ranges.clear()
+        out = tmp_path / f"late-{dtype}"
+        zeroio.convert(GPT2, out, dtype=dtype, workers=4, progress=False)  # type: ignore[arg-type]
+        twice = {name: _read_twice(_within(ranges[name], spans)) for name, spans in long.items()}
+        assert twice == dict.fromkeys(long, 0), dtype
+        if dtype is None:
+            assert_state_dicts_equal(load_file(out / "model.safetensors"), expected)
 
 
-def _long_ones_late(ckpt: zeroio.Checkpoint, names: list[str], quarter: int) -> list[str]:
-    """``names`` with each tensor of pieces longer than ``quarter`` moved three places later."""
-    from zeroio._write.byte_writes import stored_runs
-
-    order: list[str] = []
-    late: list[tuple[int, str]] = []
-    for i, name in enumerate(names):
-        if any(n > quarter for _, _, n in stored_runs(ckpt, name) or ()):
-            late.append((i + 3, name))
-        else:
-            order.append(name)
-        order += [n for due, n in late if due <= i]
-        late = [(due, n) for due, n in late if due > i]
-    return order + [n for _, n in late]
-
-
-def reference_gpt2() -> dict[str, torch.Tensor]:
-    """GPT2's fp32 tensors as read with the default windows (checked against DeepSpeed's by the tests above)."""
+def _long_pieces(longer_than: int) -> dict[str, list[tuple[int, int]]]:
+    """GPT2's pieces longer than ``longer_than`` bytes, as ``(start, end)`` file offsets by rank file name."""
+    pieces: dict[str, list[tuple[int, int]]] = {}
     with zeroio.open(GPT2) as ckpt:
-        return {name: tensor.float() for name, tensor in ckpt.state_dict().items()}
+        for name in {ckpt.source_name(name) for name in ckpt.infos}:
+            for source, offset, nbytes in ckpt.byte_ranges(name) or ():  # type: ignore[attr-defined]
+                if nbytes > longer_than:
+                    pieces.setdefault(os.path.basename(source.name), []).append((offset, offset + nbytes))
+    return pieces
+
+
+def _within(reads: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``reads`` inside ``spans``."""
+    parts = [(max(lo, a), min(hi, b)) for lo, hi in reads for a, b in spans]
+    return [(lo, hi) for lo, hi in parts if lo < hi]
