@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointFormatError
 from .crc32 import crc32_combine
-from .sources import ByteSource, Fenced, can_copy_in_kernel, writable_bytes
+from .sources import ByteSource, Fenced, LocalFile, can_copy_in_kernel, kernel_copy_after_read, writable_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -263,6 +263,8 @@ class CheckedFile:
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
         if not can_copy_in_kernel(self.source):
             return None  # the caller streams through read_into, which checks as it reads
+        if self.verify and isinstance(self.source, LocalFile) and not kernel_copy_after_read(self.source):
+            return None  # every byte must reach user space for its CRC: write it from there (pread + pwrite)
         if self.verify:  # the copy below then reads from the page cache
             for lo, hi in self._unseen(offset, offset + nbytes):
                 self._read_and_check(lo, hi)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from ..errors import CheckpointFormatError
 from .confine import FileIdentity, open_regular
-from .direct_read import aligned_read, cached_read, supports_direct
+from .direct_read import aligned_read, cached_read, on_local_file_system, supports_direct
 from .fd_pool import pool
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ __all__ = [
     "Fenced",
     "LocalFile",
     "can_copy_in_kernel",
+    "kernel_copy_after_read",
     "kernel_copy_enabled",
     "kernel_copy_forced",
     "open_source",
@@ -112,6 +113,16 @@ def kernel_copy_forced() -> bool:
     return kernel_copy_enabled() and os.environ.get("ZEROIO_NO_COPY_FILE_RANGE") == "0"
 
 
+def kernel_copy_after_read(source: LocalFile) -> bool:
+    """Whether bytes of ``source`` read into user space (for their CRC-32) should still be copied with
+    ``copy_file_range``, not written from the bytes read: only on a file system that is not local (NFS 4.2, CIFS,
+    Lustre...: the copy may run on the server, saving the write traffic), or when ``ZEROIO_NO_COPY_FILE_RANGE=0``
+    asks for kernel copies everywhere. On a local one the copy reads them a second time from the page cache: with
+    ``pread`` + ``pwrite`` instead the H100 host's fp32 conversion took 1.4 s (17 %) less CPU and 6.69 against 7.02 s
+    (docs/benchmarks.md, "Lease D")."""
+    return kernel_copy_forced() or not source.on_local_file_system()
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory, without numpy (bf16 has no numpy dtype)."""
     nbytes = tensor.numel() * tensor.element_size()
@@ -141,6 +152,7 @@ class LocalFile:
         self._lock = threading.Lock()
         self._direct: int | None = None  # an O_DIRECT descriptor (read_congruent), outside the pool
         self._direct_refused = False
+        self._local: bool | None = None
 
     def __repr__(self) -> str:
         return f"LocalFile('{self.path}')"
@@ -178,6 +190,12 @@ class LocalFile:
             if self._direct is not None:
                 os.close(self._direct)
                 self._direct = None
+
+    def on_local_file_system(self) -> bool:
+        """Whether this file lies on a local file system (``direct_read.on_local_file_system``; looked up once)."""
+        if self._local is None:
+            self._local = on_local_file_system(self.path)
+        return self._local
 
     def _direct_fd(self) -> int | None:
         """This file's ``O_DIRECT`` descriptor (opened once, outside the pool), or None where direct reads are off
