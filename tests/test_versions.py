@@ -104,6 +104,47 @@ def test_bf16_masters_deepspeed_never_saved(caplog: pytest.LogCaptureFixture) ->
     assert "did not save the fp32 master weights" in caplog.text and "0.18.5" in caplog.text
 
 
+@pytest.mark.parametrize("name", ["ds0_18_9_z3_ws2_fp32", "ds0_16_9_z0_ws2_bf16"])
+def test_ties_are_one_tensor_in_the_module_pickle(name: str) -> None:
+    """What ties are inferred from where DeepSpeed recorded none (below): in genuine files a tied parameter is one
+    storage view under both names, and every other parameter has its own (ZeRO-3's 0-element placeholders too)."""
+    path = min((VERSIONS / name / "global_step2").glob("*model_states.pt"))
+    tree, _ = load_pickle(path)
+    params = {k: v for k, v in tree["module"].items() if k not in tree["buffer_names"]}
+    views = {k: (v.storage.key, v.storage_offset, v.shape, v.stride) for k, v in params.items()}
+    assert tree["shared_params"] == {"head.weight": "emb.weight"} and views["head.weight"] == views["emb.weight"]
+    assert len(set(views.values())) == len(views) - 1
+
+
+def _as_deepspeed_0_9_0(name: str, tmp_path: Path) -> Path:
+    """A copy of fixture ``name`` whose model states lack what DeepSpeed 0.9.0 did not save (read in its
+    engine._save_checkpoint): shared_params, frozen_param_shapes, frozen_param_fragments. ``module`` keeps the tie as
+    state_dict() gives it: one tensor under both names."""
+    tag = _copy(name, tmp_path)
+    for path in tag.glob("*model_states.pt"):
+        tree = torch.load(path, weights_only=True)
+        for key in ("shared_params", "frozen_param_shapes", "frozen_param_fragments"):
+            tree.pop(key, None)
+        tree["module"]["head.weight"] = tree["module"]["emb.weight"]
+        torch.save(tree, path)
+    return tag
+
+
+@pytest.mark.parametrize("name", ["ds0_18_9_z3_ws2_fp32", "ds0_16_9_z0_ws2_bf16"])
+def test_checkpoint_without_shared_params(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without shared_params (DeepSpeed < 0.9.2) the tied head is found as one tensor with the embedding and served
+    from its fp32 master (ZeRO-1: before, the bf16 copy as a frozen parameter; ZeRO-3: before, left out). ZeRO-3's
+    frozen parameters, which DeepSpeed < 0.9.1 did not save, are named as left out instead of silently missing."""
+    tag = _as_deepspeed_0_9_0(name, tmp_path)
+    want = _expected(name, "engine")
+    with caplog.at_level("WARNING"), zeroio.open(tag) as ckpt:
+        assert ckpt.info("head.weight").tied_to == "emb.weight"
+        frozen = [] if ckpt.metadata.zero_stage != 3 else ["frozen.weight", "frozen.bias"]
+        assert ckpt.metadata.extra.get("unsaved_params", []) == frozen
+        _assert_engine_bits(ckpt, {k: ckpt[k] for k in ckpt}, {k: v for k, v in want.items() if k not in frozen})
+    assert ("frozen.weight, frozen.bias" in caplog.text) == bool(frozen)
+
+
 LEGACY_MOE = [n for n in NAMES if _manifest(n).get("model") == "moe"]
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "param_shapes",
     "partition_count",
     "ref_list",
+    "same_tensor_aliases",
     "shape_of",
     "tensor_ref",
 ]
@@ -160,6 +161,29 @@ def param_shapes(states: ModelStates) -> ParamShapes:
     for g, group in enumerate(raw):
         group = require_dict(group, f"{C.PARAM_SHAPES}[{g}]", path)
         groups.append([(str(n), shape_of(s, str(n), path)) for n, s in group.items()])
-    shared = {str(k): str(v) for k, v in (tree.get(C.SHARED_PARAMS) or {}).items()}
+    if C.SHARED_PARAMS in tree:
+        shared = {str(k): str(v) for k, v in (tree.get(C.SHARED_PARAMS) or {}).items()}
+    else:  # DeepSpeed before 0.9.2 records no ties; torch.save keeps a tied parameter one tensor in `module`
+        shared = same_tensor_aliases(states.module, set(states.buffer_names))
     frozen = {str(n): shape_of(s, str(n), path) for n, s in (tree.get(C.FROZEN_PARAM_SHAPES) or {}).items()}
     return ParamShapes(groups, shared, frozen)
+
+
+def same_tensor_aliases(module: dict[Any, Any], skip: set[str]) -> dict[str, str]:
+    """``{alias: first name}`` for entries of ``module`` (buffers in ``skip`` aside) that are one tensor in the pickle.
+
+    ``state_dict()`` lists a tied parameter under each name, and torch.save keeps it one storage view (same storage,
+    offset, shape and stride; ZeRO-3's 0-element placeholders too: each untied parameter has its own storage).
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for key, ref in module.items():
+        name = str(key)
+        if name in skip or not isinstance(ref, TensorRef):
+            continue
+        identity = (ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
+        if identity in first:
+            aliases[name] = first[identity]
+        else:
+            first[identity] = name
+    return aliases

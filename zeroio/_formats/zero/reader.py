@@ -308,6 +308,20 @@ def _open_partitioned(
     # 7-8. Ties and key order, then the checkpoint-level facts.
     infos, tied = _tie_and_order(found.infos, shapes.shared, states.module, experts)
     metadata = _metadata(tag_dir, tag_name, layout, states, shapes, optim, list(frozen.infos))
+    unsaved = [str(n) for n in states.module if str(n) not in infos and str(n) not in set(states.buffer_names)]
+    if unsaved:
+        # ZeRO-3 keeps only placeholders in `module`; DeepSpeed before 0.9.1 saved no frozen parameter (no
+        # frozen_param_shapes/fragments), so those are in no file (exclude_frozen_parameters leaves them out of
+        # `module` too).
+        logger.warning(
+            "%s: %d parameter(s) listed in '%s' are stored in no file (frozen parameters, which DeepSpeed before "
+            "0.9.1 did not save at ZeRO-3) and are left out: %s",
+            tag_dir,
+            len(unsaved),
+            states.path.name,
+            ", ".join(unsaved[:5]) + (", ..." if len(unsaved) > 5 else ""),
+        )
+        metadata = dataclasses.replace(metadata, extra={**metadata.extra, "unsaved_params": unsaved})
     if autoep is not None:
         infos = {name: infos[name] for name in autoep.order(list(infos))}
         parallel = {"dp": optim.world_size, "ep": autoep.ep_size, "edp": autoep.edp_size}
