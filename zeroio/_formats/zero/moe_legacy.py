@@ -34,7 +34,7 @@ from ..._pickles import TensorRef
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..metadata import TensorInfo, require_dict
 from ..read_plans import FlatPlan, ZeroContents, casts_to
-from ..validate import numel_of
+from ..validate import numel_of, same_tensor_aliases
 from .file_layout import ZeroLayout
 from .moe import parse_experts
 
@@ -151,23 +151,19 @@ def _check_group_size(g: int, listed: int, files: tuple[Path, ...], trees: list[
 def _ties(module: dict[Any, Any], trainable: set[str]) -> dict[str, str]:
     """``{alias: source}``: entries of ``module`` that are one tensor (``state_dict()`` of a tied parameter), or,
     cloned before saving (0.17+), a copy of a trainable parameter's whole storage that no group holds."""
-    first: dict[tuple[Any, ...], str] = {}
+    ties = same_tensor_aliases(module, set())
     copies: dict[tuple[Any, ...], str] = {}
-    ties: dict[str, str] = {}
     for name, ref in module.items():
-        if not isinstance(ref, TensorRef) or ref.numel == 0:
+        if not isinstance(ref, TensorRef) or ref.numel == 0 or str(name) in ties:
             continue
-        view = (ref.file.path, ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
         record = ref.file.storage_records.get(ref.storage.key) if ref.numel == ref.storage.numel else None
         content = (record, ref.dtype_spec, ref.shape) if record is not None and ref.is_contiguous else None
-        if view in first:
-            ties[str(name)] = first[view]
-        elif content in copies and str(name) not in trainable and _equal(module[copies[content]], ref):
+        if content is None:
+            continue
+        if content in copies and str(name) not in trainable and _equal(module[copies[content]], ref):
             ties[str(name)] = copies[content]
-        else:
-            first[view] = str(name)
-            if content is not None and str(name) in trainable:
-                copies.setdefault(content, str(name))
+        elif str(name) in trainable:
+            copies.setdefault(content, str(name))
     return ties
 
 
