@@ -253,7 +253,13 @@ def make_checkpoint(
         proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"DeepSpeed build of {out} failed (exit {proc.returncode}); see {log}")
+        # the log's first error lines travel with the message: a test's tmp folder (and the log) may be gone later
+        lines = log.read_text(errors="replace").splitlines()
+        first = [line for line in lines if any(w in line for w in ("Error", "error", "terminate", "Abort"))][:12]
+        raise SystemExit(
+            f"DeepSpeed build of {out} failed (exit {proc.returncode}); see {log}. First error lines:\n"
+            + "\n".join(first or lines[-12:])
+        )
     log.unlink()
     for script in out.glob("*.py"):  # DeepSpeed copies zero_to_fp32.py next to the checkpoint
         script.unlink()
