@@ -145,6 +145,20 @@ def test_checkpoint_without_shared_params(name: str, tmp_path: Path, caplog: pyt
     assert ("frozen.weight, frozen.bias" in caplog.text) == bool(frozen)
 
 
+def test_elastic_optimizer_state_read_by_name_only(tmp_path: Path) -> None:
+    """ZeRO-2 with elastic_checkpoint (0.18.9): one lean state per param group and no param_groups. optimizer_state()
+    reads the moments and step (the moments equal DeepSpeed's accessor: test_open_equals_the_engine); writers that
+    need the groups' hyper-parameters refuse it by name and write nothing."""
+    name = "ds0_18_9_z2_ws2_fp32_elastic"
+    with zeroio.open(VERSIONS / name) as ckpt:
+        state = ckpt.optimizer_state("norm.bias")
+        assert float(state["step"]) == 2.0 and "lr" not in state
+    with pytest.raises(UnsupportedCheckpointError) as caught:
+        zeroio.convert(VERSIONS / name, tmp_path / "out", include_optimizer=True, progress=False)
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt' holds an elastic" in str(caught.value)
+    assert "elastic_checkpoint=false" in str(caught.value) and not (tmp_path / "out").exists()
+
+
 LEGACY_MOE = [n for n in NAMES if _manifest(n).get("model") == "moe"]
 
 

@@ -43,16 +43,26 @@ NO_STATE = (
 )
 
 
-def base_state_dict(base: Any, path: Path, rank: int, no_state: str) -> tuple[dict[Any, Any], list[Any]]:
-    """``state`` and ``param_groups`` of one rank's base optimizer state_dict, checked to be there and non-empty."""
+def base_state_dict(
+    base: Any, path: Path, rank: int, no_state: str, *, elastic: bool = False
+) -> tuple[dict[Any, Any], list[Any]]:
+    """``state`` and ``param_groups`` of one rank's base optimizer state_dict, checked to be there and non-empty.
+
+    ``elastic``: also take ZeRO-1/2's elastic form (``zero_optimization.elastic_checkpoint``), one lean state per param
+    group (its flat group's moments without padding, as the fp32 partitions are saved) and no ``param_groups``: as
+    ``state[g]`` of param group ``g`` with no hyper-parameters. Readers that write the hyper-parameters refuse it.
+    """
     if base is None:
         raise CheckpointFormatError(
             no_state.format(path=f"'{path}'", why="its base optimizer state is missing"), path=path, rank=rank
         )
+    if isinstance(base, list) and elastic and all(isinstance(entry, dict) for entry in base):
+        return dict(enumerate(base)), [{"params": [g]} for g in range(len(base))]
     if isinstance(base, list):
         raise UnsupportedCheckpointError(
-            f"'{path}' holds an elastic (per-group list) optimizer state, which zeroio does not read yet. "
-            "Save with zero_optimization.elastic_checkpoint=false.",
+            f"'{path}' holds an elastic (per-group list) optimizer state, which keeps no param groups' "
+            "hyper-parameters; zeroio reads its moments with optimizer_state() only. Save with "
+            "zero_optimization.elastic_checkpoint=false.",
             path=path,
         )
     state, pgroups = base.get("state") if isinstance(base, dict) else None, None

@@ -94,16 +94,22 @@ def require_partitioned(ckpt: Checkpoint | PartitionedCheckpoint, what: str) -> 
 
 
 def optimizer_layout(
-    ckpt: Checkpoint | PartitionedCheckpoint, *, what: str = "optimizer state", by_name: bool = False
+    ckpt: Checkpoint | PartitionedCheckpoint,
+    *,
+    what: str = "optimizer state",
+    by_name: bool = False,
+    elastic: bool = False,
 ) -> OptimizerLayout:
     """Check every rank's base optimizer state against the fp32 flat groups; no tensor byte is read.
 
     ``by_name`` (readers that take each parameter's state by its own keys: ``optimizer_state``,
     ``include_optimizer``) also accepts param groups with different state keys and Muon's whole-matrix
-    ``momentum_buffer``; without it (reshard, universal) those are refused.
+    ``momentum_buffer``; without it (reshard, universal) those are refused. ``elastic`` (``optimizer_state``) also
+    takes ZeRO-1/2's elastic list form, which records no hyper-parameters (``param_groups`` then hold none).
 
     Raises:
-        UnsupportedCheckpointError: not a ZeRO-1/2/3 checkpoint, or an elastic (list-form) optimizer state.
+        UnsupportedCheckpointError: not a ZeRO-1/2/3 checkpoint, or an elastic (list-form) optimizer state without
+            ``elastic``.
         CheckpointFormatError: the optimizer state is missing or empty (stripped, or saved before any step).
         PartitionMismatchError: the state does not fit the flat groups.
     """
@@ -114,7 +120,7 @@ def optimizer_layout(
     ranks = []
     for rank, (base, groups) in enumerate(zip(zckpt.optimizer_states, flat)):
         path = files[rank] if rank < len(files) else zckpt.metadata.path
-        state, pgroups = base_state_dict(base, path, rank, no_state)
+        state, pgroups = base_state_dict(base, path, rank, no_state, elastic=elastic)
         ranks.append((path, state, pgroups, flat_group_ids(pgroups, groups, path, rank), groups))
     path0, _, pgroups0, ids0, _ = ranks[0]
     whole_keys: set[tuple[int, str]] = set()
@@ -266,7 +272,7 @@ def optimizer_state(ckpt: Checkpoint | PartitionedCheckpoint, name: str, *, meta
     zckpt = require_partitioned(ckpt, "optimizer_state()")
     zckpt.ensure_open(name)
     _, source = trainable_source(zckpt, name)
-    layout = optimizer_layout(zckpt, what="optimizer_state()", by_name=True)
+    layout = optimizer_layout(zckpt, what="optimizer_state()", by_name=True, elastic=True)
 
     import torch
 
