@@ -42,6 +42,13 @@ class Experts:
     layer_of: dict[str, int]
     num_experts: tuple[int, ...]
 
+    def held_by_first_rank(self, name: str, ep_size: int) -> bool:
+        """True for a parameter of expert-parallel rank 0's experts (whose local ids are their global ids)."""
+        m = _EXPERT_PARAM.match(name)
+        if m is None or m["prefix"] not in self.layer_of:
+            return False
+        return int(m["id"]) < self.num_experts[self.layer_of[m["prefix"]]] // ep_size
+
     def global_name(self, local_name: str, ep_rank: int, ep_size: int) -> str | None:
         """Name of a rank's local expert parameter under its global expert id (as in the expert files)."""
         m = _EXPERT_PARAM.match(local_name)

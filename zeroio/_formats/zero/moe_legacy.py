@@ -33,10 +33,11 @@ from ..._dtypes import FLOAT32
 from ..._pickles import TensorRef
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..metadata import TensorInfo, require_dict
-from ..read_plans import FlatPlan, ZeroContents, casts_to
+from ..partition import Piece
+from ..read_plans import FlatPlan, ZeroContents, casts_to, same_bits
 from ..validate import numel_of, same_tensor_aliases
 from .file_layout import ZeroLayout
-from .moe import parse_experts
+from .moe import Experts, parse_experts
 
 __all__ = ["check_legacy_moe", "check_placeholder_optim_files", "complete_legacy_moe", "is_legacy_moe"]
 
@@ -60,8 +61,10 @@ def complete_legacy_moe(layout: ZeroLayout, tree: dict[Any, Any], parse: Callabl
     module = require_dict(tree[C.MODULE], C.MODULE, path)
     experts = parse_experts(layout.expert_files, parse, tree, path)
     optim_trees = [parse(p) for p in layout.optim_files]
+    orders = _group_orders(layout.optim_files, optim_trees)
+    _complete_by_value(orders, experts, layout.optim_files, optim_trees)
     shapes = []
-    for g, names in enumerate(_group_orders(layout.optim_files, optim_trees)):
+    for g, names in enumerate(orders):
         group: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         for name in names:
             ref = module.get(name, experts.refs.get(name))
@@ -121,29 +124,70 @@ def _group_orders(files: tuple[Path, ...], trees: list[Any]) -> list[list[str]]:
     return orders
 
 
-def _check_group_size(g: int, listed: int, files: tuple[Path, ...], trees: list[Any]) -> None:
-    """The parameters the mappings list for group ``g`` must fill its fp32 partitions exactly.
+def _complete_by_value(orders: list[list[str]], experts: Experts, files: tuple[Path, ...], trees: list[Any]) -> None:
+    """Before 0.14.5, name the expert parameters the mappings leave out, where each rank holds its experts whole.
+
+    There an expert group's mappings list the parameters in the first 1/ep of the group only. With
+    ``partition_count`` 1 rank 0's saved partition is the whole group, its experts' local ids are their global ids,
+    and the rest of the group is the parameters not listed, in model order: each next one is the unlisted expert
+    parameter whose value (in its expert file, where DeepSpeed copied it from the master) the fp32 elements at that
+    offset round to. Equal candidates of one size are one answer; anything else is left for the size check to refuse.
+    """
+    listed = {name for order in orders for name in order}
+    ep = len(trees)  # partition_count 1: every rank is its own expert-parallel rank
+    local = {n: ref for n, ref in experts.refs.items() if n not in listed and experts.held_by_first_rank(n, ep)}
+    flats = tuple(_flat_groups(files[0], trees[0]))
+    for g, order in enumerate(orders):
+        exact, count = _group_size(g, files, trees)
+        offset = sum(experts.refs[n].numel for n in order if n in experts.refs)
+        if count != 1 or not order or not all(n in experts.refs for n in order):
+            continue
+        while offset < exact:
+            fits = [(n, r) for n, r in local.items() if r.numel <= exact - offset]
+            plans = {n: FlatPlan((Piece(0, g, offset, r.numel, 0),), (flats,)) for n, r in fits}
+            found = [(n, r) for n, r in fits if casts_to(plans[n], r, r.numel, FLOAT32)]
+            if not found or any(r.numel != found[0][1].numel or not same_bits(r, found[0][1]) for _, r in found[1:]):
+                break
+            order.append(found[0][0])
+            offset += local.pop(found[0][0]).numel
+
+
+def _flat_groups(path: Path, tree: Any) -> list[TensorRef]:
+    flats = tree[C.OPTIMIZER_STATE_DICT].get(C.SINGLE_PARTITION_OF_FP32_GROUPS)
+    if not isinstance(flats, (list, tuple)) or not all(isinstance(f, TensorRef) for f in flats):
+        raise CheckpointFormatError(f"'{path}' has no fp32 partitions (single_partition_of_fp32_groups).", path=path)
+    return list(flats)
+
+
+def _group_size(g: int, files: tuple[Path, ...], trees: list[Any]) -> tuple[int, int]:
+    """Elements of param group ``g`` (one copy of it) and its ``partition_count``; (-1, 0) where they do not add up.
 
     DeepSpeed strips each group's padding from its last rank's saved partition, so one copy of the group (the ranks
     of one expert-data-parallel group: ``partition_count`` of them) holds exactly its parameters' elements, and every
     copy the same: all ranks together hold ``world size / partition_count`` copies.
     """
     total, count = 0, None
-    for tree in trees:
-        osd = tree[C.OPTIMIZER_STATE_DICT]
-        flats = osd.get(C.SINGLE_PARTITION_OF_FP32_GROUPS)
-        counts = osd.get(C.PARTITION_COUNT)
-        if not isinstance(flats, (list, tuple)) or g >= len(flats) or not isinstance(flats[g], TensorRef):
-            raise CheckpointFormatError(f"'{files[0]}' has no fp32 partition of param group {g}.", path=files[0])
+    for path, tree in zip(files, trees):
+        flats = _flat_groups(path, tree)
+        if g >= len(flats):
+            raise CheckpointFormatError(f"'{path}' has no fp32 partition of param group {g}.", path=path)
         total += flats[g].numel
+        counts = tree[C.OPTIMIZER_STATE_DICT].get(C.PARTITION_COUNT)
         count = counts[g] if isinstance(counts, (list, tuple)) and g < len(counts) else counts
-    copies = len(trees) // count if isinstance(count, int) and count > 0 and len(trees) % count == 0 else 0
-    if copies == 0 or total != listed * copies:
+    if not isinstance(count, int) or count < 1 or len(trees) % count or total % (len(trees) // count):
+        return -1, 0
+    return total // (len(trees) // count), count
+
+
+def _check_group_size(g: int, listed: int, files: tuple[Path, ...], trees: list[Any]) -> None:
+    """The parameters named for group ``g`` must fill its fp32 partitions exactly (see :func:`_group_size`)."""
+    exact, count = _group_size(g, files, trees)
+    if listed != exact:
         raise UnsupportedCheckpointError(
             f"'{files[0]}': the parameters param_slice_mappings list for MoE param group {g} hold {listed} elements, "
-            f"its fp32 partitions {total} over {len(trees)} ranks (partition_count {count}). DeepSpeed before 0.14.5 "
-            "sized the expert groups' mappings by the whole data-parallel world, so they name only part of the "
-            f"group, and these model states record no param_shapes: zeroio cannot name the partitions. {_FIX}",
+            f"its fp32 partitions {exact} a copy (partition_count {count}). DeepSpeed before 0.14.5 sized the expert "
+            "groups' mappings by the whole data-parallel world, so they name only part of the group, and these model "
+            f"states record no param_shapes: zeroio cannot name the partitions. {_FIX}",
             path=files[0],
         )
 
