@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from zeroio._env import env_byte_count, env_positive_int
+from zeroio._write.readers import reader_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,3 +45,15 @@ def test_a_count_that_is_no_count_names_its_variable(text):
     with pytest.raises(ValueError, match=r"ZEROIO_READ_THREADS=.* is not a positive whole number"):
         env_positive_int("ZEROIO_READ_THREADS", text)
     assert env_positive_int("ZEROIO_READ_THREADS", "3") == 3
+
+
+@pytest.mark.parametrize("text", ["two", "0", "-1"])
+def test_readers_per_host_that_is_no_count_is_refused_by_name(text, monkeypatch):
+    """ZEROIO_READERS_PER_HOST=two (or 0) was taken as unset: one reader per host, silently."""
+    monkeypatch.setenv("ZEROIO_READERS_PER_HOST", text)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"ZEROIO_READERS_PER_HOST=.* is not a positive whole number"):
+        reader_ranks(4, "/ckpt")
+    monkeypatch.setenv("ZEROIO_READERS_PER_HOST", "2")
+    assert reader_ranks(4, "/ckpt") == (0, 1)

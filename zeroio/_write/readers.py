@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from .._env import env_positive_int
 from .._io.remote_path import is_url
 from .sharding import assign_shards
 
@@ -39,9 +40,12 @@ def _env_int(name: str) -> int | None:
 def readers_per_host(source: object, processes_per_host: int) -> int:
     """``ZEROIO_READERS_PER_HOST``, else what ``source``'s storage gives: every one of the host's
     ``processes_per_host`` for a URL (a :class:`~zeroio._io.remote_path.RemotePath` or its text), 1 for a local path."""
+    override = os.environ.get(READERS_ENV, "").strip()
+    if override:  # a value that is no count is refused by name (it was taken as unset)
+        return env_positive_int(READERS_ENV, override)
     text = str(source)
     remote = is_url(text) and not text.startswith("file://")
-    return _env_int(READERS_ENV) or (processes_per_host if remote else 1)
+    return processes_per_host if remote else 1
 
 
 def reader_ranks(world_size: int, source: object) -> tuple[int, ...]:
