@@ -68,6 +68,24 @@ def test_not_a_checkpoint_folder(tmp_path):
     )
 
 
+def test_a_folder_of_checkpoints_names_them(tmp_path):
+    """A folder whose subfolders are checkpoints (torchtitan's step-N/ of consolidated safetensors, a run folder)
+    names them, newest last, instead of saying only what it lacks; other folders are not named."""
+    for step in (9, 10):
+        zeroio.convert(FIXTURES / "z3_ws2_fp32", tmp_path / f"step-{step}")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "train.log").write_text("")
+    with pytest.raises(errors.CheckpointNotFoundError) as excinfo:
+        zeroio.open(tmp_path)
+    assert str(excinfo.value) == (
+        f"'{tmp_path}' is not a checkpoint itself but holds folders that look like checkpoints: step-9, step-10. "
+        f"Pass one of them, e.g. '{tmp_path / 'step-10'}'."
+    )
+    assert excinfo.value.found == ["step-9", "step-10"]
+    with zeroio.open(tmp_path / "step-10") as ckpt:  # the folder the message names opens
+        assert "emb.weight" in ckpt
+
+
 def test_not_a_torch_file(tmp_path):
     """A rank file that is not a zip archive raises CheckpointFormatError naming the file."""
     tag = tmp_path / "global_step1"

@@ -140,11 +140,50 @@ def find_tag_dir(path: Path, tag: str | None, *, latest_file: str = C.LATEST_FIL
             path=path,
             found=trainer,
         )
+    inside = _checkpoint_subfolders(path)
+    if inside:  # e.g. torchtitan's step-N/ holding consolidated safetensors, a run folder of several checkpoints
+        raise CheckpointNotFoundError(
+            f"'{path}' is not a checkpoint itself but holds folders that look like checkpoints: {_truncate(inside)}. "
+            f"Pass one of them, e.g. '{path / inside[-1]}'.",
+            path=path,
+            found=inside,
+        )
     raise CheckpointNotFoundError(
         f"'{path}' is not a DeepSpeed checkpoint: it has no '*_model_states.pt' files, no 'latest' file and no "
         "tag folders. Point zeroio at the folder passed to engine.save_checkpoint().",
         path=path,
     )
+
+
+_CHECKPOINT_FILES = re.compile(
+    r".*\.safetensors|\.metadata|latest|.*_model_states\.pt|pytorch_model\.bin(\.index\.json)?"
+)
+"""A file whose presence makes a folder look like a checkpoint of some format zeroio reads."""
+_LOOK_AT = 256
+"""Entries looked at per folder: a hint, not a search (a folder of 100,000 files answers at once)."""
+
+
+def _checkpoint_subfolders(root: Path) -> list[str]:
+    """``root``'s folders holding a checkpoint-looking file (:data:`_CHECKPOINT_FILES`), in name order, numbers by
+    value (``step-9`` before ``step-10``)."""
+
+    def looks_like_one(folder: Path) -> bool:
+        try:
+            for i, entry in enumerate(folder.iterdir()):
+                if i >= _LOOK_AT:
+                    return False
+                if _CHECKPOINT_FILES.fullmatch(entry.name):
+                    return True
+        except OSError:
+            return False
+        return False
+
+    try:
+        folders = [p for i, p in enumerate(root.iterdir()) if i < _LOOK_AT and p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
+    found = [p.name for p in folders if looks_like_one(p)]
+    return sorted(found, key=lambda name: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)])
 
 
 def _trainer_checkpoints(root: Path) -> list[str]:
