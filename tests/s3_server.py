@@ -41,11 +41,15 @@ class Accounting:
     body_bytes: int = 0
     ranges: list[tuple[str, str]] = field(default_factory=list)
     puts: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0
+    """Ranged GETs being answered at once, and the most seen since the last reset."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self) -> None:
         with self.lock:
             self.gets, self.body_bytes, self.ranges, self.puts = 0, 0, [], []
+            self.most_in_flight = self.in_flight
 
 
 class S3Server:
@@ -93,6 +97,21 @@ class S3Server:
                     return None
                 if fault in ("500", "503"):
                     return self._error(int(fault), "InternalError" if fault == "500" else "SlowDown", "injected")
+                ranged = self.command == "GET" and "Range" in self.headers
+                if ranged:
+                    with server.accounting.lock:
+                        server.accounting.in_flight += 1
+                        server.accounting.most_in_flight = max(
+                            server.accounting.most_in_flight, server.accounting.in_flight
+                        )
+                try:
+                    return self._answer(body, fault)
+                finally:
+                    if ranged:
+                        with server.accounting.lock:
+                            server.accounting.in_flight -= 1
+
+            def _answer(self, body: bytes | None, fault: str | None) -> None:
                 if fault == "slow":
                     time.sleep(server.slow_s)
                 upstream = http.client.HTTPConnection("127.0.0.1", server.moto_port, timeout=60)

@@ -172,6 +172,25 @@ def test_convert_fetches_only_the_weights(s3, big, tmp_path):
     assert _sha256_tree(tmp_path / "out") == _sha256_tree(tmp_path / "ref")
 
 
+def test_one_reader_keeps_several_gets_in_flight(s3, big, tmp_path):
+    """One IO thread converting from s3:// (each GET answered after 50 ms) keeps several ranged GETs in flight: a
+    read continuing an earlier one fetches the next windows ahead (before, one window at a time, one GET in flight).
+    Still nothing fetched twice and no Adam moment fetched; the output is the local one's bytes."""
+    local, url = big
+    pickles = sum(_record_extents(path)[0] for path in sorted((local / "step1").iterdir()))
+    s3.slow_s = 0.05
+    s3.faults = ["slow"] * 500
+    s3.accounting.reset()
+    try:
+        result = zeroio.convert(url, tmp_path / "out", workers=1, progress=False)
+    finally:
+        s3.faults = []
+    assert s3.accounting.most_in_flight >= 3, s3.accounting.ranges
+    assert s3.accounting.body_bytes <= 1.05 * (result.total_size + pickles), (s3.accounting.body_bytes, pickles)
+    zeroio.convert(local, tmp_path / "ref", workers=1, progress=False)
+    assert _sha256_tree(tmp_path / "out") == _sha256_tree(tmp_path / "ref")
+
+
 def test_distributed_convert_fetches_each_weight_once(s3, big, tmp_path):
     """`torchrun --nproc-per-node 2 -m zeroio convert s3://... --distributed`: both processes read (the default for a
     URL), each its own shards' bytes: the server sends <= 1.05 x (weights written + each process's pickles), plus

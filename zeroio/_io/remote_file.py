@@ -16,7 +16,13 @@ How bytes are fetched (docs/remote.md has the measured numbers):
   (:meth:`RemoteFile.fence`: the end of a zip record, set by ``_integrity``), so it never fetches the Adam
   moments stored after the weights; concurrent reads of the same bytes wait for one request instead of
   fetching twice, and a fetched segment is dropped once all its bytes were copied out (memory stays about
-  the chunks in flight).
+  the chunks in flight);
+* a read that continues an earlier one (sequential reading: a rank file's pieces, tensor after tensor) also starts
+  fetching the next :data:`AHEAD_WINDOWS` windows of :data:`COALESCE_BYTES` after it on the pool, up to the next
+  fence: one reading thread then keeps several GETs in flight instead of waiting for one window at a time (an
+  object store limits each connection and answers each GET after a first-byte delay). Windows fetched ahead and
+  not yet read hold at most :data:`AHEAD_BUDGET` bytes in all files together; each is read once, by the reads that
+  reach it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,16 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
-__all__ = ["COALESCE_BYTES", "MAX_IN_FLIGHT", "PART_BYTES", "SMALL_FILE_BYTES", "RemoteFile", "call_with_retries"]
+__all__ = [
+    "AHEAD_BUDGET",
+    "AHEAD_WINDOWS",
+    "COALESCE_BYTES",
+    "MAX_IN_FLIGHT",
+    "PART_BYTES",
+    "SMALL_FILE_BYTES",
+    "RemoteFile",
+    "call_with_retries",
+]
 
 PART_BYTES = 8 * 2**20
 """Largest single ranged request of a big read; its parts are fetched in parallel."""
@@ -53,6 +68,10 @@ cheaper than the one-per-record ranged GETs it replaces (model-states files, sma
 files). Metadata reads (zip directory, pickle) stay exact, so ``inspect`` never fetches a tensor record."""
 MAX_IN_FLIGHT = 16
 """Parts fetched at once by the shared pool (plus one per reading thread)."""
+AHEAD_WINDOWS = 8
+"""Windows fetched ahead of a sequential read, per file (up to the next fence): GETs kept in flight by one reader."""
+AHEAD_BUDGET = 64 * 2**20
+"""Bytes fetched ahead and not yet read, all files together: past it no window is fetched ahead."""
 METADATA_CACHE_BYTES = 4 * 2**20
 """Metadata bytes (zip directories, pickles) kept per file: parsers re-read them (e.g. the central directory)."""
 MAX_CACHED = 8
@@ -65,6 +84,8 @@ BACKOFF_MAX_S = 5.0
 
 _POOL: cf.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+_AHEAD_LOCK = threading.Lock()
+_ahead_held = 0  # bytes of windows fetched ahead, not yet read (AHEAD_BUDGET)
 
 _AUTH_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
                "signaturedoesnotmatch", "unauthorized", "invalidtoken", "expiredtoken")  # fmt: skip
@@ -147,9 +168,30 @@ class _Segment:
     error: BaseException | None = None
     left: int = 0
     """Bytes not yet copied out to a reader; the segment is dropped at 0."""
+    ahead: bool = False
+    """Fetched ahead of the reads, none of it read yet: counted in :data:`AHEAD_BUDGET` until read or dropped."""
 
     def __post_init__(self) -> None:
         self.left = self.end - self.start
+
+
+def _reserve(nbytes: int) -> bool:
+    """Count ``nbytes`` fetched ahead in :data:`AHEAD_BUDGET`; False (nothing counted) when they do not fit."""
+    global _ahead_held
+    with _AHEAD_LOCK:
+        if _ahead_held + nbytes > AHEAD_BUDGET:
+            return False
+        _ahead_held += nbytes
+        return True
+
+
+def _release(seg: _Segment) -> None:
+    """``seg`` is no longer unread bytes fetched ahead (read from, dropped, or failed)."""
+    global _ahead_held
+    with _AHEAD_LOCK:
+        if seg.ahead:
+            seg.ahead = False
+            _ahead_held -= seg.end - seg.start
 
 
 class RemoteFile:
@@ -174,6 +216,7 @@ class RemoteFile:
         self._fences: list[int] = []
         self._metadata: list[tuple[int, bytes]] = []  # (start, bytes) read by read_bytes/prefetch, oldest first
         self._whole: bytes | None = None  # the object, when its server answered a range with all of it
+        self._ends: list[int] = []  # where the last data reads ended: a read starting at one continues it
         self.requests = 0
         """Ranged requests made (retries included): for tests and docs/remote.md's numbers."""
 
@@ -197,6 +240,8 @@ class RemoteFile:
 
     def close(self) -> None:
         with self._lock:
+            for seg in self._segments:
+                _release(seg)
             self._segments = [s for s in self._segments if not s.done.is_set()]
 
     def copy_to(self, fd: int, offset: int, nbytes: int, dst_offset: int) -> int | None:
@@ -272,7 +317,12 @@ class RemoteFile:
                 view[:] = piece[1][offset - piece[0] : offset + nbytes - piece[0]]
                 return
         uses, mine = self._plan(offset, offset + nbytes)
+        with self._lock:
+            continues = offset in self._ends or bool(uses and uses[0] not in mine)
+            self._ends = [*self._ends[-7:], offset + nbytes]
         futures = [_pool().submit(self._run, seg) for seg in mine[1:]]
+        if continues and self._size > SMALL_FILE_BYTES:
+            self._fetch_ahead(offset + nbytes)
         if mine:
             self._run(mine[0])
         try:
@@ -316,13 +366,36 @@ class RemoteFile:
             self._evict()
         return uses, mine
 
+    def _fetch_ahead(self, at: int) -> None:
+        """Start fetching the windows after ``at`` (up to :data:`AHEAD_WINDOWS`, the next fence and the budget)
+        that no segment holds yet, on the pool: the reads that continue this one find them fetched or in flight."""
+        ahead: list[_Segment] = []
+        with self._lock:
+            f = bisect.bisect_left(self._fences, at)
+            stop = min(self._fences[f] if f < len(self._fences) else self._size, at + AHEAD_WINDOWS * COALESCE_BYTES)
+            while at < stop:
+                i = bisect.bisect_right([s.start for s in self._segments], at) - 1
+                if i >= 0 and self._segments[i].end > at:
+                    at = self._segments[i].end
+                    continue
+                nxt = self._segments[i + 1].start if i + 1 < len(self._segments) else self._size
+                seg = _Segment(at, min(stop, nxt, at + COALESCE_BYTES), ahead=True)
+                if not _reserve(seg.end - seg.start):
+                    break
+                bisect.insort(self._segments, seg, key=lambda s: s.start)
+                ahead.append(seg)
+                at = seg.end
+        for seg in ahead:
+            _pool().submit(self._run, seg)
+
     def _evict(self) -> None:
-        done = [s for s in self._segments if s.done.is_set()]
+        done = [s for s in self._segments if s.done.is_set() and not s.ahead]  # unread ahead: bounded by the budget
         for seg in done[: max(0, len(done) - MAX_CACHED)]:
             self._segments.remove(seg)
 
     def _consumed(self, seg: _Segment, nbytes: int) -> None:
         with self._lock:
+            _release(seg)
             seg.left -= nbytes
             if seg.left <= 0 and seg in self._segments:
                 self._segments.remove(seg)
@@ -342,6 +415,7 @@ class RemoteFile:
 
     def _forget(self, seg: _Segment) -> None:
         with self._lock:
+            _release(seg)
             if seg in self._segments:
                 self._segments.remove(seg)  # a later read tries again
 
