@@ -7,6 +7,7 @@ out. Each builder copies the genuine fixture ``fixtures/dcp/dcp_fsdp2_ws2_fp32``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import os
@@ -213,3 +214,25 @@ DCP_ATTACKS: dict[str, Callable[[Path], tuple[Path, Path]]] = {
 """Every hostile DCP folder, by name, at a size the fuzz corpus (tests/test_errors.py) builds in well under a second."""
 
 __all__ = ["DCP_ATTACKS"]
+
+
+def twin_entry(fixture: Path, where: Path, original: str, twin: str) -> Path:
+    """A copy of the DCP or Megatron folder ``fixture`` at ``where`` whose ``.metadata`` also records ``twin``: a
+    deep copy of ``original``'s entry, each chunk pointing at its own copy of the bytes, appended to the same data
+    file (so nothing but the name tells the two apart). Returns the ``.metadata`` path."""
+    shutil.copytree(fixture, where)
+    metadata_file = next(where.rglob(".metadata"))
+    with open(metadata_file, "rb") as fh:
+        metadata = pickle.load(fh)  # the fixture's own DCP metadata, written by torch
+    metadata.state_dict_metadata[twin] = copy.deepcopy(metadata.state_dict_metadata[original])
+    for index, stored in list(metadata.storage_data.items()):
+        if index.fqn == original:
+            data_file = metadata_file.parent / stored.relative_path
+            data = data_file.read_bytes()
+            moved = copy.deepcopy(stored)
+            moved.offset = len(data)
+            data_file.write_bytes(data + data[stored.offset : stored.offset + stored.length])
+            metadata.storage_data[dataclasses.replace(index, fqn=twin)] = moved
+    with open(metadata_file, "wb") as fh:
+        pickle.dump(metadata, fh)
+    return metadata_file

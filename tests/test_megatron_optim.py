@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile_dcp import twin_entry
 from safetensors.torch import load_file
 
 import zeroio
@@ -271,28 +272,8 @@ def test_a_moment_held_by_two_chained_optimizers_is_refused(tmp_path):
     """MoE chains Megatron's dense and expert optimizers (``chained_<i>.`` keys, the prefix dropped when read): a
     crafted checkpoint whose second optimizer also holds the first one's ``exp_avg`` of ``output_layer.weight``
     (its own copy of the bytes) was read silently, one of the two winning; now refused naming the metadata file."""
-    import copy
-    import dataclasses
-    import pickle
-    import shutil
-
     src = tmp_path / "ckpt"
-    shutil.copytree(FIXTURES / "gpt_moe_ep2_distopt_reshardable", src)
-    metadata_file = next(src.glob("iter_*/.metadata"))
-    with open(metadata_file, "rb") as fh:
-        metadata = pickle.load(fh)  # the fixture's own DCP metadata, written by torch
     victim = "chained_0.optimizer.state.exp_avg.output_layer.weight"
-    twin = "chained_1." + victim[len("chained_0.") :]
-    metadata.state_dict_metadata[twin] = copy.deepcopy(metadata.state_dict_metadata[victim])
-    for index, stored in list(metadata.storage_data.items()):
-        if index.fqn == victim:  # the twin's chunk: a copy of the victim's bytes at the end of the same file
-            data_file = metadata_file.parent / stored.relative_path
-            data = data_file.read_bytes()
-            moved = copy.deepcopy(stored)
-            moved.offset = len(data)
-            data_file.write_bytes(data + data[stored.offset : stored.offset + stored.length])
-            metadata.storage_data[dataclasses.replace(index, fqn=twin)] = moved
-    with open(metadata_file, "wb") as fh:
-        pickle.dump(metadata, fh)
+    twin_entry(FIXTURES / "gpt_moe_ep2_distopt_reshardable", src, victim, "chained_1." + victim[len("chained_0.") :])
     with pytest.raises(CheckpointFormatError, match=r"\.metadata': .*holds the exp_avg of 'output_layer\.weight'"):
         zeroio.open(src)

@@ -4,8 +4,6 @@ at test time and expects a typed zeroio error naming the file, within seconds.""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import pickle
 import re
@@ -23,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from fixture_data import FIXTURES
+from hostile_dcp import twin_entry
 from hostile_files import Ops, archive, tuple_dag
 from hostile_folders import copy_fixture, edit_model_states
 from legacy_files import floats, legacy_tensor, stream
@@ -134,22 +133,8 @@ def test_a_megatron_entry_shadowing_a_stacked_layer_is_refused(tmp_path: Path) -
     (whose layer 0 has that name): before, whichever came last was returned (here a (1, 2, 8) tensor in place of
     the (2, 8) layer, with the stacked entry's moments); now refused naming the .metadata file."""
     src = tmp_path / "ckpt"
-    shutil.copytree(FIXTURES / "megatron_optim" / "gpt_moe_ep2_distopt_reshardable", src)
-    metadata_file = next(src.glob("iter_*/.metadata"))
-    with open(metadata_file, "rb") as fh:
-        metadata = pickle.load(fh)  # the fixture's own DCP metadata, written by torch
     stacked, twin = "decoder.layers.mlp.router.weight", "decoder.layers.0.mlp.router.weight"
-    metadata.state_dict_metadata[twin] = copy.deepcopy(metadata.state_dict_metadata[stacked])
-    for index, stored in list(metadata.storage_data.items()):
-        if index.fqn == stacked:  # the twin's chunk: its own copy of the bytes, at the end of the same file
-            data_file = metadata_file.parent / stored.relative_path
-            data = data_file.read_bytes()
-            moved = copy.deepcopy(stored)
-            moved.offset = len(data)
-            data_file.write_bytes(data + data[stored.offset : stored.offset + stored.length])
-            metadata.storage_data[dataclasses.replace(index, fqn=twin)] = moved
-    with open(metadata_file, "wb") as fh:
-        pickle.dump(metadata, fh)
+    metadata_file = twin_entry(FIXTURES / "megatron_optim" / "gpt_moe_ep2_distopt_reshardable", src, stacked, twin)
     with pytest.raises(
         CheckpointFormatError, match=r"\.metadata': .*'decoder\.layers\.0\.mlp\.router\.weight'"
     ) as info:
