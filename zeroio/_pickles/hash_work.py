@@ -18,7 +18,6 @@ again.
 
 from __future__ import annotations
 
-import _compat_pickle
 import hashlib
 import pickletools
 import struct
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from ..errors import CheckpointFormatError
+from .global_names import python2_name
 from .key_hashes import MAX_SHARED, Flood, call_keys, carried, count_keys, frozen_hash
 
 __all__ = ["check_hash_work", "check_stream", "limit"]
@@ -378,11 +378,9 @@ def _dotted(arg: object) -> str | None:
 
 
 def _qualified(module: str, name: str) -> str:
-    """``module.name`` after the Python 2 mapping ``read.python2_name`` applies (``__builtin__.set`` is
-    ``builtins.set``: a hashing call under either name)."""
-    module, name = _compat_pickle.NAME_MAPPING.get(
-        (module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name)
-    )
+    """``module.name`` as the unpickler resolves it (:func:`~.global_names.python2_name`: ``__builtin__.set`` is
+    ``builtins.set``, a hashing call under either name)."""
+    module, name = python2_name(module, name)
     return f"{module}.{name}"
 
 

@@ -7,7 +7,6 @@ are, not the bytes). DeepSpeed's own classes (``ZeroStageEnum``, ``LossScaler``,
 
 from __future__ import annotations
 
-import _compat_pickle
 import io
 import os
 import pickle
@@ -22,24 +21,13 @@ from ..errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckp
 from .allowed import ALLOWED, PendingTensor, StorageType, short_repr
 from .archive import Archive, RankFile, Storage, TensorRef, read_archive
 from .embedded import EmbeddedTensor, PRead, read_embedded_archive
+from .global_names import python2_name
 from .hash_work import check_hash_work, check_stream
 from .legacy import PickleWindow, index_storages, read_legacy_header, read_storage_keys
 from .limits import MAX_DEPTH, too_large
 from .standins import Device, Inert, Size, inert_class
 
 __all__ = ["check_records", "load_embedded", "load_pickle", "parse_archive", "parse_archive_storages"]
-
-
-def python2_name(module: str, name: str) -> tuple[str, str]:
-    """``module.name`` as Python 3 spells it: what ``pickle.Unpickler.find_class`` does for protocol < 3 pickles.
-
-    torch.save writes protocol 2, where Python's pickler spells builtins by their Python 2 names: a ``set`` in a
-    checkpoint (DeepSpeed <= 0.18's ``sparse_tensor_module_names``) is ``__builtin__.set``. Overriding
-    ``find_class`` skips that mapping, so it is applied here before the allowlist is asked.
-    """
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[(module, name)]
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
