@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._env import env_byte_count, env_positive_int
+from .._env import env_bytes, env_positive_int
 from .._formats import Checkpoint
 from .._io.direct_read import ALIGN, aligned_parts, direct_reads_enabled
 from .._io.sources import LocalFile, tensor_bytes
@@ -71,8 +71,7 @@ read (docs/benchmarks.md, "Read patterns")."""
 
 def read_block_bytes() -> int:
     """:data:`READ_BLOCK_BYTES`, or ``ZEROIO_READ_BLOCK`` (a byte count: ``512KiB``)."""
-    override = os.environ.get("ZEROIO_READ_BLOCK")
-    return max(8, env_byte_count("ZEROIO_READ_BLOCK", override)) if override else READ_BLOCK_BYTES
+    return max(8, env_bytes("ZEROIO_READ_BLOCK", READ_BLOCK_BYTES))
 
 
 def read_threads() -> int:

@@ -10,11 +10,10 @@ wait only for what is still on its way. It stops when the filler starts reading,
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 
-from .._env import env_byte_count
+from .._env import env_bytes
 from .._formats import Checkpoint
 from .._messages import get_logger
 
@@ -35,8 +34,7 @@ FORMATS = frozenset({"safetensors", "zero", "torch"})
 
 def prefetch_bytes() -> int:
     """:data:`PREFETCH_BYTES`, or ``ZEROIO_PREFETCH_BYTES``."""
-    override = os.environ.get("ZEROIO_PREFETCH_BYTES")
-    return env_byte_count("ZEROIO_PREFETCH_BYTES", override) if override else PREFETCH_BYTES
+    return env_bytes("ZEROIO_PREFETCH_BYTES", PREFETCH_BYTES)
 
 
 class StartupPrefetch:

@@ -5,13 +5,12 @@ broadcasts."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from .._env import env_byte_count
+from .._env import env_bytes
 from .._io.byte_map import ByteMap, read_strided
 from .._io.sources import tensor_bytes
 from .rank_agreement import broadcast_checked
@@ -91,8 +90,7 @@ class _Landing:
 def staging_bytes(default: int = CHUNK_BYTES) -> int:
     """``default``, or ``ZEROIO_STAGING_BYTES`` (tests cross chunk boundaries with small fixtures), for every
     staging buffer of a load (here, and ``DeviceFiller``'s pinned ring)."""
-    override = os.environ.get("ZEROIO_STAGING_BYTES")
-    return max(8, env_byte_count("ZEROIO_STAGING_BYTES", override)) if override else default
+    return max(8, env_bytes("ZEROIO_STAGING_BYTES", default))
 
 
 def read_segments(
